@@ -1,0 +1,1 @@
+//! The connection budget tool (SPEC §10).

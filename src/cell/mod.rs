@@ -1,0 +1,3 @@
+//! The cell model.
+pub mod handshake;
+pub mod switch;

@@ -1,0 +1,123 @@
+//! The injected clock. The only module that reads the system clock or sleeps.
+//!
+//! Every timing decision in the relay (dead-man windows, grace windows, handshake deadlines,
+//! booking TTLs, seat memory) takes its time from a [`Clock`], so tests drive them with a
+//! [`ManualClock`] instead of waiting. Time is milliseconds since the Unix epoch; the system
+//! clock is anchored once at start and then advanced by a monotonic `Instant`, so it never goes
+//! backwards when the wall clock is stepped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// A source of "now" in milliseconds since the Unix epoch, never decreasing.
+pub trait Clock: Send + Sync + 'static {
+    fn now_ms(&self) -> u64;
+}
+
+/// A cheap-to-clone handle to a clock.
+pub type SharedClock = Arc<dyn Clock>;
+
+/// The real clock: wall time read once, then advanced monotonically.
+pub struct SystemClock {
+    anchor_wall_ms: u64,
+    anchor: Instant,
+}
+
+impl SystemClock {
+    #[allow(clippy::disallowed_methods)] // the one place that reads the wall clock
+    pub fn new() -> Self {
+        let anchor_wall_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        SystemClock {
+            anchor_wall_ms,
+            anchor: Instant::now(),
+        }
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    #[allow(clippy::disallowed_methods)]
+    fn now_ms(&self) -> u64 {
+        self.anchor_wall_ms + self.anchor.elapsed().as_millis() as u64
+    }
+}
+
+/// The process-wide system clock.
+pub fn system() -> SharedClock {
+    static CLOCK: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(|| Arc::new(SystemClock::new())).clone()
+}
+
+/// A clock that moves only when a test moves it.
+#[derive(Debug, Default)]
+pub struct ManualClock {
+    ms: AtomicU64,
+}
+
+impl ManualClock {
+    pub fn starting_at(ms: u64) -> Arc<Self> {
+        Arc::new(ManualClock {
+            ms: AtomicU64::new(ms),
+        })
+    }
+
+    pub fn advance(&self, ms: u64) {
+        self.ms.fetch_add(ms, Ordering::SeqCst);
+    }
+
+    pub fn set(&self, ms: u64) {
+        self.ms.store(ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> u64 {
+        self.ms.load(Ordering::SeqCst)
+    }
+}
+
+/// Blocks the calling thread. Role threads wait on channels with timeouts instead wherever
+/// something can wake them; this is for the few loops with nothing to wait on.
+#[allow(clippy::disallowed_methods)]
+pub fn sleep(duration: Duration) {
+    std::thread::sleep(duration)
+}
+
+/// A monotonic instant for measuring short elapsed times (benchmarks, I/O deadlines).
+#[allow(clippy::disallowed_methods)]
+pub fn instant() -> Instant {
+    Instant::now()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let clock = ManualClock::starting_at(1_000);
+        assert_eq!(clock.now_ms(), 1_000);
+        clock.advance(250);
+        assert_eq!(clock.now_ms(), 1_250);
+        clock.set(5);
+        assert_eq!(clock.now_ms(), 5);
+    }
+
+    #[test]
+    fn system_clock_does_not_go_backwards() {
+        let clock = system();
+        let a = clock.now_ms();
+        let b = clock.now_ms();
+        assert!(b >= a);
+        assert!(a > 1_600_000_000_000, "anchored to the wall clock");
+    }
+}

@@ -1,0 +1,731 @@
+//! Typed configuration, read once from the environment at start (SPEC §4).
+//!
+//! An empty string means unset: systemd env files and container platforms deliver unset values
+//! as `''`, and reading `''` as 0 would silently disable a window. A bad value is a
+//! [`ConfigError`] that names the variable, the value and the accepted range; `run` and
+//! `check-config` both stop on it with that one line.
+//!
+//! The parsing is pure: [`Config::from_lookup`] takes a lookup function, so tests never touch
+//! the process environment.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Combined,
+    Cell,
+    Director,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Combined => "combined",
+            Role::Cell => "cell",
+            Role::Director => "director",
+        }
+    }
+
+    pub fn runs_cell(self) -> bool {
+        matches!(self, Role::Combined | Role::Cell)
+    }
+
+    pub fn runs_director(self) -> bool {
+        matches!(self, Role::Combined | Role::Director)
+    }
+}
+
+/// A configuration error: one line naming the variable, the value and what is accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub variable: String,
+    pub value: String,
+    pub expected: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid {}={:?}: expected {}",
+            self.variable, self.value, self.expected
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The timing knobs. Production values by default; tests and operators may shrink them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Timings {
+    pub dead_man_base_ms: u64,
+    pub dead_man_spread_ms: u64,
+    pub trip_claim_retry_ms: u64,
+    pub trip_slot_stale_ms: u64,
+    pub tripped_row_force_refresh_ms: u64,
+    pub admit_effective_refresh_ms: u64,
+    pub seat_memory_ms: u64,
+    pub switch_poll_ms: u64,
+    pub heartbeat_ms: u64,
+    pub heartbeat_fresh_ms: u64,
+    pub feed_poll_ms: u64,
+    pub readiness_probe_ms: u64,
+    pub ping_ms: u64,
+    pub silence_ms: u64,
+    /// How long the first frame of a WebSocket may take (SPEC §5.2: 2 s).
+    pub first_frame_ms: u64,
+    /// How long a phone waits for the host's data leg (SPEC §5.2: 10 s).
+    pub attach_deadline_ms: u64,
+    /// How long a direction may stay undrained before it is closed 4429 (SPEC §5.2: 10 s).
+    pub wedge_ms: u64,
+    /// Activity lease renewal period and lifetime (SPEC §5.2: 30 s for 105 s).
+    pub lease_renew_ms: u64,
+    pub lease_ttl_ms: u64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Timings {
+            dead_man_base_ms: 60_000,
+            dead_man_spread_ms: 60_000,
+            trip_claim_retry_ms: 30_000,
+            trip_slot_stale_ms: 600_000,
+            tripped_row_force_refresh_ms: 300_000,
+            admit_effective_refresh_ms: 15_000,
+            seat_memory_ms: 600_000,
+            switch_poll_ms: 5_000,
+            heartbeat_ms: 15_000,
+            heartbeat_fresh_ms: 45_000,
+            feed_poll_ms: 1_000,
+            readiness_probe_ms: 5_000,
+            ping_ms: 15_000,
+            silence_ms: 75_000,
+            first_frame_ms: 2_000,
+            attach_deadline_ms: 10_000,
+            wedge_ms: 10_000,
+            lease_renew_ms: 30_000,
+            lease_ttl_ms: 105_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub role: Role,
+    pub cell_id: String,
+    pub region: String,
+    pub ws_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub cell_url: String,
+    pub director_urls: Vec<String>,
+    pub database_url: Option<String>,
+    pub data_dir: PathBuf,
+    pub pool_max: u32,
+    pub pool_reserve_max: u32,
+    pub jwks_url: Option<String>,
+    pub auth_issuer: Option<String>,
+    pub auth_audience: String,
+    pub self_hosted_key: Option<String>,
+    pub service_token: Option<String>,
+    pub switch_file: PathBuf,
+    pub connection_cap: u32,
+    pub readiness_jwks_grace_ms: u64,
+    pub readiness_sql_grace_ms: u64,
+    pub handshake_timeout_ms: u64,
+    pub handshake_attempts: u32,
+    pub drain_grace_ms: u64,
+    pub timings: Timings,
+}
+
+/// Every variable the relay reads, in the order `check-config` prints them.
+pub const VARIABLES: &[&str] = &[
+    "ORCA_RELAY_ROLE",
+    "ORCA_RELAY_CELL_ID",
+    "ORCA_RELAY_REGION",
+    "ORCA_RELAY_WS_ADDR",
+    "ORCA_RELAY_HTTP_ADDR",
+    "ORCA_RELAY_CELL_URL",
+    "ORCA_RELAY_DIRECTOR_URLS",
+    "DATABASE_URL",
+    "ORCA_RELAY_DATA_DIR",
+    "ORCA_RELAY_DATABASE_POOL_MAX",
+    "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX",
+    "ORCA_RELAY_JWKS_URL",
+    "ORCA_RELAY_AUTH_ISSUER",
+    "ORCA_RELAY_AUTH_AUDIENCE",
+    "ORCA_RELAY_SELF_HOSTED_KEY",
+    "ORCA_RELAY_SERVICE_TOKEN",
+    "ORCA_RELAY_SWITCH_FILE",
+    "ORCA_RELAY_CONNECTION_CAP",
+    "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
+    "ORCA_RELAY_READINESS_SQL_GRACE_MS",
+    "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
+    "ORCA_RELAY_HANDSHAKE_ATTEMPTS",
+    "ORCA_RELAY_DRAIN_GRACE_MS",
+    "ORCA_RELAY_DEAD_MAN_BASE_MS",
+    "ORCA_RELAY_DEAD_MAN_SPREAD_MS",
+    "ORCA_RELAY_TRIP_CLAIM_RETRY_MS",
+    "ORCA_RELAY_TRIP_SLOT_STALE_MS",
+    "ORCA_RELAY_TRIPPED_ROW_FORCE_REFRESH_MS",
+    "ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS",
+    "ORCA_RELAY_SEAT_MEMORY_MS",
+    "ORCA_RELAY_SWITCH_POLL_MS",
+    "ORCA_RELAY_HEARTBEAT_MS",
+    "ORCA_RELAY_HEARTBEAT_FRESH_MS",
+    "ORCA_RELAY_FEED_POLL_MS",
+    "ORCA_RELAY_READINESS_PROBE_MS",
+    "ORCA_RELAY_PING_MS",
+    "ORCA_RELAY_SILENCE_MS",
+    "ORCA_RELAY_FIRST_FRAME_MS",
+    "ORCA_RELAY_ATTACH_DEADLINE_MS",
+    "ORCA_RELAY_WEDGE_MS",
+    "ORCA_RELAY_LEASE_RENEW_MS",
+    "ORCA_RELAY_LEASE_TTL_MS",
+];
+
+const SECRET_VARIABLES: &[&str] = &[
+    "ORCA_RELAY_SELF_HOSTED_KEY",
+    "ORCA_RELAY_SERVICE_TOKEN",
+    "DATABASE_URL",
+];
+
+/// Reads one variable, treating `''` (and whitespace only) as unset.
+fn get(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Option<String> {
+    lookup(name)
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+fn error(name: &str, value: &str, expected: impl Into<String>) -> ConfigError {
+    ConfigError {
+        variable: name.to_string(),
+        value: value.to_string(),
+        expected: expected.into(),
+    }
+}
+
+/// Parses an integer in `min..=max`; unset gives `default`.
+pub fn parse_int_in(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    default: u64,
+    min: u64,
+    max: u64,
+) -> Result<u64, ConfigError> {
+    match get(lookup, name) {
+        None => Ok(default),
+        Some(raw) => match raw.parse::<u64>() {
+            Ok(v) if (min..=max).contains(&v) => Ok(v),
+            _ => Err(error(name, &raw, format!("an integer from {min} to {max}"))),
+        },
+    }
+}
+
+fn parse_addr(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    default: &str,
+) -> Result<SocketAddr, ConfigError> {
+    let raw = get(lookup, name).unwrap_or_else(|| default.to_string());
+    raw.parse()
+        .map_err(|_| error(name, &raw, "an IP address and port such as 127.0.0.1:8080"))
+}
+
+fn parse_url(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    schemes: &[&str],
+) -> Result<Option<String>, ConfigError> {
+    match get(lookup, name) {
+        None => Ok(None),
+        Some(raw) => {
+            if is_url_with_scheme(&raw, schemes) {
+                Ok(Some(raw.trim_end_matches('/').to_string()))
+            } else {
+                Err(error(
+                    name,
+                    &raw,
+                    format!("a URL starting with {}", schemes.join(" or ")),
+                ))
+            }
+        }
+    }
+}
+
+fn is_url_with_scheme(raw: &str, schemes: &[&str]) -> bool {
+    schemes.iter().any(|scheme| {
+        raw.strip_prefix(scheme)
+            .and_then(|rest| rest.strip_prefix("://"))
+            .is_some_and(|rest| !rest.is_empty() && !rest.contains(char::is_whitespace))
+    })
+}
+
+/// Cell ids and relay host ids share one alphabet.
+pub fn is_id(value: &str, max_len: usize) -> bool {
+    !value.is_empty()
+        && value.len() <= max_len
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl Config {
+    /// Reads the configuration from the process environment.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Config::from_lookup(&|name| std::env::var(name).ok())
+    }
+
+    /// Reads the configuration through `lookup` (pure; tests pass a map).
+    pub fn from_lookup(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let role = match get(lookup, "ORCA_RELAY_ROLE").as_deref() {
+            None | Some("combined") => Role::Combined,
+            Some("cell") => Role::Cell,
+            Some("director") => Role::Director,
+            Some(other) => {
+                return Err(error(
+                    "ORCA_RELAY_ROLE",
+                    other,
+                    "one of combined, cell, director",
+                ))
+            }
+        };
+        let cell_id = get(lookup, "ORCA_RELAY_CELL_ID").unwrap_or_else(|| "combined".into());
+        if !is_id(&cell_id, 128) {
+            return Err(error(
+                "ORCA_RELAY_CELL_ID",
+                &cell_id,
+                "1-128 characters from [A-Za-z0-9_-]",
+            ));
+        }
+        let region = get(lookup, "ORCA_RELAY_REGION").unwrap_or_else(|| "default".into());
+        let ws_addr = parse_addr(lookup, "ORCA_RELAY_WS_ADDR", "127.0.0.1:8080")?;
+        let http_addr = parse_addr(lookup, "ORCA_RELAY_HTTP_ADDR", "127.0.0.1:8081")?;
+        let cell_url = parse_url(lookup, "ORCA_RELAY_CELL_URL", &["ws", "wss"])?
+            .unwrap_or_else(|| format!("ws://{ws_addr}"));
+        let director_urls = match get(lookup, "ORCA_RELAY_DIRECTOR_URLS") {
+            None => Vec::new(),
+            Some(raw) => {
+                let mut urls = Vec::new();
+                for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    if !is_url_with_scheme(part, &["http", "https"]) {
+                        return Err(error(
+                            "ORCA_RELAY_DIRECTOR_URLS",
+                            &raw,
+                            "a comma-separated list of http:// or https:// URLs",
+                        ));
+                    }
+                    urls.push(part.trim_end_matches('/').to_string());
+                }
+                urls
+            }
+        };
+        let database_url = parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"])?;
+        let data_dir =
+            PathBuf::from(get(lookup, "ORCA_RELAY_DATA_DIR").unwrap_or_else(|| "./data".into()));
+        let default_pool = if role == Role::Director { 3 } else { 10 };
+        let pool_max =
+            parse_int_in(lookup, "ORCA_RELAY_DATABASE_POOL_MAX", default_pool, 1, 100)? as u32;
+        let pool_reserve_max = parse_int_in(
+            lookup,
+            "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX",
+            pool_max as u64,
+            1,
+            pool_max as u64,
+        )? as u32;
+        let jwks_url = parse_url(lookup, "ORCA_RELAY_JWKS_URL", &["http", "https"])?;
+        let auth_issuer = get(lookup, "ORCA_RELAY_AUTH_ISSUER");
+        if jwks_url.is_some() && auth_issuer.is_none() {
+            return Err(error(
+                "ORCA_RELAY_AUTH_ISSUER",
+                "",
+                "the token issuer whenever ORCA_RELAY_JWKS_URL is set",
+            ));
+        }
+        let auth_audience =
+            get(lookup, "ORCA_RELAY_AUTH_AUDIENCE").unwrap_or_else(|| "orca-relay".into());
+        let self_hosted_key = get(lookup, "ORCA_RELAY_SELF_HOSTED_KEY");
+        if let Some(key) = &self_hosted_key {
+            if role != Role::Combined {
+                return Err(error(
+                    "ORCA_RELAY_SELF_HOSTED_KEY",
+                    "<set>",
+                    "unset outside the combined role (cells and directors use ORCA_RELAY_JWKS_URL)",
+                ));
+            }
+            if !(32..=256).contains(&key.len()) {
+                return Err(error(
+                    "ORCA_RELAY_SELF_HOSTED_KEY",
+                    "<masked>",
+                    "a secret of 32 to 256 characters",
+                ));
+            }
+        }
+        let service_token = get(lookup, "ORCA_RELAY_SERVICE_TOKEN");
+        if role != Role::Combined && service_token.is_none() {
+            return Err(error(
+                "ORCA_RELAY_SERVICE_TOKEN",
+                "",
+                "a shared bearer secret (required for the cell and director roles)",
+            ));
+        }
+        if role != Role::Combined && jwks_url.is_none() {
+            return Err(error(
+                "ORCA_RELAY_JWKS_URL",
+                "",
+                "the auth JWKS URL (required for the cell and director roles)",
+            ));
+        }
+        let switch_file = get(lookup, "ORCA_RELAY_SWITCH_FILE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| data_dir.join("switch.json"));
+        let connection_cap =
+            parse_int_in(lookup, "ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000)? as u32;
+        let hour = 3_600_000;
+        let readiness_jwks_grace_ms = parse_int_in(
+            lookup,
+            "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
+            900_000,
+            0,
+            hour,
+        )?;
+        let readiness_sql_grace_ms = parse_int_in(
+            lookup,
+            "ORCA_RELAY_READINESS_SQL_GRACE_MS",
+            180_000,
+            0,
+            hour,
+        )?;
+        let handshake_timeout_ms = parse_int_in(
+            lookup,
+            "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
+            12_000,
+            1,
+            u32::MAX as u64,
+        )?;
+        let handshake_attempts =
+            parse_int_in(lookup, "ORCA_RELAY_HANDSHAKE_ATTEMPTS", 3, 1, 1_000)? as u32;
+        let drain_grace_ms = parse_int_in(lookup, "ORCA_RELAY_DRAIN_GRACE_MS", 30_000, 0, hour)?;
+
+        let d = Timings::default();
+        let knob = |name: &str, default: u64| parse_int_in(lookup, name, default, 1, 86_400_000);
+        let timings = Timings {
+            dead_man_base_ms: knob("ORCA_RELAY_DEAD_MAN_BASE_MS", d.dead_man_base_ms)?,
+            dead_man_spread_ms: parse_int_in(
+                lookup,
+                "ORCA_RELAY_DEAD_MAN_SPREAD_MS",
+                d.dead_man_spread_ms,
+                0,
+                86_400_000,
+            )?,
+            trip_claim_retry_ms: knob("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", d.trip_claim_retry_ms)?,
+            trip_slot_stale_ms: knob("ORCA_RELAY_TRIP_SLOT_STALE_MS", d.trip_slot_stale_ms)?,
+            tripped_row_force_refresh_ms: knob(
+                "ORCA_RELAY_TRIPPED_ROW_FORCE_REFRESH_MS",
+                d.tripped_row_force_refresh_ms,
+            )?,
+            admit_effective_refresh_ms: knob(
+                "ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS",
+                d.admit_effective_refresh_ms,
+            )?,
+            seat_memory_ms: knob("ORCA_RELAY_SEAT_MEMORY_MS", d.seat_memory_ms)?,
+            switch_poll_ms: knob("ORCA_RELAY_SWITCH_POLL_MS", d.switch_poll_ms)?,
+            heartbeat_ms: knob("ORCA_RELAY_HEARTBEAT_MS", d.heartbeat_ms)?,
+            heartbeat_fresh_ms: knob("ORCA_RELAY_HEARTBEAT_FRESH_MS", d.heartbeat_fresh_ms)?,
+            feed_poll_ms: knob("ORCA_RELAY_FEED_POLL_MS", d.feed_poll_ms)?,
+            readiness_probe_ms: knob("ORCA_RELAY_READINESS_PROBE_MS", d.readiness_probe_ms)?,
+            ping_ms: knob("ORCA_RELAY_PING_MS", d.ping_ms)?,
+            silence_ms: knob("ORCA_RELAY_SILENCE_MS", d.silence_ms)?,
+            first_frame_ms: knob("ORCA_RELAY_FIRST_FRAME_MS", d.first_frame_ms)?,
+            attach_deadline_ms: knob("ORCA_RELAY_ATTACH_DEADLINE_MS", d.attach_deadline_ms)?,
+            wedge_ms: knob("ORCA_RELAY_WEDGE_MS", d.wedge_ms)?,
+            lease_renew_ms: knob("ORCA_RELAY_LEASE_RENEW_MS", d.lease_renew_ms)?,
+            lease_ttl_ms: knob("ORCA_RELAY_LEASE_TTL_MS", d.lease_ttl_ms)?,
+        };
+
+        Ok(Config {
+            role,
+            cell_id,
+            region,
+            ws_addr,
+            http_addr,
+            cell_url,
+            director_urls,
+            database_url,
+            data_dir,
+            pool_max,
+            pool_reserve_max,
+            jwks_url,
+            auth_issuer,
+            auth_audience,
+            self_hosted_key,
+            service_token,
+            switch_file,
+            connection_cap,
+            readiness_jwks_grace_ms,
+            readiness_sql_grace_ms,
+            handshake_timeout_ms,
+            handshake_attempts,
+            drain_grace_ms,
+            timings,
+        })
+    }
+
+    /// The application name every PostgreSQL connection of this process carries (SPEC §6.1).
+    pub fn application_name(&self) -> String {
+        match self.role {
+            Role::Director => "orca-relay:director:director".to_string(),
+            role => format!("orca-relay:{}:{}", role.as_str(), self.cell_id),
+        }
+    }
+
+    /// The effective configuration as `variable=value` lines with secrets masked.
+    pub fn describe(&self) -> BTreeMap<&'static str, String> {
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".to_string());
+        let t = &self.timings;
+        let mut out = BTreeMap::new();
+        out.insert("ORCA_RELAY_ROLE", self.role.as_str().to_string());
+        out.insert("ORCA_RELAY_CELL_ID", self.cell_id.clone());
+        out.insert("ORCA_RELAY_REGION", self.region.clone());
+        out.insert("ORCA_RELAY_WS_ADDR", self.ws_addr.to_string());
+        out.insert("ORCA_RELAY_HTTP_ADDR", self.http_addr.to_string());
+        out.insert("ORCA_RELAY_CELL_URL", self.cell_url.clone());
+        out.insert("ORCA_RELAY_DIRECTOR_URLS", self.director_urls.join(","));
+        out.insert("DATABASE_URL", opt(&self.database_url));
+        out.insert("ORCA_RELAY_DATA_DIR", self.data_dir.display().to_string());
+        out.insert("ORCA_RELAY_DATABASE_POOL_MAX", self.pool_max.to_string());
+        out.insert(
+            "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX",
+            self.pool_reserve_max.to_string(),
+        );
+        out.insert("ORCA_RELAY_JWKS_URL", opt(&self.jwks_url));
+        out.insert("ORCA_RELAY_AUTH_ISSUER", opt(&self.auth_issuer));
+        out.insert("ORCA_RELAY_AUTH_AUDIENCE", self.auth_audience.clone());
+        out.insert("ORCA_RELAY_SELF_HOSTED_KEY", opt(&self.self_hosted_key));
+        out.insert("ORCA_RELAY_SERVICE_TOKEN", opt(&self.service_token));
+        out.insert(
+            "ORCA_RELAY_SWITCH_FILE",
+            self.switch_file.display().to_string(),
+        );
+        out.insert("ORCA_RELAY_CONNECTION_CAP", self.connection_cap.to_string());
+        out.insert(
+            "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
+            self.readiness_jwks_grace_ms.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_READINESS_SQL_GRACE_MS",
+            self.readiness_sql_grace_ms.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
+            self.handshake_timeout_ms.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_HANDSHAKE_ATTEMPTS",
+            self.handshake_attempts.to_string(),
+        );
+        out.insert("ORCA_RELAY_DRAIN_GRACE_MS", self.drain_grace_ms.to_string());
+        for (name, value) in [
+            ("ORCA_RELAY_DEAD_MAN_BASE_MS", t.dead_man_base_ms),
+            ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", t.dead_man_spread_ms),
+            ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", t.trip_claim_retry_ms),
+            ("ORCA_RELAY_TRIP_SLOT_STALE_MS", t.trip_slot_stale_ms),
+            (
+                "ORCA_RELAY_TRIPPED_ROW_FORCE_REFRESH_MS",
+                t.tripped_row_force_refresh_ms,
+            ),
+            (
+                "ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS",
+                t.admit_effective_refresh_ms,
+            ),
+            ("ORCA_RELAY_SEAT_MEMORY_MS", t.seat_memory_ms),
+            ("ORCA_RELAY_SWITCH_POLL_MS", t.switch_poll_ms),
+            ("ORCA_RELAY_HEARTBEAT_MS", t.heartbeat_ms),
+            ("ORCA_RELAY_HEARTBEAT_FRESH_MS", t.heartbeat_fresh_ms),
+            ("ORCA_RELAY_FEED_POLL_MS", t.feed_poll_ms),
+            ("ORCA_RELAY_READINESS_PROBE_MS", t.readiness_probe_ms),
+            ("ORCA_RELAY_PING_MS", t.ping_ms),
+            ("ORCA_RELAY_SILENCE_MS", t.silence_ms),
+            ("ORCA_RELAY_FIRST_FRAME_MS", t.first_frame_ms),
+            ("ORCA_RELAY_ATTACH_DEADLINE_MS", t.attach_deadline_ms),
+            ("ORCA_RELAY_WEDGE_MS", t.wedge_ms),
+            ("ORCA_RELAY_LEASE_RENEW_MS", t.lease_renew_ms),
+            ("ORCA_RELAY_LEASE_TTL_MS", t.lease_ttl_ms),
+        ] {
+            out.insert(name, value.to_string());
+        }
+        for secret in SECRET_VARIABLES {
+            if let Some(value) = out.get_mut(secret) {
+                if value != "(unset)" {
+                    *value = mask(secret, value);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn mask(name: &str, value: &str) -> String {
+    if name == "DATABASE_URL" {
+        // Keep host and database visible; hide the password.
+        if let Some((scheme, rest)) = value.split_once("://") {
+            if let Some((userinfo, host)) = rest.rsplit_once('@') {
+                let user = userinfo.split(':').next().unwrap_or("");
+                return format!("{scheme}://{user}:***@{host}");
+            }
+        }
+        return value.to_string();
+    }
+    "***".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(&move |name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn defaults_are_the_production_values() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(config.role, Role::Combined);
+        assert_eq!(config.cell_id, "combined");
+        assert_eq!(config.pool_max, 10);
+        assert_eq!(config.pool_reserve_max, 10);
+        assert_eq!(config.readiness_jwks_grace_ms, 900_000);
+        assert_eq!(config.readiness_sql_grace_ms, 180_000);
+        assert_eq!(config.handshake_timeout_ms, 12_000);
+        assert_eq!(config.handshake_attempts, 3);
+        assert_eq!(config.cell_url, "ws://127.0.0.1:8080");
+        assert_eq!(config.switch_file, PathBuf::from("./data/switch.json"));
+        assert_eq!(config.timings, Timings::default());
+    }
+
+    #[test]
+    fn empty_string_means_unset_never_zero() {
+        let config = parse(&[
+            ("ORCA_RELAY_READINESS_JWKS_GRACE_MS", ""),
+            ("ORCA_RELAY_READINESS_SQL_GRACE_MS", "  "),
+            ("ORCA_RELAY_HANDSHAKE_TIMEOUT_MS", ""),
+            ("ORCA_RELAY_HANDSHAKE_ATTEMPTS", ""),
+            ("ORCA_RELAY_ROLE", ""),
+        ])
+        .unwrap();
+        assert_eq!(config.readiness_jwks_grace_ms, 900_000);
+        assert_eq!(config.readiness_sql_grace_ms, 180_000);
+        assert_eq!(config.handshake_timeout_ms, 12_000);
+        assert_eq!(config.handshake_attempts, 3);
+    }
+
+    #[test]
+    fn values_are_trimmed() {
+        let config = parse(&[
+            ("ORCA_RELAY_HANDSHAKE_TIMEOUT_MS", " 1000 "),
+            ("ORCA_RELAY_HANDSHAKE_ATTEMPTS", "100"),
+        ])
+        .unwrap();
+        assert_eq!(config.handshake_timeout_ms, 1_000);
+        assert_eq!(config.handshake_attempts, 100);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable_value_and_range() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("ORCA_RELAY_HANDSHAKE_TIMEOUT_MS", "0", "an integer from 1"),
+            ("ORCA_RELAY_HANDSHAKE_ATTEMPTS", "-1", "an integer from 1"),
+            (
+                "ORCA_RELAY_HANDSHAKE_ATTEMPTS",
+                "three",
+                "an integer from 1",
+            ),
+            (
+                "ORCA_RELAY_READINESS_SQL_GRACE_MS",
+                "3600001",
+                "0 to 3600000",
+            ),
+            ("ORCA_RELAY_DATABASE_POOL_MAX", "101", "1 to 100"),
+            ("ORCA_RELAY_ROLE", "proxy", "combined, cell, director"),
+            ("ORCA_RELAY_CELL_ID", "c 7", "[A-Za-z0-9_-]"),
+            ("ORCA_RELAY_WS_ADDR", "localhost", "IP address and port"),
+            ("DATABASE_URL", "mysql://x", "postgres"),
+            ("ORCA_RELAY_SELF_HOSTED_KEY", "short", "32 to 256"),
+        ];
+        for (name, value, expected) in cases {
+            let err = parse(&[(name, value)]).unwrap_err();
+            assert_eq!(&err.variable, name, "{name}={value}");
+            let line = err.to_string();
+            assert!(line.contains(name), "{line}");
+            assert!(line.contains(expected), "{line} should mention {expected}");
+            assert!(!line.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn grace_zero_disables_and_is_accepted() {
+        let config = parse(&[("ORCA_RELAY_READINESS_JWKS_GRACE_MS", "0")]).unwrap();
+        assert_eq!(config.readiness_jwks_grace_ms, 0);
+    }
+
+    #[test]
+    fn reserve_ceiling_defaults_to_pool_and_may_not_exceed_it() {
+        let config = parse(&[("ORCA_RELAY_DATABASE_POOL_MAX", "16")]).unwrap();
+        assert_eq!(config.pool_reserve_max, 16);
+        let config = parse(&[
+            ("ORCA_RELAY_DATABASE_POOL_MAX", "16"),
+            ("ORCA_RELAY_DATABASE_POOL_RESERVE_MAX", "12"),
+        ])
+        .unwrap();
+        assert_eq!(config.pool_reserve_max, 12);
+        let err = parse(&[
+            ("ORCA_RELAY_DATABASE_POOL_MAX", "16"),
+            ("ORCA_RELAY_DATABASE_POOL_RESERVE_MAX", "17"),
+        ])
+        .unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX");
+    }
+
+    #[test]
+    fn cell_and_director_need_service_token_and_jwks() {
+        let err = parse(&[("ORCA_RELAY_ROLE", "cell")]).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_SERVICE_TOKEN");
+        let err = parse(&[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("ORCA_RELAY_SERVICE_TOKEN", "s"),
+        ])
+        .unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_JWKS_URL");
+        let config = parse(&[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("ORCA_RELAY_SERVICE_TOKEN", "s"),
+            ("ORCA_RELAY_JWKS_URL", "http://127.0.0.1:9/jwks"),
+            ("ORCA_RELAY_AUTH_ISSUER", "https://auth"),
+        ])
+        .unwrap();
+        assert_eq!(config.pool_max, 3, "directors default to a pool of 3");
+    }
+
+    #[test]
+    fn describe_masks_secrets() {
+        let config = parse(&[
+            ("ORCA_RELAY_SELF_HOSTED_KEY", "k".repeat(40).as_str()),
+            ("DATABASE_URL", "postgres://relay:hunter2@db:5432/relay"),
+        ])
+        .unwrap();
+        let described = config.describe();
+        assert_eq!(described["ORCA_RELAY_SELF_HOSTED_KEY"], "***");
+        assert_eq!(
+            described["DATABASE_URL"],
+            "postgres://relay:***@db:5432/relay"
+        );
+        assert_eq!(described.len(), VARIABLES.len());
+    }
+}

@@ -1,0 +1,2 @@
+//! The dead-man.
+pub mod window;

@@ -1,0 +1,1 @@
+//! The dead-man window.

@@ -1,0 +1,24 @@
+//! orca-relay: a WebSocket relay for desktops and their paired phones.
+//!
+//! See `ARCHITECTURE.md` for the code map, the thread roles and the invariants. Modules are
+//! layered: lower floors never import higher ones.
+
+// Floor 1: plain values and helpers.
+pub mod budget;
+pub mod clock;
+pub mod config;
+pub mod metrics;
+pub mod protocol;
+pub mod threads;
+
+// Floor 2: the only SQL, token checks, HTTP plumbing, process lifecycle.
+pub mod auth;
+pub mod lifecycle;
+pub mod store;
+
+// Floor 3: readiness and the cell's model.
+pub mod cell;
+pub mod readiness;
+
+// Floor 4: the seed's heart.
+pub mod dead_man;

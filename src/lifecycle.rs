@@ -1,0 +1,1 @@
+//! Signals, drain and sd_notify.

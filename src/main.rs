@@ -1,0 +1,3 @@
+fn main() {
+    println!("orca-relay {}", env!("CARGO_PKG_VERSION"));
+}
