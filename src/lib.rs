@@ -7,6 +7,7 @@
 pub mod budget;
 pub mod clock;
 pub mod config;
+pub mod logging;
 pub mod metrics;
 pub mod protocol;
 pub mod threads;
@@ -22,3 +23,11 @@ pub mod readiness;
 
 // Floor 4: the seed's heart.
 pub mod dead_man;
+pub mod director;
+pub mod http;
+pub mod relay;
+
+// Floor 5-6: role wiring and the command line.
+pub mod cli;
+pub mod client;
+pub mod roles;

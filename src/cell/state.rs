@@ -1,0 +1,539 @@
+//! The cell's in-memory model: seats, controls, phones, invites, pending data legs, connection
+//! slots.
+//!
+//! Owned by no thread: every relay thread, the pinger, the lease renewer and the HTTP handlers
+//! share it through one mutex held only for short, I/O-free sections. Sockets are `Arc`s handed
+//! out of the lock and written after it is released. This module never imports the data plane
+//! (`relay/`): it stores sockets through the [`Peer`] trait the data plane implements.
+//!
+//! A *seat* remembers a host that is or was seated here (`seatedHereAt`, SPEC §5.3): its epoch,
+//! its control generation, when it left, whether it was demoted.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::clock::SharedClock;
+use crate::protocol::{INVITE_MAX_ATTEMPTS, INVITE_TTL_MS, MAX_PHONES_PER_HOST};
+
+/// A connected WebSocket, as the cell model needs to know it.
+pub trait Peer: Send + Sync {
+    fn id(&self) -> u64;
+}
+
+/// How a control was admitted (SPEC §5.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmitPath {
+    Booking,
+    Memory,
+    Database,
+}
+
+impl AdmitPath {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdmitPath::Booking => "booking",
+            AdmitPath::Memory => "memory",
+            AdmitPath::Database => "database",
+        }
+    }
+}
+
+/// A live control socket.
+pub struct Control<S> {
+    pub socket: Arc<S>,
+    pub user_id: String,
+    pub relay_host_id: String,
+    pub epoch: i64,
+    pub generation: u64,
+    pub admitted_via: AdmitPath,
+    /// The activity lease id, for database-admitted controls.
+    pub lease_id: Option<String>,
+}
+
+impl<S> Clone for Control<S> {
+    fn clone(&self) -> Self {
+        Control {
+            socket: self.socket.clone(),
+            user_id: self.user_id.clone(),
+            relay_host_id: self.relay_host_id.clone(),
+            epoch: self.epoch,
+            generation: self.generation,
+            admitted_via: self.admitted_via,
+            lease_id: self.lease_id.clone(),
+        }
+    }
+}
+
+struct Seat<S> {
+    user_id: String,
+    epoch: i64,
+    generation: u64,
+    control: Option<Control<S>>,
+    phones: usize,
+    left_at_ms: Option<u64>,
+    demoted: bool,
+}
+
+struct Invite {
+    relay_host_id: String,
+    expires_at_ms: u64,
+    attempts_left: u32,
+}
+
+/// A phone waiting for its host's data leg.
+pub struct Pending<S> {
+    pub relay_host_id: String,
+    pub ticket: String,
+    pub generation: u64,
+    pub phone: Arc<S>,
+    pub attach: SyncSender<Arc<S>>,
+}
+
+struct Inner<S> {
+    seats: HashMap<String, Seat<S>>,
+    invites: HashMap<String, Invite>,
+    pending: HashMap<String, Pending<S>>,
+}
+
+/// Why a phone was refused (SPEC §5.2 phone endpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PhoneRefusal {
+    HostOffline,
+    BadCredential,
+    TooManyPhones,
+}
+
+/// What a successful hello replaced.
+pub struct Seated<S> {
+    pub generation: u64,
+    pub replaced: Option<Control<S>>,
+}
+
+pub struct CellState<S> {
+    inner: Mutex<Inner<S>>,
+    clock: SharedClock,
+    next_conn: AtomicU64,
+}
+
+impl<S: Peer> CellState<S> {
+    pub fn new(clock: SharedClock) -> Self {
+        CellState {
+            inner: Mutex::new(Inner {
+                seats: HashMap::new(),
+                invites: HashMap::new(),
+                pending: HashMap::new(),
+            }),
+            clock,
+            next_conn: AtomicU64::new(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<S>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// Is this host seated here now at this epoch, or did it leave here at this epoch within
+    /// `memory_ms` without being demoted? (`seatedHereAt`, SPEC §5.3 step 2.)
+    pub fn seated_here_at(
+        &self,
+        user_id: &str,
+        relay_host_id: &str,
+        epoch: i64,
+        memory_ms: u64,
+    ) -> bool {
+        let now = self.now_ms();
+        let inner = self.lock();
+        let Some(seat) = inner.seats.get(relay_host_id) else {
+            return false;
+        };
+        if seat.user_id != user_id || seat.epoch != epoch || seat.demoted {
+            return false;
+        }
+        if seat.control.is_some() {
+            return true;
+        }
+        seat.left_at_ms
+            .is_some_and(|left| now.saturating_sub(left) <= memory_ms)
+    }
+
+    /// Does this cell remember the host at all (any epoch)? Used to decide whether a hello can
+    /// hope for memory admission before the database is asked.
+    pub fn remembers(&self, relay_host_id: &str) -> bool {
+        self.lock()
+            .seats
+            .get(relay_host_id)
+            .is_some_and(|seat| !seat.demoted)
+    }
+
+    /// Seats an admitted control: generation + 1, the older control (if any) is returned so the
+    /// caller closes it 4408 outside the lock.
+    pub fn seat(&self, control_template: Control<S>) -> Seated<S> {
+        let mut inner = self.lock();
+        let seat = inner
+            .seats
+            .entry(control_template.relay_host_id.clone())
+            .or_insert_with(|| Seat {
+                user_id: control_template.user_id.clone(),
+                epoch: control_template.epoch,
+                generation: 0,
+                control: None,
+                phones: 0,
+                left_at_ms: None,
+                demoted: false,
+            });
+        seat.generation += 1;
+        seat.user_id = control_template.user_id.clone();
+        seat.epoch = control_template.epoch;
+        seat.demoted = false;
+        seat.left_at_ms = None;
+        let mut control = control_template;
+        control.generation = seat.generation;
+        let replaced = seat.control.replace(control);
+        Seated {
+            generation: seat.generation,
+            replaced,
+        }
+    }
+
+    /// A control socket ended. Only the current control of that generation unseats the host.
+    pub fn unseat(&self, relay_host_id: &str, generation: u64) -> bool {
+        let now = self.now_ms();
+        let mut inner = self.lock();
+        let Some(seat) = inner.seats.get_mut(relay_host_id) else {
+            return false;
+        };
+        if seat.control.as_ref().map(|c| c.generation) != Some(generation) {
+            return false;
+        }
+        seat.control = None;
+        seat.left_at_ms = Some(now);
+        true
+    }
+
+    /// The host was refused with 4409 here: memory must not admit it again.
+    pub fn demote(&self, relay_host_id: &str) {
+        if let Some(seat) = self.lock().seats.get_mut(relay_host_id) {
+            seat.demoted = true;
+        }
+    }
+
+    /// Forgets seats that left longer than `memory_ms` ago (called periodically).
+    pub fn expire(&self, memory_ms: u64) {
+        let now = self.now_ms();
+        let mut inner = self.lock();
+        inner.seats.retain(|_, seat| {
+            seat.control.is_some()
+                || seat.phones > 0
+                || seat
+                    .left_at_ms
+                    .is_some_and(|left| now.saturating_sub(left) <= memory_ms)
+        });
+        inner.invites.retain(|_, invite| invite.expires_at_ms > now);
+    }
+
+    pub fn control(&self, relay_host_id: &str) -> Option<Control<S>> {
+        self.lock()
+            .seats
+            .get(relay_host_id)
+            .and_then(|seat| seat.control.clone())
+    }
+
+    /// Every live control (cloned out of the lock).
+    pub fn controls(&self) -> Vec<Control<S>> {
+        self.lock()
+            .seats
+            .values()
+            .filter_map(|seat| seat.control.clone())
+            .collect()
+    }
+
+    pub fn control_count(&self) -> usize {
+        self.lock()
+            .seats
+            .values()
+            .filter(|seat| seat.control.is_some())
+            .count()
+    }
+
+    /// Mints an invite for a host that has a live control of this generation.
+    pub fn create_invite(&self, relay_host_id: &str, token: String) -> u64 {
+        let expires_at_ms = self.now_ms() + INVITE_TTL_MS;
+        self.lock().invites.insert(
+            token,
+            Invite {
+                relay_host_id: relay_host_id.to_string(),
+                expires_at_ms,
+                attempts_left: INVITE_MAX_ATTEMPTS,
+            },
+        );
+        expires_at_ms
+    }
+
+    /// A phone presents an invite: checks host online, credential, phone count, then takes a
+    /// phone place and registers the pending data leg. Returns the control to notify.
+    pub fn admit_phone(
+        &self,
+        relay_host_id: &str,
+        credential: &str,
+        phone: Arc<S>,
+        ticket: String,
+        attach: SyncSender<Arc<S>>,
+    ) -> Result<(String, Control<S>), PhoneRefusal> {
+        let now = self.now_ms();
+        let mut inner = self.lock();
+        let control = inner
+            .seats
+            .get(relay_host_id)
+            .and_then(|seat| seat.control.clone())
+            .ok_or(PhoneRefusal::HostOffline)?;
+        let invite = inner
+            .invites
+            .get_mut(credential)
+            .filter(|invite| {
+                invite.relay_host_id == relay_host_id
+                    && invite.expires_at_ms > now
+                    && invite.attempts_left > 0
+            })
+            .ok_or(PhoneRefusal::BadCredential)?;
+        invite.attempts_left -= 1;
+        let seat = inner
+            .seats
+            .get_mut(relay_host_id)
+            .ok_or(PhoneRefusal::HostOffline)?;
+        if seat.phones >= MAX_PHONES_PER_HOST {
+            return Err(PhoneRefusal::TooManyPhones);
+        }
+        seat.phones += 1;
+        let conn_id = format!(
+            "{:x}-{}",
+            self.next_conn.fetch_add(1, Ordering::Relaxed),
+            phone.id()
+        );
+        inner.pending.insert(
+            conn_id.clone(),
+            Pending {
+                relay_host_id: relay_host_id.to_string(),
+                ticket,
+                generation: control.generation,
+                phone,
+                attach,
+            },
+        );
+        Ok((conn_id, control))
+    }
+
+    /// A phone leg ended: its place is returned.
+    pub fn release_phone(&self, relay_host_id: &str) {
+        if let Some(seat) = self.lock().seats.get_mut(relay_host_id) {
+            seat.phones = seat.phones.saturating_sub(1);
+        }
+    }
+
+    /// A phone gave up waiting: removes its pending entry. `false` means a data leg took it
+    /// first (the attach message is on its way).
+    pub fn abandon_pending(&self, conn_id: &str) -> bool {
+        self.lock().pending.remove(conn_id).is_some()
+    }
+
+    /// A data leg authenticates: the ticket and generation must match the pending entry and
+    /// the host's live control.
+    pub fn take_pending(&self, conn_id: &str, ticket: &str, generation: u64) -> Option<Pending<S>> {
+        let mut inner = self.lock();
+        let matches = inner.pending.get(conn_id).is_some_and(|pending| {
+            crate::cell::state::constant_time_eq(pending.ticket.as_bytes(), ticket.as_bytes())
+                && pending.generation == generation
+        });
+        if !matches {
+            return None;
+        }
+        let pending = inner.pending.remove(conn_id)?;
+        let live = inner
+            .seats
+            .get(&pending.relay_host_id)
+            .and_then(|seat| seat.control.as_ref())
+            .is_some_and(|control| control.generation == generation);
+        if live {
+            Some(pending)
+        } else {
+            None
+        }
+    }
+
+    pub fn phone_count(&self, relay_host_id: &str) -> usize {
+        self.lock()
+            .seats
+            .get(relay_host_id)
+            .map(|seat| seat.phones)
+            .unwrap_or(0)
+    }
+}
+
+/// Compares secrets without an early exit on the first differing byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// WebSocket connections (and, in reserve mode, bookings) held against the connection cap.
+/// Every unit taken is returned exactly once, by dropping its [`SlotGuard`].
+pub struct ConnectionSlots {
+    used: AtomicU32,
+    cap: u32,
+}
+
+impl ConnectionSlots {
+    pub fn new(cap: u32) -> Arc<Self> {
+        Arc::new(ConnectionSlots {
+            used: AtomicU32::new(0),
+            cap,
+        })
+    }
+
+    pub fn try_take(self: &Arc<Self>) -> Option<SlotGuard> {
+        let mut current = self.used.load(Ordering::Acquire);
+        loop {
+            if current >= self.cap {
+                return None;
+            }
+            match self.used.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(SlotGuard {
+                        slots: self.clone(),
+                    })
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    pub fn used(&self) -> u32 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+}
+
+/// One unit of the connection cap; returned on drop.
+pub struct SlotGuard {
+    slots: Arc<ConnectionSlots>,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.slots.used.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A random URL-safe secret of 32 bytes (invite tokens, tickets).
+pub fn random_token() -> String {
+    use base64::Engine;
+    let mut bytes = [0u8; 32];
+    // getrandom only fails when the OS has no entropy source at all.
+    if getrandom::fill(&mut bytes).is_err() {
+        log::error!("orca_relay_random_failed");
+    }
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    struct FakePeer(u64);
+    impl Peer for FakePeer {
+        fn id(&self) -> u64 {
+            self.0
+        }
+    }
+
+    fn control(host: &str, epoch: i64, id: u64) -> Control<FakePeer> {
+        Control {
+            socket: Arc::new(FakePeer(id)),
+            user_id: "u1".into(),
+            relay_host_id: host.into(),
+            epoch,
+            generation: 0,
+            admitted_via: AdmitPath::Database,
+            lease_id: None,
+        }
+    }
+
+    #[test]
+    fn a_second_hello_takes_the_next_generation_and_returns_the_old_control() {
+        let state = CellState::new(ManualClock::starting_at(0));
+        let first = state.seat(control("h", 1, 1));
+        assert_eq!(first.generation, 1);
+        assert!(first.replaced.is_none());
+        let second = state.seat(control("h", 1, 2));
+        assert_eq!(second.generation, 2);
+        assert_eq!(second.replaced.map(|c| c.socket.id()), Some(1));
+        assert!(
+            !state.unseat("h", 1),
+            "the replaced control does not unseat the new one"
+        );
+        assert!(state.control("h").is_some());
+    }
+
+    #[test]
+    fn memory_admits_the_same_epoch_within_the_window_only() {
+        let clock = ManualClock::starting_at(0);
+        let state = CellState::new(clock.clone());
+        let seated = state.seat(control("h", 4, 1));
+        assert!(state.seated_here_at("u1", "h", 4, 600_000));
+        assert!(!state.seated_here_at("u1", "h", 5, 600_000));
+        assert!(!state.seated_here_at("u2", "h", 4, 600_000));
+        state.unseat("h", seated.generation);
+        clock.advance(600_000);
+        assert!(state.seated_here_at("u1", "h", 4, 600_000));
+        clock.advance(1);
+        assert!(!state.seated_here_at("u1", "h", 4, 600_000));
+    }
+
+    #[test]
+    fn a_demoted_seat_is_not_admitted_from_memory() {
+        let state = CellState::new(ManualClock::starting_at(0));
+        let seated = state.seat(control("h", 4, 1));
+        state.unseat("h", seated.generation);
+        state.demote("h");
+        assert!(!state.seated_here_at("u1", "h", 4, 600_000));
+    }
+
+    #[test]
+    fn slots_are_returned_exactly_once() {
+        let slots = ConnectionSlots::new(2);
+        let a = slots.try_take().unwrap();
+        let _b = slots.try_take().unwrap();
+        assert!(slots.try_take().is_none());
+        drop(a);
+        assert_eq!(slots.used(), 1);
+        assert!(slots.try_take().is_some());
+    }
+
+    #[test]
+    fn tokens_are_random_and_url_safe() {
+        let a = random_token();
+        assert_eq!(a.len(), 43);
+        assert_ne!(a, random_token());
+        assert!(a
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+    }
+}

@@ -1,0 +1,251 @@
+//! Subcommands: `run`, `migrate`, `check-config`, `budget FILE`, `client host|phone`.
+//!
+//! Arguments are parsed once into a [`Command`]; each command returns its exit code.
+
+use crate::client::{HostOptions, PhoneOptions};
+use crate::config::Config;
+
+pub const HELP: &str = "\
+orca-relay: a WebSocket relay for desktops and their paired phones
+
+usage:
+  orca-relay [run]              run the role from ORCA_RELAY_ROLE (combined, cell, director)
+  orca-relay migrate            apply sql/ migrations to the configured database
+  orca-relay check-config       validate the environment and print the effective configuration
+  orca-relay budget FILE        print the database connection budget of a fleet (JSON or TOML)
+  orca-relay client host [--director URL] [--relay-host-id ID] [--user-id ID] [--token JWT]
+                                a desktop peer: gets a placement, holds a control socket,
+                                prints an invite and echoes what phones send
+  orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
+                                a phone peer: pipes stdin to the desktop and its answers to stdout
+  orca-relay --help | --version
+
+Configuration comes from the environment (ORCA_RELAY_*, DATABASE_URL, RUST_LOG); on a VM the
+systemd unit reads it from /etc/orca-relay/<role>.env (examples in packaging/). An empty value
+means unset. With no configuration at all, `orca-relay` runs the combined role on SQLite under
+./data with a generated self-hosted key.
+";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    Run,
+    Migrate,
+    CheckConfig,
+    Budget(String),
+    ClientHost(Vec<(String, String)>),
+    ClientPhone(Vec<(String, String)>),
+    Help,
+    Version,
+}
+
+/// Parses the arguments after the program name.
+pub fn parse(args: &[String]) -> Result<Command, String> {
+    let first = args.first().map(String::as_str);
+    match first {
+        None => Ok(Command::Run),
+        Some("run") if args.len() == 1 => Ok(Command::Run),
+        Some("migrate") if args.len() == 1 => Ok(Command::Migrate),
+        Some("check-config") if args.len() == 1 => Ok(Command::CheckConfig),
+        Some("budget") => match args.get(1) {
+            Some(file) if args.len() == 2 => Ok(Command::Budget(file.clone())),
+            _ => Err("usage: orca-relay budget FILE".into()),
+        },
+        Some("client") => {
+            let flags = parse_flags(&args[2.min(args.len())..])?;
+            match args.get(1).map(String::as_str) {
+                Some("host") => Ok(Command::ClientHost(flags)),
+                Some("phone") => Ok(Command::ClientPhone(flags)),
+                _ => Err("usage: orca-relay client host|phone [options]".into()),
+            }
+        }
+        Some("--help" | "-h" | "help") => Ok(Command::Help),
+        Some("--version" | "-V") => Ok(Command::Version),
+        Some(other) => Err(format!("unknown command {other:?}; see orca-relay --help")),
+    }
+}
+
+fn parse_flags(args: &[String]) -> Result<Vec<(String, String)>, String> {
+    let mut flags = Vec::new();
+    let mut iter = args.iter();
+    while let Some(flag) = iter.next() {
+        let Some(name) = flag.strip_prefix("--") else {
+            return Err(format!("unexpected argument {flag:?}"));
+        };
+        let value = iter
+            .next()
+            .ok_or_else(|| format!("--{name} needs a value"))?;
+        flags.push((name.to_string(), value.clone()));
+    }
+    Ok(flags)
+}
+
+fn flag<'a>(flags: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    flags
+        .iter()
+        .rev()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// Runs a command; returns the process exit code.
+pub fn execute(command: Command) -> i32 {
+    match command {
+        Command::Help => {
+            print!("{HELP}");
+            0
+        }
+        Command::Version => {
+            println!("orca-relay {}", env!("CARGO_PKG_VERSION"));
+            0
+        }
+        Command::CheckConfig => match Config::from_env() {
+            Ok(config) => {
+                for (name, value) in config.describe() {
+                    println!("{name}={value}");
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("orca-relay: {e}");
+                1
+            }
+        },
+        Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
+        Command::Migrate => with_config(|config| {
+            crate::roles::migrate(&config).map_err(|e| e.to_string())?;
+            eprintln!("orca-relay: migrations applied");
+            Ok(())
+        }),
+        Command::Budget(file) => match crate::budget::run_file(std::path::Path::new(&file)) {
+            Ok(table) => {
+                print!("{table}");
+                0
+            }
+            Err(e) => {
+                eprintln!("orca-relay budget: {e}");
+                1
+            }
+        },
+        Command::ClientHost(flags) => with_config(|config| {
+            let options = host_options(&config, &flags)?;
+            crate::client::run_host(&options)
+        }),
+        Command::ClientPhone(flags) => {
+            let options = PhoneOptions {
+                cell_url: flag(&flags, "cell")
+                    .unwrap_or("ws://127.0.0.1:8080")
+                    .to_string(),
+                relay_host_id: match flag(&flags, "relay-host-id") {
+                    Some(id) => id.to_string(),
+                    None => {
+                        eprintln!("orca-relay client phone: --relay-host-id is required");
+                        return 2;
+                    }
+                },
+                invite: match flag(&flags, "invite") {
+                    Some(invite) => invite.to_string(),
+                    None => {
+                        eprintln!("orca-relay client phone: --invite is required");
+                        return 2;
+                    }
+                },
+            };
+            match crate::client::run_phone(&options) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("orca-relay client phone: {e}");
+                    1
+                }
+            }
+        }
+    }
+}
+
+fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("orca-relay: {e}");
+            return 1;
+        }
+    };
+    match f(config) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("orca-relay: {e}");
+            1
+        }
+    }
+}
+
+fn host_options(config: &Config, flags: &[(String, String)]) -> Result<HostOptions, String> {
+    let relay_host_id = flag(flags, "relay-host-id")
+        .map(str::to_string)
+        .unwrap_or_else(crate::client::random_host_id);
+    let user_id = flag(flags, "user-id").unwrap_or("local-user").to_string();
+    let token = match flag(flags, "token") {
+        Some(token) => token.to_string(),
+        None => {
+            let secret = match &config.self_hosted_key {
+                Some(secret) => secret.clone(),
+                None => {
+                    let path = crate::roles::self_hosted_key_path(&config.data_dir);
+                    std::fs::read_to_string(&path)
+                        .map(|s| s.trim().to_string())
+                        .map_err(|e| {
+                            format!(
+                                "no --token and cannot read the self-hosted key {}: {e} (start the combined role first)",
+                                path.display()
+                            )
+                        })?
+                }
+            };
+            crate::auth::mint_host_token(
+                &secret,
+                config.auth_issuer.as_deref(),
+                &config.auth_audience,
+                &user_id,
+                &relay_host_id,
+                3600,
+                crate::clock::system().as_ref(),
+            )
+        }
+    };
+    Ok(HostOptions {
+        director: flag(flags, "director")
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("http://{}", config.http_addr)),
+        relay_host_id,
+        user_id,
+        token,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_commands() {
+        assert_eq!(parse(&args(&[])), Ok(Command::Run));
+        assert_eq!(parse(&args(&["run"])), Ok(Command::Run));
+        assert_eq!(parse(&args(&["migrate"])), Ok(Command::Migrate));
+        assert_eq!(parse(&args(&["check-config"])), Ok(Command::CheckConfig));
+        assert_eq!(
+            parse(&args(&["budget", "f.json"])),
+            Ok(Command::Budget("f.json".into()))
+        );
+        assert_eq!(parse(&args(&["--version"])), Ok(Command::Version));
+        assert_eq!(
+            parse(&args(&["client", "phone", "--invite", "x"])),
+            Ok(Command::ClientPhone(vec![("invite".into(), "x".into())]))
+        );
+        assert!(parse(&args(&["budget"])).is_err());
+        assert!(parse(&args(&["client", "phone", "--invite"])).is_err());
+        assert!(parse(&args(&["frobnicate"])).is_err());
+    }
+}

@@ -1,0 +1,238 @@
+//! The desktop control socket `GET /v1/host/control` (SPEC §5.2), on its relay thread, and
+//! the two cell-wide threads that serve every control: the `pinger` and the `lease-renewer`.
+//!
+//! The control thread only reads its own socket. The pinger writes pings through each
+//! control's writer with `try_send`, so a wedged desktop never delays the others. The lease
+//! renewer renews database-admitted controls' activity leases and closes a control 4503 when
+//! its placement has moved.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tungstenite::Message;
+
+use super::socket::{ReadEvent, Reader, Socket};
+use super::{read_first_text, RelayContext};
+use crate::auth::HostClaims;
+use crate::cell::admission::{self, DbVerdict, LeaseRequest};
+use crate::cell::state::{random_token, AdmitPath, Control};
+use crate::protocol::{self, CloseCode, HostToRelay, RelayToHost, INVITE_MAX_ATTEMPTS};
+use crate::store::LeaseOutcome;
+
+/// Serves one control socket until it closes.
+pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, claims: HostClaims) {
+    let text = match read_first_text(context, &mut reader) {
+        Ok(text) => text,
+        Err(code) => return context.close(&socket, code, "first frame"),
+    };
+    let epoch = match serde_json::from_str::<HostToRelay>(&text) {
+        Ok(HostToRelay::HostHello {
+            v: 1,
+            relay_host_id,
+            assignment_epoch,
+        }) if relay_host_id == claims.relay_host_id && assignment_epoch >= 0 => assignment_epoch,
+        _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad hello"),
+    };
+
+    let lease_id = format!(
+        "control:{}:{}:{}",
+        context.cell_id, context.incarnation, socket.id
+    );
+    let now = context.clock.now_ms() as i64;
+    let request = LeaseRequest {
+        activity_id: &lease_id,
+        user_id: &claims.user_id,
+        relay_host_id: &claims.relay_host_id,
+        cell_id: &context.cell_id,
+        epoch,
+        now_ms: now,
+        ttl_ms: context.timings.lease_ttl_ms as i64,
+    };
+    match admission::check_database(&context.store, &request) {
+        Ok(DbVerdict::Admitted) => context.metrics.admission("database", "admitted"),
+        Ok(DbVerdict::WrongCell) => {
+            context.metrics.admission("database", "wrong_cell");
+            context.cell.demote(&claims.relay_host_id);
+            return context.close(&socket, CloseCode::WrongCell, "wrong cell");
+        }
+        Err(e) => {
+            context.metrics.admission("database", "error");
+            log::warn!(
+                "orca_relay_admission_failed host={} reason={}",
+                claims.relay_host_id,
+                e.reason_code()
+            );
+            return context.close(&socket, CloseCode::LimitExceeded, "try again");
+        }
+    }
+
+    let seated = context.cell.seat(Control {
+        socket: socket.clone(),
+        user_id: claims.user_id.clone(),
+        relay_host_id: claims.relay_host_id.clone(),
+        epoch,
+        generation: 0,
+        admitted_via: AdmitPath::Database,
+        lease_id: Some(lease_id.clone()),
+    });
+    if let Some(old) = seated.replaced {
+        context.close(
+            &old.socket,
+            CloseCode::PeerDropped,
+            "replaced by a newer control",
+        );
+    }
+    let generation = seated.generation;
+    let ack = protocol::to_json(&RelayToHost::HostHelloAck { v: 1, generation });
+    if socket.send(Message::text(ack)).is_err() {
+        finish(context, &claims, generation, Some(&lease_id));
+        return;
+    }
+    log::debug!(
+        "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path=database",
+        claims.relay_host_id
+    );
+
+    let _ = socket
+        .stream()
+        .set_read_timeout(Some(Duration::from_millis(context.timings.silence_ms)));
+    loop {
+        match reader.read() {
+            ReadEvent::Message(Message::Text(text)) => {
+                handle_message(context, &socket, &claims, text.as_str())
+            }
+            ReadEvent::Message(Message::Binary(_)) => {
+                log::info!(
+                    "orca_relay_control_frame_ignored host={} reason=binary",
+                    claims.relay_host_id
+                );
+            }
+            ReadEvent::Message(_) => {}
+            ReadEvent::TimedOut => {
+                context.close(&socket, CloseCode::PeerDropped, "silent");
+                break;
+            }
+            ReadEvent::TooBig => {
+                context.close(&socket, CloseCode::TooBig, "frame too large");
+                break;
+            }
+            ReadEvent::Gone => break,
+        }
+        if socket.is_closing() {
+            break;
+        }
+    }
+    finish(context, &claims, generation, Some(&lease_id));
+}
+
+fn finish(context: &RelayContext, claims: &HostClaims, generation: u64, lease_id: Option<&str>) {
+    context.cell.unseat(&claims.relay_host_id, generation);
+    if let Some(lease_id) = lease_id {
+        if let Err(e) = context.store.delete_lease(lease_id) {
+            // The lease expires on its own within its TTL.
+            log::info!(
+                "orca_relay_lease_delete_failed host={} reason={}",
+                claims.relay_host_id,
+                e.reason_code()
+            );
+        }
+    }
+}
+
+fn handle_message(context: &RelayContext, socket: &Arc<Socket>, claims: &HostClaims, text: &str) {
+    match serde_json::from_str::<HostToRelay>(text) {
+        Ok(HostToRelay::Pong { .. }) => {}
+        Ok(HostToRelay::InviteCreate { req_id }) => {
+            let token = random_token();
+            let expires_at = context
+                .cell
+                .create_invite(&claims.relay_host_id, token.clone());
+            let reply = RelayToHost::InviteCreated {
+                req_id,
+                invite_token: token,
+                expires_at,
+                max_attempts: INVITE_MAX_ATTEMPTS,
+            };
+            let _ = socket.send(Message::text(protocol::to_json(&reply)));
+        }
+        Ok(HostToRelay::HostHello { .. }) | Err(_) => {
+            log::info!(
+                "orca_relay_control_frame_ignored host={} reason=unknown_type",
+                claims.relay_host_id
+            );
+        }
+    }
+}
+
+/// The `pinger` thread body: every `ping_ms`, a ping to every control that is not mid-write.
+pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
+    let period = Duration::from_millis(context.timings.ping_ms);
+    loop {
+        match stop.recv_timeout(period) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        let ping = protocol::to_json(&RelayToHost::Ping {
+            t: context.clock.now_ms(),
+        });
+        for control in context.cell.controls() {
+            let _ = control.socket.try_send(Message::text(ping.clone()));
+        }
+        context.cell.expire(context.timings.seat_memory_ms);
+    }
+}
+
+/// The `lease-renewer` thread body: every `lease_renew_ms`, renews the lease of every
+/// database-admitted control; a moved placement closes that control 4503.
+pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
+    let period = Duration::from_millis(context.timings.lease_renew_ms);
+    loop {
+        match stop.recv_timeout(period) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        for control in context.cell.controls() {
+            let Some(lease_id) = control.lease_id.as_deref() else {
+                continue;
+            };
+            let now = context.clock.now_ms() as i64;
+            let outcome = context.store.renew_lease(
+                lease_id,
+                &control.user_id,
+                &control.relay_host_id,
+                &context.cell_id,
+                control.epoch,
+                admission::CONTROL_LEASE_KIND,
+                now + context.timings.lease_ttl_ms as i64,
+                now,
+            );
+            match outcome {
+                Ok(LeaseOutcome::Renewed) => {}
+                Ok(LeaseOutcome::Moved) => {
+                    log::info!(
+                        "orca_relay_control_lease_moved host={} epoch={}",
+                        control.relay_host_id,
+                        control.epoch
+                    );
+                    let drain = RelayToHost::Drain {
+                        grace_ms: 0,
+                        recovery: "resolve-director".into(),
+                    };
+                    let _ = control
+                        .socket
+                        .try_send(Message::text(protocol::to_json(&drain)));
+                    context.close(&control.socket, CloseCode::Draining, "lease moved");
+                }
+                Err(e) => {
+                    // The lease outlives a few missed renewals; try again next period.
+                    log::info!(
+                        "orca_relay_lease_renew_failed host={} reason={}",
+                        control.relay_host_id,
+                        e.reason_code()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The data plane: the `acceptor` thread and one `relay-<id>` thread per WebSocket connection.
+//!
+//! The acceptor takes a connection unit against the cap, then hands the TCP stream to a new
+//! relay thread; the upgrade (head deadline, routing, token check at upgrade) and everything
+//! after it happen on that thread, so a slow client never delays the acceptor. Over the cap,
+//! a short-lived rejection thread answers 503 with `Retry-After: 2` (bounded: past that bound
+//! the connection is dropped at once).
+//!
+//! A panic in a relay thread is caught at the top of the thread: it costs that connection a
+//! close (4429), never the process.
+
+pub mod control;
+pub mod data;
+pub mod phone;
+pub mod socket;
+pub mod upgrade;
+
+use std::net::{TcpListener, TcpStream};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::auth::Verifier;
+use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
+use crate::clock::SharedClock;
+use crate::config::Timings;
+use crate::metrics::{Counter, Gauge, Registry};
+use crate::protocol::CloseCode;
+use crate::store::Store;
+use socket::{Reaper, Socket};
+use upgrade::Route;
+
+impl Peer for Socket {
+    fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+/// Where the process is in its life; the acceptor and `/ready` read it.
+#[derive(Default)]
+pub struct Phase(AtomicU8);
+
+impl Phase {
+    pub const STARTING: u8 = 0;
+    pub const SERVING: u8 = 1;
+    pub const DRAINING: u8 = 2;
+
+    pub fn get(&self) -> u8 {
+        self.0.load(Ordering::Acquire)
+    }
+    pub fn set(&self, phase: u8) {
+        self.0.store(phase, Ordering::Release)
+    }
+}
+
+/// Counters of the data plane (SPEC §5.6).
+#[derive(Clone)]
+pub struct RelayMetrics {
+    registry: Registry,
+    pub bytes_phone_to_host: Counter,
+    pub bytes_host_to_phone: Counter,
+    pub frames_phone_to_host: Counter,
+    pub frames_host_to_phone: Counter,
+}
+
+impl RelayMetrics {
+    pub fn new(registry: &Registry) -> Self {
+        let bytes = |direction| {
+            registry.counter(
+                "orca_relay_splice_bytes_total",
+                "Bytes spliced, by direction.",
+                &[("direction", direction)],
+            )
+        };
+        let frames = |direction| {
+            registry.counter(
+                "orca_relay_splice_frames_total",
+                "Frames spliced, by direction.",
+                &[("direction", direction)],
+            )
+        };
+        for code in CloseCode::ALL {
+            registry.counter(
+                "orca_relay_closes_total",
+                "WebSocket closes sent, by code.",
+                &[("code", &code.code().to_string())],
+            );
+        }
+        for kind in ["control", "phone", "data"] {
+            registry.gauge(
+                "orca_relay_connections",
+                "Open WebSocket connections, by kind.",
+                &[("kind", kind)],
+            );
+        }
+        RelayMetrics {
+            registry: registry.clone(),
+            bytes_phone_to_host: bytes("phone_to_host"),
+            bytes_host_to_phone: bytes("host_to_phone"),
+            frames_phone_to_host: frames("phone_to_host"),
+            frames_host_to_phone: frames("host_to_phone"),
+        }
+    }
+
+    pub fn close(&self, code: CloseCode) {
+        self.registry
+            .counter(
+                "orca_relay_closes_total",
+                "WebSocket closes sent, by code.",
+                &[("code", &code.code().to_string())],
+            )
+            .inc();
+    }
+
+    pub fn connections(&self, kind: &str) -> Gauge {
+        self.registry.gauge(
+            "orca_relay_connections",
+            "Open WebSocket connections, by kind.",
+            &[("kind", kind)],
+        )
+    }
+
+    pub fn upgrade_refused(&self, status: u16, reason: &str) {
+        self.registry
+            .counter(
+                "orca_relay_upgrades_refused_total",
+                "Upgrades refused with an HTTP status, by status and reason.",
+                &[("status", &status.to_string()), ("reason", reason)],
+            )
+            .inc();
+    }
+
+    pub fn admission(&self, path: &str, outcome: &str) {
+        self.registry
+            .counter(
+                "orca_relay_admissions_total",
+                "Desktop hellos by admission path and outcome.",
+                &[("path", path), ("outcome", outcome)],
+            )
+            .inc();
+    }
+}
+
+/// Everything a relay thread needs; cheap to clone.
+#[derive(Clone)]
+pub struct RelayContext {
+    pub cell_id: Arc<str>,
+    pub incarnation: i64,
+    pub timings: Arc<Timings>,
+    pub cell: Arc<CellState<Socket>>,
+    pub verifier: Verifier,
+    pub store: Store,
+    pub clock: SharedClock,
+    pub reaper: Reaper,
+    pub slots: Arc<ConnectionSlots>,
+    pub phase: Arc<Phase>,
+    pub metrics: RelayMetrics,
+    next_id: Arc<AtomicU64>,
+    rejecting: Arc<AtomicU32>,
+}
+
+/// At most this many threads answer over-cap connections with 503 at once; past it the
+/// connection is dropped without an answer.
+const MAX_REJECTION_THREADS: u32 = 64;
+
+impl RelayContext {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cell_id: &str,
+        incarnation: i64,
+        timings: Timings,
+        connection_cap: u32,
+        verifier: Verifier,
+        store: Store,
+        clock: SharedClock,
+        reaper: Reaper,
+        phase: Arc<Phase>,
+        registry: &Registry,
+    ) -> Self {
+        RelayContext {
+            cell_id: cell_id.into(),
+            incarnation,
+            timings: Arc::new(timings),
+            cell: Arc::new(CellState::new(clock.clone())),
+            verifier,
+            store,
+            clock,
+            reaper,
+            slots: ConnectionSlots::new(connection_cap),
+            phase,
+            metrics: RelayMetrics::new(registry),
+            next_id: Arc::new(AtomicU64::new(1)),
+            rejecting: Arc::new(AtomicU32::new(0)),
+        }
+    }
+
+    /// Closes `socket` with `code` and counts it.
+    pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
+        if socket.close(code, reason, &self.reaper) {
+            self.metrics.close(code);
+        }
+    }
+}
+
+/// The `acceptor` thread body: accepts until `stop` is set (the listener is unblocked by a
+/// connection from the shutdown path).
+pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
+    for stream in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let stream = match stream {
+            Ok(stream) => stream,
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                log::warn!("orca_relay_accept_failed error={e}");
+                crate::clock::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let id = context.next_id.fetch_add(1, Ordering::Relaxed);
+        if context.phase.get() != Phase::SERVING {
+            let reason = if context.phase.get() == Phase::STARTING {
+                "starting"
+            } else {
+                "draining"
+            };
+            reject_in_background(&context, stream, reason);
+            continue;
+        }
+        let Some(slot) = context.slots.try_take() else {
+            reject_in_background(&context, stream, "connection_cap");
+            continue;
+        };
+        let thread_context = context.clone();
+        let spawned = crate::threads::spawn_with_stack(
+            format!("relay-{id}"),
+            crate::threads::RELAY_STACK_BYTES,
+            move || serve_connection(thread_context, stream, id, slot),
+        );
+        if let Err(e) = spawned {
+            // The slot and stream were moved into the closure and are dropped with it.
+            log::warn!("orca_relay_thread_spawn_failed error={e}");
+        }
+    }
+}
+
+fn reject_in_background(context: &RelayContext, stream: TcpStream, reason: &'static str) {
+    if context.rejecting.fetch_add(1, Ordering::AcqRel) >= MAX_REJECTION_THREADS {
+        context.rejecting.fetch_sub(1, Ordering::AcqRel);
+        return;
+    }
+    let rejecting = context.rejecting.clone();
+    let metrics = context.metrics.clone();
+    let spawned = crate::threads::spawn_with_stack("reject", 64 * 1024, move || {
+        let _ = upgrade::read_head(&stream, Duration::from_secs(1));
+        metrics.upgrade_refused(503, reason);
+        upgrade::refuse(&stream, 503, reason, Some(2));
+        rejecting.fetch_sub(1, Ordering::AcqRel);
+    });
+    if spawned.is_err() {
+        context.rejecting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One connection, from upgrade to close. The slot is released when this returns.
+fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: SlotGuard) {
+    let request = match upgrade::read_head(&stream, upgrade::UPGRADE_DEADLINE) {
+        Ok(request) => request,
+        Err(_) => return,
+    };
+    let Some(route) = upgrade::route(&request.path) else {
+        context.metrics.upgrade_refused(404, "unknown_path");
+        upgrade::refuse(&stream, 404, "not_found", None);
+        return;
+    };
+    let Some(key) = request.key.clone().filter(|_| request.is_websocket) else {
+        context.metrics.upgrade_refused(426, "not_websocket");
+        upgrade::refuse(&stream, 426, "websocket_upgrade_required", None);
+        return;
+    };
+    // The desktop's token is checked before the upgrade: a bad token never gets a socket.
+    let claims = if route == Route::Control {
+        let verified = crate::auth::parse_bearer(request.authorization.as_deref())
+            .and_then(|token| context.verifier.verify_host_token(token));
+        match verified {
+            Ok(claims) => Some(claims),
+            Err(e) => {
+                context.metrics.upgrade_refused(401, e.reason_code());
+                upgrade::refuse(&stream, 401, "bad_outer_credential", None);
+                return;
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(claims) = &claims {
+        // Under pool pressure, a hello the cell cannot admit from memory is shed rather than
+        // queued behind the database (SPEC §5.3).
+        if context.store.has_waiters() && !context.cell.remembers(&claims.relay_host_id) {
+            context.metrics.upgrade_refused(503, "pool_pressure");
+            upgrade::refuse(&stream, 503, "pool_pressure", Some(2));
+            return;
+        }
+    }
+    if upgrade::accept(&stream, &key).is_err() {
+        return;
+    }
+    let sizing = match route {
+        Route::Control => socket::Sizing::CONTROL,
+        _ => socket::Sizing::SPLICE,
+    };
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
+    let (socket, reader) = Socket::new(id, stream, request.tail, sizing);
+    let gauge = context.metrics.connections(route.kind());
+    gauge.inc();
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match route.clone() {
+        Route::Control => control::serve(
+            &context,
+            socket.clone(),
+            reader,
+            claims.expect("checked above"),
+        ),
+        Route::Phone { relay_host_id } => {
+            phone::serve(&context, socket.clone(), reader, &relay_host_id)
+        }
+        Route::DataLeg { conn_id } => data::serve(&context, socket.clone(), reader, &conn_id),
+    }));
+    if outcome.is_err() {
+        log::error!(
+            "orca_relay_connection_panicked conn={id} kind={}",
+            route.kind()
+        );
+        context.close(&socket, CloseCode::LimitExceeded, "internal error");
+    }
+    gauge.dec();
+    // Make sure the peer is gone before the slot is returned.
+    if !socket.is_closing() {
+        context.close(&socket, CloseCode::Normal, "");
+    }
+    drop(slot);
+}
+
+/// Reads the first frame of a leg within the first-frame deadline: it must be a text frame.
+pub(crate) fn read_first_text(
+    context: &RelayContext,
+    reader: &mut socket::Reader,
+) -> Result<String, CloseCode> {
+    let _ = reader
+        .socket()
+        .stream()
+        .set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
+    match reader.read() {
+        socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
+        socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
+        _ => Err(CloseCode::BadOuterCredential),
+    }
+}

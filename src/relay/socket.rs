@@ -1,0 +1,359 @@
+//! One WebSocket connection: one descriptor, one reader, one locked writer.
+//!
+//! `tungstenite` has no read/write split, so a connection is two `WebSocketContext`s over the
+//! same `TcpStream` (std implements `Read` and `Write` for `&TcpStream`, so no second descriptor
+//! is needed):
+//! - the **reader** context belongs to the connection's own relay thread ([`Reader`]);
+//! - the **writer** context sits behind a mutex in [`Socket`]; every frame this process sends on
+//!   the connection (the peer's splice, the pinger, the cell logic, close frames) goes through
+//!   it, so frames never interleave.
+//!
+//! The reader's automatic replies (pong, close) are written through the same mutex by
+//! [`ReadHalf`]'s `Write` impl. A writer blocked longer than the socket's send timeout (the
+//! wedge window) marks the socket broken; the caller then closes the pair with 4429. A stalled
+//! writer only ever blocks threads of its own pair: the pinger uses [`Socket::try_send`].
+//!
+//! Closing: [`Socket::close`] sends the close frame once and hands the socket to the
+//! [`Reaper`], which shuts the TCP connection down one second later if the peer never answered.
+
+use std::collections::BinaryHeap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
+use tungstenite::Message;
+
+use crate::clock;
+use crate::protocol::CloseCode;
+
+/// How long a rejected or closed peer has to answer our close frame before the TCP connection
+/// is dropped (SPEC §5.2: within 1 s).
+pub const CLOSE_LINGER: Duration = Duration::from_secs(1);
+
+/// Why a send failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendError {
+    /// The socket is closing or closed; nothing was written.
+    Closed,
+    /// The peer did not drain its buffer within the wedge window, or the write failed.
+    Wedged,
+}
+
+struct Writer {
+    context: WebSocketContext,
+    broken: bool,
+}
+
+/// The shared side of a connection: the descriptor and the one writer.
+pub struct Socket {
+    pub id: u64,
+    stream: TcpStream,
+    writer: Mutex<Writer>,
+    closing: AtomicBool,
+    bytes_out: AtomicU64,
+}
+
+fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
+    writer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Buffer sizes per endpoint: idle control sockets are many and small, splice legs are few and
+/// carry bulk traffic (large reads are what keep the splice as fast as nginx).
+#[derive(Debug, Clone, Copy)]
+pub struct Sizing {
+    pub read_buffer: usize,
+    pub max_frame: usize,
+}
+
+impl Sizing {
+    pub const CONTROL: Sizing = Sizing {
+        read_buffer: 4 * 1024,
+        max_frame: crate::protocol::CONTROL_MAX_FRAME_BYTES,
+    };
+    pub const SPLICE: Sizing = Sizing {
+        read_buffer: 64 * 1024,
+        max_frame: crate::protocol::SPLICE_MAX_FRAME_BYTES,
+    };
+
+    fn reader_config(self) -> WebSocketConfig {
+        WebSocketConfig::default()
+            .read_buffer_size(self.read_buffer)
+            .write_buffer_size(0)
+            .max_frame_size(Some(self.max_frame))
+            .max_message_size(Some(self.max_frame))
+    }
+}
+
+fn writer_config() -> WebSocketConfig {
+    // The writer never reads: give it the smallest read buffer tungstenite accepts.
+    WebSocketConfig::default()
+        .read_buffer_size(0)
+        .write_buffer_size(0)
+}
+
+impl Socket {
+    /// Wraps an upgraded stream. `tail` holds bytes that arrived after the request head.
+    pub fn new(id: u64, stream: TcpStream, tail: Vec<u8>, sizing: Sizing) -> (Arc<Socket>, Reader) {
+        let socket = Arc::new(Socket {
+            id,
+            stream,
+            writer: Mutex::new(Writer {
+                context: WebSocketContext::new(Role::Server, Some(writer_config())),
+                broken: false,
+            }),
+            closing: AtomicBool::new(false),
+            bytes_out: AtomicU64::new(0),
+        });
+        let context =
+            WebSocketContext::from_partially_read(tail, Role::Server, Some(sizing.reader_config()));
+        let reader = Reader {
+            context,
+            half: ReadHalf(socket.clone()),
+        };
+        (socket, reader)
+    }
+
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    pub fn bytes_out(&self) -> u64 {
+        self.bytes_out.load(Ordering::Relaxed)
+    }
+
+    /// Sends one message, blocking at most the socket's send timeout.
+    pub fn send(&self, message: Message) -> Result<(), SendError> {
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
+        let mut writer = lock_writer(&self.writer);
+        self.send_locked(&mut writer, message)
+    }
+
+    /// Sends one message only if no other thread is writing right now (the pinger must never
+    /// queue behind a wedged peer).
+    pub fn try_send(&self, message: Message) -> Result<bool, SendError> {
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
+        let mut writer = match self.writer.try_lock() {
+            Ok(writer) => writer,
+            Err(TryLockError::WouldBlock) => return Ok(false),
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        };
+        self.send_locked(&mut writer, message).map(|()| true)
+    }
+
+    fn send_locked(&self, writer: &mut Writer, message: Message) -> Result<(), SendError> {
+        if writer.broken {
+            return Err(SendError::Wedged);
+        }
+        let len = message.len() as u64;
+        let mut stream = &self.stream;
+        let result = writer
+            .context
+            .write(&mut stream, message)
+            .and_then(|()| writer.context.flush(&mut stream));
+        match result {
+            Ok(()) => {
+                self.bytes_out.fetch_add(len, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(_) => {
+                writer.broken = true;
+                Err(SendError::Wedged)
+            }
+        }
+    }
+
+    /// Sends the close frame once (later calls do nothing) and schedules the TCP connection to
+    /// be dropped after [`CLOSE_LINGER`]. Returns whether this call was the one that closed.
+    pub fn close(self: &Arc<Self>, code: CloseCode, reason: &str, reaper: &Reaper) -> bool {
+        if self.closing.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        {
+            let mut writer = lock_writer(&self.writer);
+            if !writer.broken {
+                let frame = CloseFrame {
+                    code: WsCloseCode::from(code.code()),
+                    reason: reason.to_string().into(),
+                };
+                let mut stream = &self.stream;
+                // A short send timeout: a peer that does not read cannot hold the closer.
+                let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
+                let sent = writer
+                    .context
+                    .close(&mut stream, Some(frame))
+                    .and_then(|()| writer.context.flush(&mut stream));
+                if sent.is_err() {
+                    writer.broken = true;
+                }
+            }
+        }
+        reaper.schedule(self.clone(), CLOSE_LINGER);
+        true
+    }
+
+    /// Drops the TCP connection now (both directions); the reader thread wakes with an error.
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// The reader's view of the stream: reads go straight to the socket, writes (tungstenite's
+/// automatic pong and close replies) go through the writer mutex as whole buffers.
+pub struct ReadHalf(Arc<Socket>);
+
+impl Read for ReadHalf {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&self.0.stream).read(buf)
+    }
+}
+
+impl Write for ReadHalf {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let writer = lock_writer(&self.0.writer);
+        if writer.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "socket wedged"));
+        }
+        (&self.0.stream).write_all(buf)?;
+        drop(writer);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The reading side, owned by the connection's relay thread.
+pub struct Reader {
+    context: WebSocketContext,
+    half: ReadHalf,
+}
+
+/// What one read produced.
+#[derive(Debug)]
+pub enum ReadEvent {
+    Message(Message),
+    /// No frame within the socket's read timeout.
+    TimedOut,
+    /// A frame larger than the endpoint allows.
+    TooBig,
+    /// The peer closed or the connection failed; nothing more will be read.
+    Gone,
+}
+
+impl Reader {
+    pub fn read(&mut self) -> ReadEvent {
+        match self.context.read(&mut self.half) {
+            Ok(Message::Close(_)) => {
+                // tungstenite queued the close reply; it is written through the writer mutex.
+                self.half.0.closing.store(true, Ordering::Release);
+                let _ = self.context.flush(&mut self.half);
+                ReadEvent::Gone
+            }
+            Ok(message) => ReadEvent::Message(message),
+            Err(tungstenite::Error::Io(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                ReadEvent::TimedOut
+            }
+            Err(tungstenite::Error::Capacity(_)) => ReadEvent::TooBig,
+            Err(_) => ReadEvent::Gone,
+        }
+    }
+
+    pub fn socket(&self) -> &Arc<Socket> {
+        &self.half.0
+    }
+}
+
+/// Drops TCP connections whose close handshake did not finish in time. One thread, `reaper`.
+#[derive(Clone)]
+pub struct Reaper {
+    sender: Sender<(u64, Arc<Socket>)>,
+}
+
+struct Due(u64, Arc<Socket>);
+
+impl PartialEq for Due {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+impl Eq for Due {}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        // A min-heap on the due time.
+        other.0.cmp(&self.0)
+    }
+}
+
+impl Reaper {
+    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
+    pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+        let (sender, receiver) = mpsc::channel();
+        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver))?;
+        Ok((Reaper { sender }, handle))
+    }
+
+    pub fn schedule(&self, socket: Arc<Socket>, after: Duration) {
+        let due = monotonic_ms() + after.as_millis() as u64;
+        if self.sender.send((due, socket.clone())).is_err() {
+            socket.shutdown();
+        }
+    }
+}
+
+fn monotonic_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(clock::instant).elapsed().as_millis() as u64
+}
+
+fn run_reaper(receiver: Receiver<(u64, Arc<Socket>)>) {
+    let mut heap: BinaryHeap<Due> = BinaryHeap::new();
+    loop {
+        let now = monotonic_ms();
+        while heap.peek().is_some_and(|due| due.0 <= now) {
+            if let Some(Due(_, socket)) = heap.pop() {
+                socket.shutdown();
+            }
+        }
+        let wait = heap
+            .peek()
+            .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
+            .unwrap_or(Duration::from_secs(3600));
+        match receiver.recv_timeout(wait) {
+            Ok((due, socket)) => heap.push(Due(due, socket)),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                for Due(_, socket) in heap.drain() {
+                    socket.shutdown();
+                }
+                return;
+            }
+        }
+    }
+}

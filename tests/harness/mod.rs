@@ -1,0 +1,416 @@
+//! Black-box harness: starts the real `orca-relay` binary on free ports and talks to it over
+//! real sockets with a real WebSocket client.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tungstenite::client::IntoClientRequest;
+use tungstenite::stream::MaybeTlsStream;
+use tungstenite::{Message, WebSocket};
+
+pub type Ws = WebSocket<MaybeTlsStream<TcpStream>>;
+
+/// The self-hosted HS256 key every combined test relay uses.
+pub const TEST_KEY: &str = "test-self-hosted-key-0123456789abcdefghijklmnop";
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// A directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "orca-relay-{prefix}-{}-{n}-{}",
+            std::process::id(),
+            orca_relay::clock::system().now_ms()
+        ));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[derive(Default)]
+struct Log {
+    lines: Vec<String>,
+}
+
+/// A running relay process.
+pub struct Relay {
+    child: Child,
+    log: Arc<(Mutex<Log>, Condvar)>,
+    pub ws: String,
+    pub http: String,
+    pub data_dir: Arc<TempDir>,
+}
+
+/// Waits for `condition` with a deadline, polling every 20 ms.
+pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Relay {
+    /// Starts the combined role on SQLite with short test timings plus `env`.
+    pub fn combined(env: &[(&str, &str)]) -> Relay {
+        let dir = Arc::new(TempDir::new("relay"));
+        Relay::start_in(dir, env)
+    }
+
+    pub fn start_in(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_orca-relay"));
+        command
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "info")
+            .env("ORCA_RELAY_WS_ADDR", "127.0.0.1:0")
+            .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
+            .env("ORCA_RELAY_DATA_DIR", &data_dir.0)
+            .env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().expect("start orca-relay");
+        let stderr = child.stderr.take().expect("stderr");
+        let log: Arc<(Mutex<Log>, Condvar)> = Arc::default();
+        let sink = log.clone();
+        std::thread::Builder::new()
+            .name("relay-log".into())
+            .spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if std::env::var_os("ORCA_RELAY_TEST_ECHO").is_some() {
+                        eprintln!("[relay] {line}");
+                    }
+                    let (lock, cvar) = &*sink;
+                    lock.lock().unwrap().lines.push(line);
+                    cvar.notify_all();
+                }
+            })
+            .expect("log thread");
+        let mut relay = Relay {
+            child,
+            log,
+            ws: String::new(),
+            http: String::new(),
+            data_dir,
+        };
+        let started = relay
+            .wait_for_log("orca_relay_started", Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("relay did not start; log:\n{}", relay.log_text()));
+        relay.ws = field(&started, "ws").expect("ws= in the started line");
+        relay.http = field(&started, "http").expect("http= in the started line");
+        relay
+    }
+
+    /// Waits for a log line containing `needle`; returns it.
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let (lock, cvar) = &*self.log;
+        let mut log = lock.lock().unwrap();
+        loop {
+            if let Some(line) = log.lines.iter().find(|l| l.contains(needle)) {
+                return Some(line.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            log = cvar.wait_timeout(log, deadline - now).unwrap().0;
+        }
+    }
+
+    pub fn count_log(&self, needle: &str) -> usize {
+        self.log.0.lock().unwrap().lines.iter().filter(|l| l.contains(needle)).count()
+    }
+
+    pub fn log_text(&self) -> String {
+        self.log.0.lock().unwrap().lines.join("\n")
+    }
+
+    pub fn ws_url(&self, path: &str) -> String {
+        format!("ws://{}{}", self.ws, path)
+    }
+
+    pub fn http_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.http, path)
+    }
+
+    /// GET on the HTTP listener: (status, body).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        http_result(
+            ureq::get(&self.http_url(path))
+                .timeout(Duration::from_secs(10))
+                .call(),
+        )
+    }
+
+    /// POST JSON with an optional bearer token: (status, body).
+    pub fn post(&self, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
+        let mut request = ureq::post(&self.http_url(path))
+            .timeout(Duration::from_secs(10))
+            .set("Content-Type", "application/json");
+        if let Some(token) = bearer {
+            request = request.set("Authorization", &format!("Bearer {token}"));
+        }
+        http_result(request.send_string(body))
+    }
+
+    /// The value of one metric line (exact name with labels), if present.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let (_, body) = self.get("/metrics");
+        body.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal to the process.
+    pub fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status();
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.code().unwrap_or(-1));
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn http_result(result: Result<ureq::Response, ureq::Error>) -> (u16, String) {
+    match result {
+        Ok(response) => {
+            let status = response.status();
+            (status, response.into_string().unwrap_or_default())
+        }
+        Err(ureq::Error::Status(status, response)) => {
+            (status, response.into_string().unwrap_or_default())
+        }
+        Err(e) => panic!("http request failed: {e}"),
+    }
+}
+
+/// `key=value` from a log line.
+pub fn field(line: &str, key: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|token| token.strip_prefix(&format!("{key}=")).map(str::to_string))
+}
+
+/// A desktop token minted with the test key.
+pub fn token(user_id: &str, relay_host_id: &str) -> String {
+    orca_relay::auth::mint_host_token(
+        TEST_KEY,
+        None,
+        "orca-relay",
+        user_id,
+        relay_host_id,
+        600,
+        orca_relay::clock::system().as_ref(),
+    )
+}
+
+/// A fresh 16-character relay host id.
+pub fn host_id() -> String {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("h{:015}", (std::process::id() as u64) * 100_000 + n)
+}
+
+/// Opens a WebSocket; an upgrade refusal comes back as `Err(status)`.
+pub fn ws_connect(url: &str, bearer: Option<&str>) -> Result<Ws, u16> {
+    let mut request = url.into_client_request().expect("url");
+    if let Some(token) = bearer {
+        request
+            .headers_mut()
+            .insert("Authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    match tungstenite::connect(request) {
+        Ok((ws, _)) => {
+            set_read_timeout(&ws, Some(Duration::from_secs(20)));
+            Ok(ws)
+        }
+        Err(tungstenite::Error::Http(response)) => Err(response.status().as_u16()),
+        Err(e) => panic!("connect {url}: {e}"),
+    }
+}
+
+pub fn set_read_timeout(ws: &Ws, timeout: Option<Duration>) {
+    if let MaybeTlsStream::Plain(stream) = ws.get_ref() {
+        stream.set_read_timeout(timeout).unwrap();
+    }
+}
+
+pub fn send_json(ws: &mut Ws, value: serde_json::Value) {
+    ws.send(Message::text(value.to_string())).expect("send");
+}
+
+/// Reads the next text message as JSON, skipping pings.
+pub fn read_json(ws: &mut Ws) -> serde_json::Value {
+    loop {
+        match ws.read() {
+            Ok(Message::Text(text)) => {
+                let value: serde_json::Value = serde_json::from_str(&text).expect("json");
+                if value["type"] == "ping" {
+                    continue;
+                }
+                return value;
+            }
+            Ok(Message::Close(frame)) => panic!("closed while waiting for JSON: {frame:?}"),
+            Ok(_) => continue,
+            Err(e) => panic!("read failed while waiting for JSON: {e}"),
+        }
+    }
+}
+
+/// Reads until the close frame; returns its code (None if the connection just dropped).
+pub fn read_close(ws: &mut Ws) -> Option<u16> {
+    loop {
+        match ws.read() {
+            Ok(Message::Close(frame)) => return frame.map(|f| u16::from(f.code)),
+            Ok(_) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+/// A desktop with an acked control socket.
+pub struct Desktop {
+    pub user_id: String,
+    pub relay_host_id: String,
+    pub token: String,
+    pub epoch: i64,
+    pub generation: u64,
+    pub control: Ws,
+}
+
+impl Desktop {
+    /// Assigns through `/v1/assign`, connects the control socket and waits for the ack.
+    pub fn connect(relay: &Relay) -> Desktop {
+        let relay_host_id = host_id();
+        let user_id = format!("user-{relay_host_id}");
+        let token = token(&user_id, &relay_host_id);
+        let epoch = assign(relay, &token, &relay_host_id);
+        let mut control = ws_connect(&relay.ws_url("/v1/host/control"), Some(&token))
+            .expect("control upgrade");
+        send_json(
+            &mut control,
+            serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":epoch}),
+        );
+        let ack = read_json(&mut control);
+        assert_eq!(ack["type"], "host-hello-ack", "{ack}");
+        let generation = ack["generation"].as_u64().unwrap();
+        Desktop {
+            user_id,
+            relay_host_id,
+            token,
+            epoch,
+            generation,
+            control,
+        }
+    }
+
+    pub fn invite(&mut self) -> String {
+        send_json(
+            &mut self.control,
+            serde_json::json!({"type":"invite-create","reqId":"r1"}),
+        );
+        let created = read_json(&mut self.control);
+        assert_eq!(created["type"], "invite-created", "{created}");
+        assert_eq!(created["reqId"], "r1");
+        assert_eq!(created["maxAttempts"], 5);
+        created["inviteToken"].as_str().unwrap().to_string()
+    }
+
+    /// Waits for `conn-open`; returns (connId, connTicket).
+    pub fn conn_open(&mut self) -> (String, String) {
+        let open = read_json(&mut self.control);
+        assert_eq!(open["type"], "conn-open", "{open}");
+        (
+            open["connId"].as_str().unwrap().to_string(),
+            open["connTicket"].as_str().unwrap().to_string(),
+        )
+    }
+
+    pub fn data_leg(&self, relay: &Relay, conn_id: &str, ticket: &str) -> Ws {
+        let mut leg = ws_connect(&relay.ws_url(&format!("/v1/host/data/{conn_id}")), None)
+            .expect("data leg upgrade");
+        send_json(
+            &mut leg,
+            serde_json::json!({"type":"host-data-auth","v":1,"connTicket":ticket,"generation":self.generation}),
+        );
+        leg
+    }
+}
+
+/// `POST /v1/assign`: the epoch.
+pub fn assign(relay: &Relay, token: &str, relay_host_id: &str) -> i64 {
+    let (status, body) = relay.post(
+        "/v1/assign",
+        Some(token),
+        &serde_json::json!({"v":1,"relayHostId":relay_host_id}).to_string(),
+    );
+    assert_eq!(status, 200, "assign: {body}");
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    value["assignmentEpoch"].as_i64().unwrap()
+}
+
+/// A phone spliced to a data leg: (phone, data leg).
+pub fn splice(relay: &Relay, desktop: &mut Desktop) -> (Ws, Ws) {
+    let invite = desktop.invite();
+    let mut phone = ws_connect(
+        &relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id)),
+        None,
+    )
+    .expect("phone upgrade");
+    send_json(
+        &mut phone,
+        serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
+    );
+    let (conn_id, ticket) = desktop.conn_open();
+    let leg = desktop.data_leg(relay, &conn_id, &ticket);
+    let hello = read_json(&mut phone);
+    assert_eq!(hello, serde_json::json!({"type":"relay-hello","ok":true}));
+    (phone, leg)
+}
