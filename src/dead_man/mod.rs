@@ -1,2 +1,3 @@
 //! The dead-man.
 pub mod window;
+pub mod writer;
