@@ -240,7 +240,10 @@ fn a_silent_director_gets_exactly_the_planned_attempts_then_an_unconfirmed_error
         "40000ms aggregate limit",
         "may still have completed on the director",
     ] {
-        assert!(message.contains(expected), "{expected:?} missing: {message}");
+        assert!(
+            message.contains(expected),
+            "{expected:?} missing: {message}"
+        );
     }
     assert!(!message.to_lowercase().contains("unreachable"), "{message}");
 }
