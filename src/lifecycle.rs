@@ -1,1 +1,573 @@
-//! Signals, drain and sd_notify.
+//! Process lifecycle: systemd notifications, shutdown signals and the file-descriptor limit
+//! (SPEC §8 step 6, §9).
+//!
+//! Owns: the [`Shutdown`] state every role shares (Running → Draining → Immediate), the
+//! `signals` thread that feeds it, and the `sd_notify` datagrams (`READY=1`, `WATCHDOG=1`,
+//! `STOPPING=1`, `STATUS=…`).
+//!
+//! Runs on: the `signals` thread for SIGTERM/SIGINT; notifications go out from whichever
+//! thread calls them (one small datagram, no waiting); [`raise_fd_limit`] once at start.
+//!
+//! Never: does work inside a signal handler (signal-hook's iterator hands each signal to a
+//! normal thread); runs a drain callback while holding the shutdown lock; fails or complains
+//! when systemd is absent (`NOTIFY_SOCKET` unset means there is no one to tell).
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixDatagram;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
+use crate::threads;
+
+// ---------------------------------------------------------------------------------------------
+// sd_notify
+// ---------------------------------------------------------------------------------------------
+
+/// Tells systemd the unit is up (`Type=notify`): sent once registration succeeded and the
+/// listeners serve (SPEC §8 step 6).
+pub fn notify_ready() {
+    notify("READY=1");
+}
+
+/// Tells systemd the unit is shutting down, so it stops expecting watchdog pings.
+pub fn notify_stopping() {
+    notify("STOPPING=1");
+}
+
+/// Proves liveness to systemd's `WatchdogSec=`; send every [`watchdog_send_period`].
+pub fn notify_watchdog() {
+    notify("WATCHDOG=1");
+}
+
+/// A one-line status shown by `systemctl status`. Line breaks are flattened, since a newline
+/// would start another `KEY=value` assignment in the datagram.
+pub fn notify_status(status: &str) {
+    notify(&status_message(status));
+}
+
+fn status_message(status: &str) -> String {
+    let one_line: String = status
+        .chars()
+        .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
+        .collect();
+    format!("STATUS={one_line}")
+}
+
+/// Sends `message` to `$NOTIFY_SOCKET`; a no-op when it is unset or empty. A failure is
+/// logged, never fatal: the relay works without systemd, and systemd's own timeouts report a
+/// unit that never became ready.
+fn notify(message: &str) {
+    let Some(socket) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    if socket.is_empty() {
+        return;
+    }
+    if let Err(error) = send_notification(&socket, message) {
+        let state = message.split('=').next().unwrap_or(message);
+        log::warn!("orca_relay_sd_notify_failed state={state} error={error}");
+    }
+}
+
+/// Where `NOTIFY_SOCKET` points: a filesystem path, or a Linux abstract-namespace name
+/// written with a leading `@`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotifyAddress {
+    Path(std::path::PathBuf),
+    Abstract(Vec<u8>),
+}
+
+/// Parses a `NOTIFY_SOCKET` value. `None` for an empty value or a form we do not speak
+/// (`vsock:` and other schemes).
+pub fn parse_notify_socket(value: &OsStr) -> Option<NotifyAddress> {
+    let bytes = value.as_bytes();
+    match bytes.first() {
+        Some(b'@') if bytes.len() > 1 => Some(NotifyAddress::Abstract(bytes[1..].to_vec())),
+        Some(b'/') => Some(NotifyAddress::Path(std::path::PathBuf::from(value))),
+        _ => None,
+    }
+}
+
+/// Sends one datagram to the socket named by a `NOTIFY_SOCKET` value. We write it ourselves
+/// rather than through the `sd-notify` crate because that crate does not speak the
+/// abstract-namespace `@` form that systemd uses in some containers.
+pub fn send_notification(socket: &OsStr, message: &str) -> io::Result<()> {
+    let address = parse_notify_socket(socket).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("unsupported NOTIFY_SOCKET {socket:?}"),
+        )
+    })?;
+    let sender = UnixDatagram::unbound()?;
+    let sent = match address {
+        NotifyAddress::Path(path) => sender.send_to(message.as_bytes(), path)?,
+        NotifyAddress::Abstract(name) => send_to_abstract(&sender, &name, message)?,
+    };
+    if sent != message.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "short sd_notify datagram",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn send_to_abstract(sender: &UnixDatagram, name: &[u8], message: &str) -> io::Result<usize> {
+    use std::os::linux::net::SocketAddrExt;
+    let address = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
+    sender.send_to_addr(message.as_bytes(), &address)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn send_to_abstract(_sender: &UnixDatagram, _name: &[u8], _message: &str) -> io::Result<usize> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "abstract-namespace sockets exist only on Linux",
+    ))
+}
+
+/// The watchdog timeout systemd set for us (`WatchdogSec=`), from `WATCHDOG_USEC` and
+/// `WATCHDOG_PID`; `None` when the watchdog is off or meant for another process.
+pub fn watchdog_interval() -> Option<Duration> {
+    let usec = std::env::var("WATCHDOG_USEC").ok();
+    let pid = std::env::var("WATCHDOG_PID").ok();
+    parse_watchdog_interval(usec.as_deref(), pid.as_deref(), std::process::id())
+}
+
+/// The pure part of [`watchdog_interval`]. `usec` must be a positive integer; `pid`, when set
+/// and not empty, must equal `our_pid` (systemd sets it so that children do not ping for the
+/// service). Anything malformed reads as "no watchdog", as in `sd_watchdog_enabled(3)`.
+pub fn parse_watchdog_interval(
+    usec: Option<&str>,
+    pid: Option<&str>,
+    our_pid: u32,
+) -> Option<Duration> {
+    let usec: u64 = usec
+        .map(str::trim)
+        .filter(|s| !s.is_empty())?
+        .parse()
+        .ok()?;
+    if usec == 0 {
+        return None;
+    }
+    if let Some(pid) = pid.map(str::trim).filter(|s| !s.is_empty()) {
+        if pid.parse::<u32>().ok()? != our_pid {
+            return None;
+        }
+    }
+    Some(Duration::from_micros(usec))
+}
+
+/// How often to send `WATCHDOG=1`: half the watchdog timeout, as systemd recommends, so one
+/// late ping never trips it.
+pub fn watchdog_send_period(interval: Duration) -> Duration {
+    interval / 2
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown
+// ---------------------------------------------------------------------------------------------
+
+/// Where the process is in its shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownState {
+    /// Serving normally.
+    Running,
+    /// The first SIGTERM/SIGINT: `/ready` says draining, listeners stop accepting, desktops
+    /// get `drain`, the rest close after the drain grace (SPEC §9).
+    Draining,
+    /// The second signal: the process exits at once.
+    Immediate,
+}
+
+type DrainCallback = Arc<dyn Fn() + Send + Sync>;
+
+struct ShutdownInner {
+    state: ShutdownState,
+    /// Run once each when the drain begins (or at once if registered later).
+    drain_callbacks: Vec<DrainCallback>,
+    /// Closes the `signals` thread's iterator so that thread can be joined.
+    signal_handle: Option<signal_hook::iterator::Handle>,
+}
+
+/// The shared shutdown state. Cheap to clone: every clone is the same state.
+#[derive(Clone)]
+pub struct Shutdown {
+    shared: Arc<(Mutex<ShutdownInner>, Condvar)>,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown::new()
+    }
+}
+
+impl std::fmt::Debug for Shutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shutdown")
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl Shutdown {
+    pub fn new() -> Shutdown {
+        Shutdown {
+            shared: Arc::new((
+                Mutex::new(ShutdownInner {
+                    state: ShutdownState::Running,
+                    drain_callbacks: Vec::new(),
+                    signal_handle: None,
+                }),
+                Condvar::new(),
+            )),
+        }
+    }
+
+    /// The state lock. Nothing panics while holding it, but if something did, the state is
+    /// still a plain enum and a list, so we keep using it.
+    fn lock(&self) -> MutexGuard<'_, ShutdownInner> {
+        self.shared.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn state(&self) -> ShutdownState {
+        self.lock().state
+    }
+
+    /// True once a shutdown was requested (draining, or exiting at once).
+    pub fn is_draining(&self) -> bool {
+        self.state() != ShutdownState::Running
+    }
+
+    pub fn is_immediate(&self) -> bool {
+        self.state() == ShutdownState::Immediate
+    }
+
+    /// Starts the drain (Running → Draining) and runs the drain callbacks; returns whether
+    /// this call started it. Roles and tests use it; signals go through [`Shutdown::request`].
+    pub fn begin_drain(&self) -> bool {
+        let callbacks = {
+            let mut inner = self.lock();
+            if inner.state != ShutdownState::Running {
+                return false;
+            }
+            inner.state = ShutdownState::Draining;
+            inner.drain_callbacks.clone()
+        };
+        self.shared.1.notify_all();
+        run_callbacks(&callbacks);
+        true
+    }
+
+    /// What one SIGTERM/SIGINT does: Running → Draining (running the drain callbacks), then
+    /// Draining → Immediate. Returns the new state. Exiting on Immediate is the caller's job
+    /// (the `signals` thread), so that this stays testable.
+    pub fn request(&self) -> ShutdownState {
+        let (state, callbacks) = self.advance();
+        run_callbacks(&callbacks);
+        state
+    }
+
+    /// Moves one step and returns the callbacks to run for it, without running them.
+    fn advance(&self) -> (ShutdownState, Vec<DrainCallback>) {
+        let result = {
+            let mut inner = self.lock();
+            match inner.state {
+                ShutdownState::Running => {
+                    inner.state = ShutdownState::Draining;
+                    (ShutdownState::Draining, inner.drain_callbacks.clone())
+                }
+                ShutdownState::Draining | ShutdownState::Immediate => {
+                    inner.state = ShutdownState::Immediate;
+                    (ShutdownState::Immediate, Vec::new())
+                }
+            }
+        };
+        self.shared.1.notify_all();
+        result
+    }
+
+    /// Registers something to run when the drain begins, typically unblocking a server so
+    /// its accept loop ends. Runs at once, on this thread, if the drain already began.
+    pub fn on_drain(&self, callback: Box<dyn Fn() + Send + Sync>) {
+        let callback: DrainCallback = Arc::from(callback);
+        let run_now = {
+            let mut inner = self.lock();
+            if inner.state == ShutdownState::Running {
+                inner.drain_callbacks.push(callback.clone());
+                false
+            } else {
+                true
+            }
+        };
+        if run_now {
+            callback();
+        }
+    }
+
+    /// Waits up to `timeout` for a shutdown request; returns whether one was made (at once if
+    /// it already was). Role loops use it as their tick: `while !shutdown.wait_timeout(tick)`.
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let guard = self.lock();
+        let (guard, _) = self
+            .shared
+            .1
+            .wait_timeout_while(guard, timeout, |inner| {
+                inner.state == ShutdownState::Running
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        guard.state != ShutdownState::Running
+    }
+
+    /// Ends the `signals` thread (its iterator stops), so it can be joined at shutdown. After
+    /// this, SIGTERM/SIGINT are still caught but no longer acted on.
+    pub fn close_signal_listener(&self) {
+        if let Some(handle) = self.lock().signal_handle.take() {
+            handle.close();
+        }
+    }
+}
+
+fn run_callbacks(callbacks: &[DrainCallback]) {
+    for callback in callbacks {
+        callback();
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        SIGTERM => "SIGTERM",
+        SIGINT => "SIGINT",
+        _ => "other",
+    }
+}
+
+/// Catches SIGTERM and SIGINT and hands them to `shutdown` on a thread named `signals`. The
+/// first begins the drain (logs `orca_relay_shutdown_draining`, sends `STOPPING=1`, runs the
+/// drain callbacks); the second logs `orca_relay_shutdown_immediate` and exits the process
+/// with status 0 at once (SPEC §9).
+pub fn install_signal_handlers(shutdown: &Shutdown) -> io::Result<JoinHandle<()>> {
+    let mut signals = Signals::new([SIGTERM, SIGINT])?;
+    shutdown.lock().signal_handle = Some(signals.handle());
+    let shutdown = shutdown.clone();
+    threads::spawn("signals", move || {
+        for signal in signals.forever() {
+            let name = signal_name(signal);
+            let (state, callbacks) = shutdown.advance();
+            match state {
+                ShutdownState::Draining => {
+                    log::info!("orca_relay_shutdown_draining signal={name}");
+                    notify_stopping();
+                    run_callbacks(&callbacks);
+                }
+                ShutdownState::Immediate | ShutdownState::Running => {
+                    log::warn!("orca_relay_shutdown_immediate signal={name}");
+                    log::logger().flush();
+                    std::process::exit(0);
+                }
+            }
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// File descriptors
+// ---------------------------------------------------------------------------------------------
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit: a cell holds one descriptor per
+/// WebSocket connection, and the usual soft default (1024) is far below the connection cap.
+/// Returns (old soft limit, new soft limit). An unlimited hard limit is read as the kernel's
+/// `fs.nr_open`, the most a process can actually have.
+pub fn raise_fd_limit() -> io::Result<(u64, u64)> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own and pass by pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let old: u64 = limit.rlim_cur;
+    let hard = if limit.rlim_max == libc::RLIM_INFINITY {
+        kernel_nr_open().unwrap_or(old)
+    } else {
+        limit.rlim_max
+    };
+    if hard <= old {
+        return Ok((old, old));
+    }
+    limit.rlim_cur = hard;
+    // SAFETY: setrlimit reads the struct we own; raising the soft limit up to the hard limit
+    // needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((old, hard))
+}
+
+fn kernel_nr_open() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+
+    #[test]
+    fn watchdog_interval_parsing() {
+        let pid = 4242;
+        let cases: &[(Option<&str>, Option<&str>, Option<Duration>)] = &[
+            (None, None, None),
+            (Some(""), None, None),
+            (Some("0"), None, None),
+            (Some("abc"), None, None),
+            (Some("-5"), None, None),
+            (Some("30000000"), None, Some(Duration::from_secs(30))),
+            (Some(" 30000000 "), Some(""), Some(Duration::from_secs(30))),
+            (
+                Some("30000000"),
+                Some("4242"),
+                Some(Duration::from_secs(30)),
+            ),
+            (Some("30000000"), Some("4243"), None),
+            (Some("30000000"), Some("not-a-pid"), None),
+        ];
+        for &(usec, watchdog_pid, expected) in cases {
+            assert_eq!(
+                parse_watchdog_interval(usec, watchdog_pid, pid),
+                expected,
+                "WATCHDOG_USEC={usec:?} WATCHDOG_PID={watchdog_pid:?}"
+            );
+        }
+        assert_eq!(
+            watchdog_send_period(Duration::from_secs(30)),
+            Duration::from_secs(15)
+        );
+    }
+
+    #[test]
+    fn notify_socket_forms() {
+        assert_eq!(
+            parse_notify_socket(OsStr::new("/run/systemd/notify")),
+            Some(NotifyAddress::Path("/run/systemd/notify".into()))
+        );
+        assert_eq!(
+            parse_notify_socket(OsStr::new("@/org/freedesktop/systemd1/notify/123")),
+            Some(NotifyAddress::Abstract(
+                b"/org/freedesktop/systemd1/notify/123".to_vec()
+            ))
+        );
+        assert_eq!(parse_notify_socket(OsStr::new("")), None);
+        assert_eq!(parse_notify_socket(OsStr::new("@")), None);
+        assert_eq!(parse_notify_socket(OsStr::new("vsock:2:1234")), None);
+        assert!(send_notification(OsStr::new("relative/path"), "READY=1").is_err());
+    }
+
+    #[test]
+    fn status_is_one_line() {
+        assert_eq!(
+            status_message("registered\nwith 2 directors"),
+            "STATUS=registered with 2 directors"
+        );
+    }
+
+    #[test]
+    fn first_request_drains_and_second_is_immediate() {
+        let shutdown = Shutdown::new();
+        assert_eq!(shutdown.state(), ShutdownState::Running);
+        assert!(!shutdown.is_draining());
+
+        assert_eq!(shutdown.request(), ShutdownState::Draining);
+        assert!(shutdown.is_draining());
+        assert!(!shutdown.is_immediate());
+
+        assert_eq!(shutdown.clone().request(), ShutdownState::Immediate);
+        assert!(shutdown.is_draining());
+        assert!(shutdown.is_immediate());
+        assert_eq!(shutdown.request(), ShutdownState::Immediate);
+    }
+
+    #[test]
+    fn drain_callbacks_run_exactly_once_and_late_ones_run_at_once() {
+        let shutdown = Shutdown::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        shutdown.on_drain(Box::new(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }));
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+
+        assert!(shutdown.begin_drain());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(!shutdown.begin_drain(), "already draining");
+        assert_eq!(shutdown.request(), ShutdownState::Immediate);
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "escalation does not rerun");
+
+        let late = calls.clone();
+        shutdown.on_drain(Box::new(move || {
+            late.fetch_add(10, Ordering::SeqCst);
+        }));
+        assert_eq!(calls.load(Ordering::SeqCst), 11);
+    }
+
+    #[test]
+    fn wait_timeout_times_out_while_running() {
+        let shutdown = Shutdown::new();
+        assert!(!shutdown.wait_timeout(Duration::from_millis(20)));
+        shutdown.begin_drain();
+        assert!(shutdown.wait_timeout(Duration::ZERO));
+    }
+
+    #[test]
+    fn wait_timeout_wakes_when_another_thread_begins_the_drain() {
+        let shutdown = Shutdown::new();
+        let (go, ready) = mpsc::channel::<()>();
+        let drainer = {
+            let shutdown = shutdown.clone();
+            threads::spawn("test-drainer", move || {
+                ready.recv().expect("go signal");
+                shutdown.begin_drain();
+            })
+            .expect("spawn")
+        };
+        let started = crate::clock::instant();
+        go.send(()).expect("drainer alive");
+        assert!(shutdown.wait_timeout(Duration::from_secs(30)));
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "woken by the state change, not the timeout"
+        );
+        drainer.join().expect("drainer joined");
+    }
+
+    #[test]
+    fn the_fd_soft_limit_is_raised_to_the_hard_limit() {
+        let (old, new) = raise_fd_limit().expect("raise fd limit");
+        assert!(new >= old);
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: as in raise_fd_limit.
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+            0
+        );
+        assert_eq!(limit.rlim_cur, new);
+        // A second call finds nothing left to raise.
+        assert_eq!(raise_fd_limit().expect("raise again"), (new, new));
+    }
+}
