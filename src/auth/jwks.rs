@@ -10,6 +10,7 @@
 //! failed (during a JWKS outage tokens signed by cached keys keep verifying), and never lets
 //! unknown-`kid` tokens fetch more than once per [`UNKNOWN_KID_REFETCH_INTERVAL_MS`].
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,7 +38,7 @@ pub const MAX_JWKS_BODY_BYTES: u64 = 1024 * 1024;
 /// RSA keys with a modulus shorter than 2048 bits are skipped (NIST SP 800-57 minimum).
 const MIN_RSA_MODULUS_BYTES: usize = 2048 / 8;
 
-/// Failure codes reported by [`JwksSource::refresh`] (and so by the readiness probe).
+/// Failure codes of a JWKS fetch, reported by `Verifier::probe` to readiness (SPEC 7).
 pub const JWKS_HTTP_FAILED: &str = "jwks_http_failed";
 pub const JWKS_TIMED_OUT: &str = "jwks_timed_out";
 pub const JWKS_UNREACHABLE: &str = "jwks_unreachable";
@@ -105,13 +106,15 @@ pub(crate) fn parse_jwks(body: &[u8]) -> Result<KeySet, &'static str> {
         match kid {
             // A kid-less key among several cannot be told apart from the others.
             None => log::debug!("orca_relay_jwks_key_skipped kid=- reason=no_kid_among_several"),
-            Some(kid) => {
-                if set.by_kid.contains_key(&kid) {
-                    log::debug!("orca_relay_jwks_key_skipped kid={kid} reason=duplicate_kid");
-                } else {
-                    set.by_kid.insert(kid, Arc::new(key));
+            Some(kid) => match set.by_kid.entry(kid) {
+                Entry::Occupied(taken) => log::debug!(
+                    "orca_relay_jwks_key_skipped kid={} reason=duplicate_kid",
+                    taken.key()
+                ),
+                Entry::Vacant(slot) => {
+                    slot.insert(Arc::new(key));
                 }
-            }
+            },
         }
     }
     if set.len() == 0 {

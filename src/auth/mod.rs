@@ -7,7 +7,7 @@
 //! readiness prober ([`Verifier::probe`]). A `Verifier` is a cheap clone of one `Arc`.
 //!
 //! Must never let a token's header choose the algorithm (the key's type does), never hold a lock
-//! across the JWKS fetch (see [`jwks`]), never read the wall clock (expiry is checked against the
+//! across the JWKS fetch (see `jwks.rs`), never read the wall clock (expiry is checked against the
 //! injected [`Clock`]), and never log a token or a secret.
 
 mod jwks;
