@@ -115,6 +115,7 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             }
             ReadEvent::TooBig => {
                 context.close(&socket, CloseCode::TooBig, "frame too large");
+                reader.drain_after_close();
                 break;
             }
             ReadEvent::Gone => break,

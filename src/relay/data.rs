@@ -87,8 +87,10 @@ pub fn pump(
                             from.id,
                             to.id
                         );
-                        to.shutdown();
+                        // Close the sender first: the stalled side's own thread will notice the
+                        // shutdown and must not win the race with a 4408.
                         context.close(from, CloseCode::LimitExceeded, "wedged");
+                        to.shutdown();
                         return;
                     }
                     Err(SendError::Closed) => {
@@ -102,6 +104,7 @@ pub fn pump(
             ReadEvent::TooBig => {
                 context.close(from, CloseCode::TooBig, "frame too large");
                 context.close(to, CloseCode::PeerDropped, "peer left");
+                reader.drain_after_close();
                 return;
             }
             ReadEvent::Gone => {

@@ -283,6 +283,23 @@ impl Reader {
     pub fn socket(&self) -> &Arc<Socket> {
         &self.half.0
     }
+
+    /// After closing on an oversized frame, discards what the peer is still sending (for at
+    /// most [`CLOSE_LINGER`]) so that it can finish its write and read our close frame instead
+    /// of seeing its connection reset.
+    pub fn drain_after_close(&mut self) {
+        let started = clock::instant();
+        let mut scratch = vec![0u8; 64 * 1024];
+        while let Some(left) = CLOSE_LINGER.checked_sub(started.elapsed()) {
+            if left.is_zero() || self.half.0.stream.set_read_timeout(Some(left)).is_err() {
+                return;
+            }
+            match (&self.half.0.stream).read(&mut scratch) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
 }
 
 /// Drops TCP connections whose close handshake did not finish in time. One thread, `reaper`.
