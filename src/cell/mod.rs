@@ -1,5 +1,9 @@
 //! The cell model.
 pub mod admission;
+pub mod bookings;
+pub mod contact;
 pub mod handshake;
+pub mod internal_api;
+pub mod seats;
 pub mod state;
 pub mod switch;
