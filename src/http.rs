@@ -119,12 +119,20 @@ impl Request<'_> {
 
 pub type Handler = Arc<dyn Fn(&mut Request<'_>) -> Reply + Send + Sync>;
 
+/// Compares secrets without an early exit on the first differing byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Compares a bearer token with the expected secret in constant time.
 pub fn bearer_matches(authorization: Option<&str>, expected: &str) -> bool {
     let presented = authorization
         .and_then(|value| value.strip_prefix("Bearer "))
         .unwrap_or("");
-    crate::cell::state::constant_time_eq(presented.as_bytes(), expected.as_bytes())
+    constant_time_eq(presented.as_bytes(), expected.as_bytes())
 }
 
 /// A running HTTP listener.

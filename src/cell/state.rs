@@ -348,7 +348,7 @@ impl<S: Peer> CellState<S> {
     pub fn take_pending(&self, conn_id: &str, ticket: &str, generation: u64) -> Option<Pending<S>> {
         let mut inner = self.lock();
         let matches = inner.pending.get(conn_id).is_some_and(|pending| {
-            crate::cell::state::constant_time_eq(pending.ticket.as_bytes(), ticket.as_bytes())
+            crate::http::constant_time_eq(pending.ticket.as_bytes(), ticket.as_bytes())
                 && pending.generation == generation
         });
         if !matches {
@@ -374,14 +374,6 @@ impl<S: Peer> CellState<S> {
             .map(|seat| seat.phones)
             .unwrap_or(0)
     }
-}
-
-/// Compares secrets without an early exit on the first differing byte.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// WebSocket connections (and, in reserve mode, bookings) held against the connection cap.
