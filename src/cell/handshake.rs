@@ -191,6 +191,9 @@ pub struct RegisterRequest {
     pub cell_url: String,
     pub region: String,
     pub incarnation: i64,
+    /// The cell's HTTP base URL, where directors reach `/internal/*`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub internal_url: Option<String>,
 }
 
 impl RegisterRequest {
@@ -207,7 +210,13 @@ impl RegisterRequest {
             cell_url: cell_url.into(),
             region: region.into(),
             incarnation,
+            internal_url: None,
         }
+    }
+
+    pub fn with_internal_url(mut self, internal_url: impl Into<String>) -> RegisterRequest {
+        self.internal_url = Some(internal_url.into());
+        self
     }
 }
 

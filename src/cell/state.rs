@@ -203,18 +203,37 @@ impl<S: Peer> CellState<S> {
         }
     }
 
-    /// A control socket ended. Only the current control of that generation unseats the host.
-    pub fn unseat(&self, relay_host_id: &str, generation: u64) -> bool {
+    /// A control socket ended. Only the current control of that generation unseats the host;
+    /// the removed control is returned (its lease, if any, is the caller's to delete).
+    pub fn unseat(&self, relay_host_id: &str, generation: u64) -> Option<Control<S>> {
         let now = self.now_ms();
         let mut inner = self.lock();
-        let Some(seat) = inner.seats.get_mut(relay_host_id) else {
+        let seat = inner.seats.get_mut(relay_host_id)?;
+        if seat.control.as_ref().map(|c| c.generation) != Some(generation) {
+            return None;
+        }
+        seat.left_at_ms = Some(now);
+        seat.control.take()
+    }
+
+    /// After a trip, a memory- or booking-admitted control now holds a database lease.
+    pub fn promote_to_database(
+        &self,
+        relay_host_id: &str,
+        generation: u64,
+        lease_id: String,
+    ) -> bool {
+        let mut inner = self.lock();
+        let Some(control) = inner
+            .seats
+            .get_mut(relay_host_id)
+            .and_then(|seat| seat.control.as_mut())
+            .filter(|control| control.generation == generation)
+        else {
             return false;
         };
-        if seat.control.as_ref().map(|c| c.generation) != Some(generation) {
-            return false;
-        }
-        seat.control = None;
-        seat.left_at_ms = Some(now);
+        control.admitted_via = AdmitPath::Database;
+        control.lease_id = Some(lease_id);
         true
     }
 
@@ -478,7 +497,7 @@ mod tests {
         assert_eq!(second.generation, 2);
         assert_eq!(second.replaced.map(|c| c.socket.id()), Some(1));
         assert!(
-            !state.unseat("h", 1),
+            state.unseat("h", 1).is_none(),
             "the replaced control does not unseat the new one"
         );
         assert!(state.control("h").is_some());

@@ -16,6 +16,7 @@ use super::socket::{ReadEvent, Reader, Socket};
 use super::{read_first_text, RelayContext};
 use crate::auth::HostClaims;
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
+use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};
 use crate::protocol::{self, CloseCode, HostToRelay, RelayToHost, INVITE_MAX_ATTEMPTS};
 use crate::store::LeaseOutcome;
@@ -35,37 +36,64 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
         _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad hello"),
     };
 
+    let now = context.clock.now_ms();
     let lease_id = format!(
         "control:{}:{}:{}",
         context.cell_id, context.incarnation, socket.id
     );
-    let now = context.clock.now_ms() as i64;
-    let request = LeaseRequest {
-        activity_id: &lease_id,
-        user_id: &claims.user_id,
-        relay_host_id: &claims.relay_host_id,
-        cell_id: &context.cell_id,
-        epoch,
-        now_ms: now,
-        ttl_ms: context.timings.lease_ttl_ms as i64,
+    // Reserve mode: a booking, then memory, without the database (SPEC §5.3).
+    let reserve_path = if context.mode.raw_is_reserve() {
+        if context
+            .bookings
+            .consume(&claims.user_id, &claims.relay_host_id, epoch, now)
+        {
+            Some(AdmitPath::Booking)
+        } else if context.cell.seated_here_at(
+            &claims.user_id,
+            &claims.relay_host_id,
+            epoch,
+            context.timings.seat_memory_ms,
+        ) {
+            Some(AdmitPath::Memory)
+        } else {
+            None
+        }
+    } else {
+        None
     };
-    match admission::check_database(&context.store, &request) {
-        Ok(DbVerdict::Admitted) => context.metrics.admission("database", "admitted"),
-        Ok(DbVerdict::WrongCell) => {
-            context.metrics.admission("database", "wrong_cell");
-            context.cell.demote(&claims.relay_host_id);
-            return context.close(&socket, CloseCode::WrongCell, "wrong cell");
+    let admitted_via = match reserve_path {
+        Some(path) => path,
+        None => {
+            let request = LeaseRequest {
+                activity_id: &lease_id,
+                user_id: &claims.user_id,
+                relay_host_id: &claims.relay_host_id,
+                cell_id: &context.cell_id,
+                epoch,
+                now_ms: now as i64,
+                ttl_ms: context.timings.lease_ttl_ms as i64,
+            };
+            match admission::check_database(&context.store, &request) {
+                Ok(DbVerdict::Admitted) => AdmitPath::Database,
+                Ok(DbVerdict::WrongCell) => {
+                    context.metrics.admission("database", "wrong_cell");
+                    context.cell.demote(&claims.relay_host_id);
+                    return context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                }
+                Err(e) => {
+                    context.metrics.admission("database", "error");
+                    log::warn!(
+                        "orca_relay_admission_failed host={} reason={}",
+                        claims.relay_host_id,
+                        e.reason_code()
+                    );
+                    return context.close(&socket, CloseCode::LimitExceeded, "try again");
+                }
+            }
         }
-        Err(e) => {
-            context.metrics.admission("database", "error");
-            log::warn!(
-                "orca_relay_admission_failed host={} reason={}",
-                claims.relay_host_id,
-                e.reason_code()
-            );
-            return context.close(&socket, CloseCode::LimitExceeded, "try again");
-        }
-    }
+    };
+    context.metrics.admission(admitted_via.as_str(), "admitted");
+    let lease_id = (admitted_via == AdmitPath::Database).then_some(lease_id);
 
     let seated = context.cell.seat(Control {
         socket: socket.clone(),
@@ -73,8 +101,8 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
         relay_host_id: claims.relay_host_id.clone(),
         epoch,
         generation: 0,
-        admitted_via: AdmitPath::Database,
-        lease_id: Some(lease_id.clone()),
+        admitted_via,
+        lease_id,
     });
     if let Some(old) = seated.replaced {
         context.close(
@@ -83,15 +111,24 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             "replaced by a newer control",
         );
     }
+    context.seats.record(SeatChange {
+        kind: ChangeKind::Join,
+        user_id: claims.user_id.clone(),
+        relay_host_id: claims.relay_host_id.clone(),
+        epoch,
+        generation: seated.generation,
+        at_ms: now,
+    });
     let generation = seated.generation;
     let ack = protocol::to_json(&RelayToHost::HostHelloAck { v: 1, generation });
     if socket.send(Message::text(ack)).is_err() {
-        finish(context, &claims, generation, Some(&lease_id));
+        finish(context, &claims, epoch, generation);
         return;
     }
     log::debug!(
-        "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path=database",
-        claims.relay_host_id
+        "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path={}",
+        claims.relay_host_id,
+        admitted_via.as_str()
     );
 
     let _ = socket
@@ -124,12 +161,22 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             break;
         }
     }
-    finish(context, &claims, generation, Some(&lease_id));
+    finish(context, &claims, epoch, generation);
 }
 
-fn finish(context: &RelayContext, claims: &HostClaims, generation: u64, lease_id: Option<&str>) {
-    context.cell.unseat(&claims.relay_host_id, generation);
-    if let Some(lease_id) = lease_id {
+fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u64) {
+    let Some(control) = context.cell.unseat(&claims.relay_host_id, generation) else {
+        return;
+    };
+    context.seats.record(SeatChange {
+        kind: ChangeKind::Leave,
+        user_id: claims.user_id.clone(),
+        relay_host_id: claims.relay_host_id.clone(),
+        epoch,
+        generation,
+        at_ms: context.clock.now_ms(),
+    });
+    if let Some(lease_id) = control.lease_id.as_deref() {
         if let Err(e) = context.store.delete_lease(lease_id) {
             // The lease expires on its own within its TTL.
             log::info!(

@@ -22,6 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::auth::Verifier;
+use crate::cell::bookings::Bookings;
+use crate::cell::mode::CellMode;
+use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
 use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
 use crate::clock::SharedClock;
 use crate::config::Timings;
@@ -156,6 +159,11 @@ pub struct RelayContext {
     pub slots: Arc<ConnectionSlots>,
     pub phase: Arc<Phase>,
     pub metrics: RelayMetrics,
+    /// Reserve-mode admission: the director's bookings, the seat log (feed and memory), and
+    /// the mode the watchdog publishes.
+    pub bookings: Arc<Bookings>,
+    pub seats: Arc<SeatLog>,
+    pub mode: Arc<CellMode>,
     next_id: Arc<AtomicU64>,
     rejecting: Arc<AtomicU32>,
 }
@@ -178,6 +186,7 @@ impl RelayContext {
         phase: Arc<Phase>,
         registry: &Registry,
     ) -> Self {
+        let slots = ConnectionSlots::new(connection_cap);
         RelayContext {
             cell_id: cell_id.into(),
             incarnation,
@@ -187,7 +196,10 @@ impl RelayContext {
             store,
             clock,
             reaper,
-            slots: ConnectionSlots::new(connection_cap),
+            bookings: Arc::new(Bookings::new(slots.clone())),
+            seats: Arc::new(SeatLog::new(incarnation, DEFAULT_RING_CAPACITY)),
+            mode: Arc::new(CellMode::new()),
+            slots,
             phase,
             metrics: RelayMetrics::new(registry),
             next_id: Arc::new(AtomicU64::new(1)),

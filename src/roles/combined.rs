@@ -1,34 +1,34 @@
 //! The `combined` role: one cell and the director's `/v1/assign` in one process, on SQLite by
 //! default. The zero-setup way to run the relay on one machine.
 //!
-//! Threads: `acceptor`, `relay-<id>` per connection, `pinger`, `lease-renewer`, `reaper`,
-//! `http-<n>`; the main thread waits for a signal and runs the shutdown order.
+//! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
+//! `http-<n>`, `signals`; the main thread waits for SIGTERM and runs the drain.
 
-use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::Arc;
 
+use crate::cell::heartbeat::Sink;
 use crate::clock;
 use crate::config::Config;
 use crate::director::assign::{self, AssignContext, Target};
 use crate::http::{HttpServer, Reply, Request};
+use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
-use crate::relay::socket::Reaper;
-use crate::relay::{self, Phase, RelayContext};
+use crate::readiness::Readiness;
 use crate::threads;
 
-use super::{bind, open_store, verifier, RunError};
+use super::cell::{CellRuntime, CellSetup};
+use super::{bind, migrate_in_background, open_store, start_prober, verifier, RunError};
 
 pub fn run(config: Config) -> Result<(), RunError> {
     let clock = clock::system();
     let incarnation = clock.now_ms() as i64;
     let registry = Registry::new();
+    let shutdown = Shutdown::new();
+    let signals = lifecycle::install_signal_handlers(&shutdown)
+        .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
-    store
-        .migrate()
-        .map_err(|e| RunError(format!("migration failed: {e}")))?;
+    let migrator = migrate_in_background(&store)?;
 
     let ws_listener = bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
     let http_listener = bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
@@ -46,48 +46,28 @@ pub fn run(config: Config) -> Result<(), RunError> {
             config.cell_url.clone()
         };
 
-    let (reaper, reaper_handle) =
-        Reaper::start().map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
-    let phase = Arc::new(Phase::default());
-    let context = RelayContext::new(
-        &config.cell_id,
-        incarnation,
-        config.timings.clone(),
-        config.connection_cap,
-        verifier.clone(),
-        store.clone(),
-        clock.clone(),
-        reaper,
-        phase.clone(),
-        &registry,
-    );
-    register_store_metrics(&registry, &store, &context);
+    let readiness = Readiness::from_config(&config);
+    readiness.register_metrics(&registry, clock.clone());
+    let (prober_stop, prober) = start_prober(
+        &readiness,
+        &verifier,
+        &store,
+        &clock,
+        config.timings.readiness_probe_ms,
+    )?;
 
-    let acceptor_stop = Arc::new(AtomicBool::new(false));
-    let acceptor = {
-        let context = context.clone();
-        let stop = acceptor_stop.clone();
-        threads::spawn("acceptor", move || {
-            relay::run_acceptor(ws_listener, context, stop)
-        })
-        .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?
-    };
-    let (pinger_stop, pinger_rx) = mpsc::channel::<()>();
-    let pinger = {
-        let context = context.clone();
-        threads::spawn("pinger", move || {
-            relay::control::run_pinger(context, pinger_rx)
-        })
-        .map_err(|e| RunError(format!("cannot start the pinger thread: {e}")))?
-    };
-    let (renewer_stop, renewer_rx) = mpsc::channel::<()>();
-    let renewer = {
-        let context = context.clone();
-        threads::spawn("lease-renewer", move || {
-            relay::control::run_lease_renewer(context, renewer_rx)
-        })
-        .map_err(|e| RunError(format!("cannot start the lease-renewer thread: {e}")))?
-    };
+    let cell = Arc::new(CellRuntime::start(CellSetup {
+        config: &config,
+        clock: clock.clone(),
+        registry: registry.clone(),
+        store: store.clone(),
+        verifier: verifier.clone(),
+        readiness: readiness.clone(),
+        ws_listener,
+        cell_url: cell_url.clone(),
+        incarnation,
+        heartbeat: Sink::Store(store.clone()),
+    })?);
 
     let assign_context = Arc::new(AssignContext {
         verifier,
@@ -100,115 +80,71 @@ pub fn run(config: Config) -> Result<(), RunError> {
     });
     let handler = {
         let registry = registry.clone();
-        let phase = phase.clone();
-        let assign_context = assign_context.clone();
+        let readiness = readiness.clone();
+        let cell = cell.clone();
+        let clock = clock.clone();
         Arc::new(move |request: &mut Request<'_>| {
-            route(request, &registry, &phase, &assign_context)
+            if let Some(reply) = cell.route(request) {
+                return reply;
+            }
+            match (request.method, request.path) {
+                ("GET", "/health") => Reply::json(200, r#"{"ok":true}"#),
+                ("GET", "/ready") => {
+                    let verdict = readiness.answer(clock.now_ms());
+                    Reply::json(verdict.status, verdict.body)
+                }
+                ("GET", "/metrics") => Reply::text(200, registry.render()),
+                ("POST", "/v1/assign") => assign::handle(request, &assign_context),
+                _ => Reply::error(404, "not_found"),
+            }
         })
     };
     let http = HttpServer::start(http_listener, 4, handler)
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    super::start_systemd_watchdog(http_addr)?;
 
-    phase.set(Phase::SERVING);
+    // The combined role has no remote director to register with: the cell is in the store.
+    if let Err(e) = store.register_cell(
+        &config.cell_id,
+        &cell_url,
+        &config.region,
+        incarnation,
+        incarnation,
+    ) {
+        log::warn!(
+            "orca_relay_self_registration_deferred reason={}",
+            e.reason_code()
+        );
+    }
+    cell.serve();
+    lifecycle::notify_ready();
     log::info!(
         "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation}",
         config.cell_id
     );
 
-    wait_for_signal();
-
-    // Shutdown order: stop admitting, close every socket, stop the cell threads, then HTTP.
-    log::info!("orca_relay_shutdown_started role=combined");
-    phase.set(Phase::DRAINING);
-    acceptor_stop.store(true, Ordering::Release);
-    let _ = TcpStream::connect(ws_addr);
-    threads::join_logged("acceptor", acceptor);
-    for control in context.cell.controls() {
-        context.close(
-            &control.socket,
-            crate::protocol::CloseCode::Draining,
-            "draining",
-        );
+    while !shutdown.is_draining() {
+        shutdown.wait_timeout(std::time::Duration::from_secs(3600));
     }
-    drop(pinger_stop);
-    drop(renewer_stop);
-    threads::join_logged("pinger", pinger);
-    threads::join_logged("lease-renewer", renewer);
+    cell.drain(&shutdown);
     http.stop();
-    drop(context);
-    drop(assign_context);
-    let _ = reaper_handle;
+    finish(prober_stop, prober, migrator, signals, &shutdown)
+}
+
+fn finish(
+    prober_stop: std::sync::mpsc::Sender<()>,
+    prober: std::thread::JoinHandle<()>,
+    migrator: Option<std::thread::JoinHandle<()>>,
+    signals: std::thread::JoinHandle<()>,
+    shutdown: &Shutdown,
+) -> Result<(), RunError> {
+    drop(prober_stop);
+    threads::join_logged("readiness", prober);
+    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
+        threads::join_logged("migrator", migrator);
+    }
+    shutdown.close_signal_listener();
+    threads::join_logged("signals", signals);
     log::info!("orca_relay_shutdown_finished role=combined");
     Ok(())
-}
-
-fn wait_for_signal() {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    match signal_hook::iterator::Signals::new([SIGTERM, SIGINT]) {
-        Ok(mut signals) => {
-            let _ = signals.forever().next();
-        }
-        Err(e) => {
-            log::error!("orca_relay_signals_unavailable error={e}");
-            loop {
-                clock::sleep(std::time::Duration::from_secs(3600));
-            }
-        }
-    }
-}
-
-fn register_store_metrics(
-    registry: &Registry,
-    store: &crate::store::Store,
-    context: &RelayContext,
-) {
-    let pool = store.clone();
-    registry.sampled_gauge(
-        "orca_relay_db_pool",
-        "Database pool connections and waiters.",
-        move || {
-            let stats = pool.pool_stats();
-            let row = |state: &str, value: u32| {
-                (vec![("state".to_string(), state.to_string())], value as f64)
-            };
-            vec![
-                row("open", stats.open),
-                row("idle", stats.idle),
-                row("waiters", stats.waiters),
-                row("max", stats.max),
-                row("ceiling", stats.ceiling),
-            ]
-        },
-    );
-    let statements = store.clone();
-    registry.sampled_gauge(
-        "orca_relay_db_statements",
-        "SQL statements this process has sent to the database.",
-        move || vec![(vec![], statements.statements_executed() as f64)],
-    );
-    let slots = context.slots.clone();
-    registry.sampled_gauge(
-        "orca_relay_connection_units",
-        "Connection units in use against the cap.",
-        move || vec![(vec![], slots.used() as f64)],
-    );
-}
-
-fn route(
-    request: &mut Request<'_>,
-    registry: &Registry,
-    phase: &Phase,
-    assign_context: &AssignContext,
-) -> Reply {
-    match (request.method, request.path) {
-        ("GET", "/health") => Reply::json(200, r#"{"ok":true}"#),
-        ("GET", "/ready") => match phase.get() {
-            Phase::STARTING => Reply::error(503, "starting"),
-            Phase::DRAINING => Reply::error(503, "draining"),
-            _ => Reply::json(200, r#"{"ok":true}"#),
-        },
-        ("GET", "/metrics") => Reply::text(200, registry.render()),
-        ("POST", "/v1/assign") => assign::handle(request, assign_context),
-        _ => Reply::error(404, "not_found"),
-    }
 }

@@ -1,6 +1,7 @@
 //! Role wiring: build the shared state, start every named thread of the role, own their
 //! handles, and run the shutdown order. Nothing here makes a decision of its own.
 
+pub mod cell;
 pub mod combined;
 
 use std::fmt;
@@ -116,4 +117,105 @@ pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, R
 /// Where the self-hosted key lives for a data directory.
 pub fn self_hosted_key_path(data_dir: &std::path::Path) -> PathBuf {
     data_dir.join("self-hosted.key")
+}
+
+/// Starts the `readiness` prober thread: JWKS (when configured) and SQL, every
+/// `READINESS_PROBE_MS`. Returns the stop sender and the handle.
+pub fn start_prober(
+    readiness: &crate::readiness::Readiness,
+    verifier: &Verifier,
+    store: &Store,
+    clock: &SharedClock,
+    period_ms: u64,
+) -> Result<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>), RunError> {
+    let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
+        let verifier = verifier.clone();
+        Some(Box::new(move || verifier.probe()))
+    } else {
+        None
+    };
+    let sql_store = store.clone();
+    let probes = crate::readiness::Probes {
+        jwks,
+        sql: Box::new(move || sql_store.ping().map_err(|e| e.reason_code())),
+    };
+    let (stop, receiver) = std::sync::mpsc::channel();
+    let readiness = readiness.clone();
+    let clock = clock.clone();
+    let handle = crate::threads::spawn("readiness", move || {
+        crate::readiness::run_prober(
+            readiness,
+            probes,
+            clock,
+            std::time::Duration::from_millis(period_ms),
+            receiver,
+        )
+    })
+    .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
+    Ok((stop, handle))
+}
+
+/// Applies migrations now, or, when the database does not answer, in the background until they
+/// succeed, so a process whose database is down at boot still starts (SPEC §7) instead of
+/// crash-looping. An error the database answered with (a broken migration) stops start-up.
+pub fn migrate_in_background(
+    store: &Store,
+) -> Result<Option<std::thread::JoinHandle<()>>, RunError> {
+    match store.migrate() {
+        Ok(()) => return Ok(None),
+        Err(e) if !e.is_unavailable() => {
+            return Err(RunError(format!("migration failed: {e}")));
+        }
+        Err(_) => {}
+    }
+    let store = store.clone();
+    crate::threads::spawn("migrator", move || {
+        let mut delay = std::time::Duration::from_millis(250);
+        let mut logged = false;
+        loop {
+            match store.migrate() {
+                Ok(()) => {
+                    if logged {
+                        log::info!("orca_relay_migrations_applied after_retry=true");
+                    }
+                    return;
+                }
+                Err(e) => {
+                    if !logged {
+                        log::warn!("orca_relay_migrations_pending reason={}", e.reason_code());
+                        logged = true;
+                    }
+                    crate::clock::sleep(delay);
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                }
+            }
+        }
+    })
+    .map(Some)
+    .map_err(|e| RunError(format!("cannot start the migrator thread: {e}")))
+}
+
+/// Starts the systemd watchdog thread when `WATCHDOG_USEC` is set: it sends `WATCHDOG=1` at
+/// half the interval only after its own `GET /health` on the HTTP listener answered, so a
+/// wedged process stops petting the watchdog.
+pub fn start_systemd_watchdog(http_addr: std::net::SocketAddr) -> Result<(), RunError> {
+    let Some(interval) = crate::lifecycle::watchdog_interval() else {
+        return Ok(());
+    };
+    let period = crate::lifecycle::watchdog_send_period(interval);
+    let url = format!("http://{http_addr}/health");
+    crate::threads::spawn("systemd-watchdog", move || {
+        let agent = ureq::AgentBuilder::new()
+            .timeout(std::time::Duration::from_secs(2))
+            .build();
+        loop {
+            match agent.get(&url).call() {
+                Ok(response) if response.status() == 200 => crate::lifecycle::notify_watchdog(),
+                _ => log::warn!("orca_relay_liveness_check_failed url={url}"),
+            }
+            crate::clock::sleep(period);
+        }
+    })
+    .map(|_| ())
+    .map_err(|e| RunError(format!("cannot start the systemd-watchdog thread: {e}")))
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tungstenite::client::IntoClientRequest;
 use tungstenite::stream::MaybeTlsStream;
@@ -59,15 +59,15 @@ pub struct Relay {
 
 /// Waits for `condition` with a deadline, polling every 20 ms.
 pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
+    let deadline = orca_relay::clock::instant() + timeout;
     loop {
         if condition() {
             return true;
         }
-        if Instant::now() >= deadline {
+        if orca_relay::clock::instant() >= deadline {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        orca_relay::clock::sleep(Duration::from_millis(20));
     }
 }
 
@@ -129,14 +129,14 @@ impl Relay {
 
     /// Waits for a log line containing `needle`; returns it.
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> Option<String> {
-        let deadline = Instant::now() + timeout;
+        let deadline = orca_relay::clock::instant() + timeout;
         let (lock, cvar) = &*self.log;
         let mut log = lock.lock().unwrap();
         loop {
             if let Some(line) = log.lines.iter().find(|l| l.contains(needle)) {
                 return Some(line.clone());
             }
-            let now = Instant::now();
+            let now = orca_relay::clock::instant();
             if now >= deadline {
                 return None;
             }
@@ -145,7 +145,14 @@ impl Relay {
     }
 
     pub fn count_log(&self, needle: &str) -> usize {
-        self.log.0.lock().unwrap().lines.iter().filter(|l| l.contains(needle)).count()
+        self.log
+            .0
+            .lock()
+            .unwrap()
+            .lines
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
     }
 
     pub fn log_text(&self) -> String {
@@ -183,8 +190,13 @@ impl Relay {
     /// The value of one metric line (exact name with labels), if present.
     pub fn metric(&self, series: &str) -> Option<f64> {
         let (_, body) = self.get("/metrics");
-        body.lines()
-            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+        body.lines().find_map(|line| {
+            line.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -200,15 +212,15 @@ impl Relay {
 
     /// Waits for the process to exit; returns its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
-        let deadline = Instant::now() + timeout;
+        let deadline = orca_relay::clock::instant() + timeout;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Some(status.code().unwrap_or(-1));
             }
-            if Instant::now() >= deadline {
+            if orca_relay::clock::instant() >= deadline {
                 return None;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            orca_relay::clock::sleep(Duration::from_millis(20));
         }
     }
 }
@@ -332,8 +344,8 @@ impl Desktop {
         let user_id = format!("user-{relay_host_id}");
         let token = token(&user_id, &relay_host_id);
         let epoch = assign(relay, &token, &relay_host_id);
-        let mut control = ws_connect(&relay.ws_url("/v1/host/control"), Some(&token))
-            .expect("control upgrade");
+        let mut control =
+            ws_connect(&relay.ws_url("/v1/host/control"), Some(&token)).expect("control upgrade");
         send_json(
             &mut control,
             serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":epoch}),

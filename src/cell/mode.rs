@@ -1,0 +1,109 @@
+//! The cell's admission mode as the rest of the cell reads it: the applied switch, the raw
+//! mode, the dead-man state, the last admit-effective row written, draining.
+//!
+//! Written by the `switch-watcher` (switch), the `watchdog` (raw mode, dead-man state) and the
+//! `claim-loop` (effective row); read by relay threads (admission), the internal API (feed,
+//! bookings) and metrics. Atomics and one short mutex; never held across I/O.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::cell::switch::Switch;
+
+/// The dead-man's state as the cell reports it (`dead_man::DeadManState` mirrors it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadManView {
+    Off = 0,
+    Armed = 1,
+    Held = 2,
+    Tripped = 3,
+}
+
+impl DeadManView {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadManView::Off => "off",
+            DeadManView::Armed => "armed",
+            DeadManView::Held => "held",
+            DeadManView::Tripped => "tripped",
+        }
+    }
+
+    fn from_u8(value: u8) -> Self {
+        match value {
+            1 => DeadManView::Armed,
+            2 => DeadManView::Held,
+            3 => DeadManView::Tripped,
+            _ => DeadManView::Off,
+        }
+    }
+
+    pub const ALL: [DeadManView; 4] = [
+        DeadManView::Off,
+        DeadManView::Armed,
+        DeadManView::Held,
+        DeadManView::Tripped,
+    ];
+}
+
+#[derive(Default)]
+pub struct CellMode {
+    switch: Mutex<Switch>,
+    raw_reserve: AtomicBool,
+    effective_reserve: AtomicBool,
+    dead_man: AtomicU8,
+    draining: AtomicBool,
+}
+
+impl CellMode {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock_switch(&self) -> MutexGuard<'_, Switch> {
+        self.switch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn switch(&self) -> Switch {
+        *self.lock_switch()
+    }
+
+    pub fn set_switch(&self, switch: Switch) {
+        *self.lock_switch() = switch;
+    }
+
+    /// The raw mode (SPEC §5.3): `reserve` only while the switch says so and the dead-man has
+    /// not tripped for that generation. Held counts as reserve.
+    pub fn raw_is_reserve(&self) -> bool {
+        self.raw_reserve.load(Ordering::Acquire)
+    }
+
+    pub fn set_raw_reserve(&self, reserve: bool) {
+        self.raw_reserve.store(reserve, Ordering::Release)
+    }
+
+    /// What this cell's admit-effective row says (last successful write).
+    pub fn effective_is_reserve(&self) -> bool {
+        self.effective_reserve.load(Ordering::Acquire)
+    }
+
+    pub fn set_effective_reserve(&self, reserve: bool) {
+        self.effective_reserve.store(reserve, Ordering::Release)
+    }
+
+    pub fn dead_man(&self) -> DeadManView {
+        DeadManView::from_u8(self.dead_man.load(Ordering::Acquire))
+    }
+
+    pub fn set_dead_man(&self, view: DeadManView) {
+        self.dead_man.store(view as u8, Ordering::Release)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Release)
+    }
+}

@@ -1,0 +1,496 @@
+//! Wiring of a cell: the part shared by the `cell` and `combined` roles.
+//!
+//! [`CellRuntime::start`] builds the cell's shared state and starts its named threads:
+//! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
+//! `claim-loop`, `heartbeat`; relay threads come and go with connections, and a trip starts
+//! `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
+//! [`CellRuntime::drain`] runs the SIGTERM sequence and joins the threads in reverse order.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tungstenite::Message;
+
+use crate::auth::Verifier;
+use crate::cell::contact::Contact;
+use crate::cell::heartbeat::{self, Heartbeat, Sink};
+use crate::cell::internal_api::{CellStatus, InternalApi, InternalApiParts};
+use crate::cell::switch::{run_switch_watcher, AdmitMode};
+use crate::clock::SharedClock;
+use crate::config::Config;
+use crate::dead_man::claim_loop::{self, StoreRow};
+use crate::dead_man::reregister::Reregistration;
+use crate::dead_man::watchdog::Watchdog;
+use crate::dead_man::writer::WriterHandle;
+use crate::http::{Reply, Request};
+use crate::lifecycle::Shutdown;
+use crate::metrics::Registry;
+use crate::protocol::{self, CloseCode, RelayToHost};
+use crate::readiness::{self, Readiness};
+use crate::relay::socket::{Reaper, Socket};
+use crate::relay::{self, Phase, RelayContext};
+use crate::store::Store;
+use crate::threads;
+
+use super::RunError;
+
+/// Everything a cell needs from its role.
+pub struct CellSetup<'a> {
+    pub config: &'a Config,
+    pub clock: SharedClock,
+    pub registry: Registry,
+    pub store: Store,
+    pub verifier: Verifier,
+    pub readiness: Readiness,
+    pub ws_listener: TcpListener,
+    pub cell_url: String,
+    pub incarnation: i64,
+    /// Where heartbeats go: the directors over HTTP, or the store in the combined role.
+    pub heartbeat: Sink,
+}
+
+struct Stoppable {
+    name: &'static str,
+    stop: Sender<()>,
+    handle: JoinHandle<()>,
+}
+
+/// A running cell.
+pub struct CellRuntime {
+    pub context: RelayContext,
+    pub contact: Contact,
+    internal: Option<InternalApi>,
+    ws_addr: SocketAddr,
+    acceptor_stop: Arc<AtomicBool>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
+    threads: Mutex<Vec<Stoppable>>,
+    reaper: Mutex<Option<JoinHandle<()>>>,
+    writer: Mutex<Option<WriterHandle>>,
+    readiness: Readiness,
+    reregister_stop: Arc<AtomicBool>,
+    drain_grace: Duration,
+}
+
+fn spawn_stoppable(
+    name: &'static str,
+    body: impl FnOnce(mpsc::Receiver<()>) + Send + 'static,
+) -> Result<Stoppable, RunError> {
+    let (stop, receiver) = mpsc::channel();
+    let handle = threads::spawn(name, move || body(receiver))
+        .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
+    Ok(Stoppable { name, stop, handle })
+}
+
+impl CellRuntime {
+    /// Builds the cell and starts its threads. The acceptor answers 503 until
+    /// [`CellRuntime::serve`] is called (after the startup handshake).
+    pub fn start(setup: CellSetup<'_>) -> Result<CellRuntime, RunError> {
+        let config = setup.config;
+        let clock = setup.clock.clone();
+        let ws_addr = setup
+            .ws_listener
+            .local_addr()
+            .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
+        let (reaper, reaper_handle) = Reaper::start()
+            .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
+        let context = RelayContext::new(
+            &config.cell_id,
+            setup.incarnation,
+            config.timings.clone(),
+            config.connection_cap,
+            setup.verifier.clone(),
+            setup.store.clone(),
+            clock.clone(),
+            reaper,
+            Arc::new(Phase::default()),
+            &setup.registry,
+        );
+        register_cell_metrics(&setup.registry, &setup.store, &context);
+        setup
+            .store
+            .set_pool_ceiling(if config.pool_reserve_max < config.pool_max {
+                // Until the watchdog's first tick says otherwise, assume the tighter bound.
+                config.pool_reserve_max
+            } else {
+                config.pool_max
+            });
+
+        let acceptor_stop = Arc::new(AtomicBool::new(false));
+        let acceptor = {
+            let context = context.clone();
+            let stop = acceptor_stop.clone();
+            let listener = setup.ws_listener;
+            threads::spawn("acceptor", move || {
+                relay::run_acceptor(listener, context, stop)
+            })
+            .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?
+        };
+
+        let mut started = Vec::new();
+        {
+            let context = context.clone();
+            started.push(spawn_stoppable("pinger", move |stop| {
+                relay::control::run_pinger(context, stop)
+            })?);
+        }
+        {
+            let context = context.clone();
+            started.push(spawn_stoppable("lease-renewer", move |stop| {
+                relay::control::run_lease_renewer(context, stop)
+            })?);
+        }
+        {
+            let mode = context.mode.clone();
+            let path = config.switch_file.clone();
+            let cell_id = config.cell_id.clone();
+            let period = Duration::from_millis(config.timings.switch_poll_ms);
+            started.push(spawn_stoppable("switch-watcher", move |stop| {
+                run_switch_watcher(
+                    &path,
+                    &cell_id,
+                    period,
+                    |switch| mode.set_switch(switch),
+                    stop,
+                )
+            })?);
+        }
+
+        // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
+        let (writer, commands) = WriterHandle::channel();
+        let (answers_tx, answers_rx) = mpsc::channel();
+        let row = StoreRow {
+            store: setup.store.clone(),
+            cell_id: config.cell_id.clone(),
+            incarnation: setup.incarnation,
+            stale_ms: config.timings.trip_slot_stale_ms,
+            mode: context.mode.clone(),
+            registry: setup.registry.clone(),
+        };
+        let claim_timings = config.timings.clone();
+        let claim_clock = clock.clone();
+        let claim_loop = threads::spawn("claim-loop", move || {
+            claim_loop::run(row, &claim_timings, commands, claim_clock, answers_tx)
+        })
+        .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
+
+        let contact = Contact::new();
+        let reregister_stop = Arc::new(AtomicBool::new(false));
+        let on_trip = {
+            let context = context.clone();
+            let stop = reregister_stop.clone();
+            Box::new(move || start_reregistration(&context, stop.clone()))
+        };
+        {
+            let watchdog = Watchdog {
+                cell_id: config.cell_id.clone(),
+                timings: config.timings.clone(),
+                clock: clock.clone(),
+                mode: context.mode.clone(),
+                contact: contact.clone(),
+                bookings: context.bookings.clone(),
+                writer: writer.clone(),
+                answers: answers_rx,
+                store: setup.store.clone(),
+                pool_max: config.pool_max,
+                pool_reserve_max: config.pool_reserve_max,
+                on_trip,
+                registry: setup.registry.clone(),
+            };
+            started.push(spawn_stoppable("watchdog", move |stop| watchdog.run(stop))?);
+        }
+        // The claim loop ends when the watchdog drops its writer handle; it is joined last.
+        let claim_loop_stop = mpsc::channel().0;
+        started.insert(
+            0,
+            Stoppable {
+                name: "claim-loop",
+                stop: claim_loop_stop,
+                handle: claim_loop,
+            },
+        );
+
+        {
+            let sample =
+                heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
+            let sink = setup.heartbeat;
+            let period = Duration::from_millis(config.timings.heartbeat_ms);
+            started.push(spawn_stoppable("heartbeat", move |stop| {
+                heartbeat::run(sink, period, sample, stop)
+            })?);
+        }
+
+        let internal = config.service_token.clone().map(|service_token| {
+            InternalApi::new(
+                InternalApiParts {
+                    service_token,
+                    cell_id: config.cell_id.clone(),
+                    bookings: context.bookings.clone(),
+                    seats: context.seats.clone(),
+                    contact: contact.clone(),
+                    status: status_fn(&context),
+                    clock: clock.clone(),
+                },
+                &setup.registry,
+            )
+        });
+
+        Ok(CellRuntime {
+            context,
+            contact,
+            internal,
+            ws_addr,
+            acceptor_stop,
+            acceptor: Mutex::new(Some(acceptor)),
+            threads: Mutex::new(started),
+            reaper: Mutex::new(Some(reaper_handle)),
+            writer: Mutex::new(Some(writer)),
+            readiness: setup.readiness,
+            reregister_stop,
+            drain_grace: Duration::from_millis(config.drain_grace_ms),
+        })
+    }
+
+    /// Opens the WebSocket listener for business (after the startup handshake).
+    pub fn serve(&self) {
+        self.context.phase.set(Phase::SERVING);
+        self.readiness.set_phase(readiness::Phase::Serving);
+    }
+
+    pub fn ws_addr(&self) -> SocketAddr {
+        self.ws_addr
+    }
+
+    /// The cell's HTTP endpoints; `None` for paths it does not own.
+    pub fn route(&self, request: &mut Request<'_>) -> Option<Reply> {
+        if !request.path.starts_with("/internal/") {
+            return None;
+        }
+        if self.context.phase.get() == Phase::STARTING {
+            return Some(Reply::error(503, "starting"));
+        }
+        match &self.internal {
+            Some(internal) => internal.handle(request),
+            None => Some(Reply::error(404, "not_found")),
+        }
+    }
+
+    /// The SIGTERM sequence (SPEC §9): `/ready` 503 draining, stop accepting, `drain` to every
+    /// desktop, wait up to the grace (or until every control has left), close the rest 4503,
+    /// final admit-effective write, join the threads.
+    pub fn drain(&self, shutdown: &Shutdown) {
+        log::info!(
+            "orca_relay_drain_started cell_id={} controls={} grace_ms={}",
+            self.context.cell_id,
+            self.context.cell.control_count(),
+            self.drain_grace.as_millis()
+        );
+        self.readiness.set_phase(readiness::Phase::Draining);
+        self.context.phase.set(Phase::DRAINING);
+        self.context.mode.set_draining();
+        self.acceptor_stop.store(true, Ordering::Release);
+        let _ = TcpStream::connect(self.ws_addr);
+        if let Some(acceptor) = lock(&self.acceptor).take() {
+            threads::join_logged("acceptor", acceptor);
+        }
+        let drain = protocol::to_json(&RelayToHost::Drain {
+            grace_ms: self.drain_grace.as_millis() as u64,
+            recovery: "resolve-director".into(),
+        });
+        for control in self.context.cell.controls() {
+            let _ = control.socket.try_send(Message::text(drain.clone()));
+        }
+        let deadline = crate::clock::instant() + self.drain_grace;
+        while self.context.cell.control_count() > 0 && !shutdown.is_immediate() {
+            let left = deadline.saturating_duration_since(crate::clock::instant());
+            if left.is_zero() {
+                break;
+            }
+            // Wakes early only for a second signal; otherwise re-checks the controls.
+            shutdown.wait_timeout(left.min(Duration::from_millis(100)));
+        }
+        let remaining = self.context.cell.controls();
+        for control in &remaining {
+            self.context
+                .close(&control.socket, CloseCode::Draining, "draining");
+        }
+        self.reregister_stop.store(true, Ordering::Release);
+        // Final row write: a draining cell must not keep a slot or attract placements.
+        let switch = self.context.mode.switch();
+        if let Some(writer) = lock(&self.writer).take() {
+            writer.tick(
+                switch.says_reserve(),
+                if switch.says_reserve() {
+                    crate::dead_man::window::Mode::Reserve
+                } else {
+                    crate::dead_man::window::Mode::Db
+                },
+                false,
+            );
+            writer.release_slot();
+            // Dropping the last handle (the watchdog's goes with its thread) ends the claim loop.
+        }
+        let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        for stoppable in stoppables.into_iter().rev() {
+            drop(stoppable.stop);
+            threads::join_logged(stoppable.name, stoppable.handle);
+        }
+        log::info!(
+            "orca_relay_drain_finished cell_id={} closed={}",
+            self.context.cell_id,
+            remaining.len()
+        );
+        let _ = lock(&self.reaper).take();
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn start_reregistration(context: &RelayContext, stop: Arc<AtomicBool>) {
+    let refuse_context = context.clone();
+    let job = Arc::new(Reregistration::<Socket> {
+        cell: context.cell.clone(),
+        store: context.store.clone(),
+        cell_id: context.cell_id.to_string(),
+        incarnation: context.incarnation,
+        timings: (*context.timings).clone(),
+        clock: context.clock.clone(),
+        refuse: Arc::new(move |control| {
+            refuse_context.close(&control.socket, CloseCode::WrongCell, "placement moved")
+        }),
+        stop,
+    });
+    if let Err(e) = threads::spawn("reregister", move || {
+        job.run();
+    }) {
+        log::error!("orca_relay_reregister_spawn_failed error={e}");
+    }
+}
+
+fn status_fn(context: &RelayContext) -> crate::cell::internal_api::StatusFn {
+    let mode = context.mode.clone();
+    let slots = context.slots.clone();
+    Arc::new(move || {
+        let raw = if mode.raw_is_reserve() {
+            AdmitMode::Reserve
+        } else {
+            AdmitMode::Db
+        };
+        CellStatus {
+            admit_mode_raw: raw,
+            admit_mode_effective: if mode.effective_is_reserve() {
+                AdmitMode::Reserve
+            } else {
+                AdmitMode::Db
+            },
+            reserve_mode_effective: mode.raw_is_reserve(),
+            draining: mode.is_draining(),
+            connections: slots.used() as u64,
+        }
+    })
+}
+
+fn heartbeat_sampler(
+    config: &Config,
+    context: &RelayContext,
+    readiness: &Readiness,
+    cell_url: &str,
+    clock: &SharedClock,
+) -> impl Fn() -> Heartbeat + Send + 'static {
+    let cell_id = config.cell_id.clone();
+    let cell_url = cell_url.to_string();
+    let region = config.region.clone();
+    let incarnation = context.incarnation;
+    let readiness = readiness.clone();
+    let slots = context.slots.clone();
+    let clock = clock.clone();
+    move || Heartbeat {
+        v: 1,
+        cell_id: cell_id.clone(),
+        cell_url: cell_url.clone(),
+        region: region.clone(),
+        incarnation,
+        started_at: incarnation,
+        ready: readiness.answer(clock.now_ms()).status == 200,
+        connections: slots.used() as i64,
+    }
+}
+
+/// Metrics of the cell's shared state (SPEC §5.6).
+pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &RelayContext) {
+    let pool = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_pool",
+        "Database pool connections and waiters.",
+        move || {
+            let stats = pool.pool_stats();
+            let row = |state: &str, value: u32| {
+                (vec![("state".to_string(), state.to_string())], value as f64)
+            };
+            vec![
+                row("open", stats.open),
+                row("idle", stats.idle),
+                row("waiters", stats.waiters),
+                row("max", stats.max),
+                row("ceiling", stats.ceiling),
+            ]
+        },
+    );
+    let statements = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_statements",
+        "SQL statements this process has sent to the database.",
+        move || vec![(vec![], statements.statements_executed() as f64)],
+    );
+    let slots = context.slots.clone();
+    registry.sampled_gauge(
+        "orca_relay_connection_units",
+        "Connection units (sockets and bookings) in use against the cap.",
+        move || vec![(vec![], slots.used() as f64)],
+    );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_admit_mode",
+        "Admission mode: raw (SPEC 5.3) and effective (this cell's admit-effective row), 1 = reserve.",
+        move || {
+            vec![
+                (
+                    vec![("kind".to_string(), "raw".to_string())],
+                    mode.raw_is_reserve() as u8 as f64,
+                ),
+                (
+                    vec![("kind".to_string(), "effective".to_string())],
+                    mode.effective_is_reserve() as u8 as f64,
+                ),
+            ]
+        },
+    );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_dead_man_state",
+        "Dead-man state, one-hot: off, armed, held, tripped.",
+        move || {
+            let current = mode.dead_man();
+            crate::cell::mode::DeadManView::ALL
+                .iter()
+                .map(|state| {
+                    (
+                        vec![("state".to_string(), state.as_str().to_string())],
+                        (*state == current) as u8 as f64,
+                    )
+                })
+                .collect()
+        },
+    );
+    let bookings = context.bookings.clone();
+    registry.sampled_gauge(
+        "orca_relay_bookings",
+        "Live bookings holding a connection unit.",
+        move || vec![(vec![], bookings.len() as f64)],
+    );
+}
