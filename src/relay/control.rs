@@ -37,6 +37,7 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
     };
 
     let now = context.clock.now_ms();
+    let statements_before = crate::store::thread_statements();
     let lease_id = format!(
         "control:{}:{}:{}",
         context.cell_id, context.incarnation, socket.id
@@ -93,6 +94,10 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
         }
     };
     context.metrics.admission(admitted_via.as_str(), "admitted");
+    context.metrics.admission_statements(
+        admitted_via.as_str(),
+        crate::store::thread_statements() - statements_before,
+    );
     let lease_id = (admitted_via == AdmitPath::Database).then_some(lease_id);
 
     let seated = context.cell.seat(Control {

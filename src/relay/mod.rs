@@ -90,6 +90,13 @@ impl RelayMetrics {
                 &[("code", &code.code().to_string())],
             );
         }
+        for path in ["booking", "memory", "database"] {
+            registry.counter(
+                "orca_relay_admission_sql_statements_total",
+                "SQL statements run while admitting hellos, by admission path.",
+                &[("path", path)],
+            );
+        }
         for kind in ["control", "phone", "data"] {
             registry.gauge(
                 "orca_relay_connections",
@@ -132,6 +139,18 @@ impl RelayMetrics {
                 &[("status", &status.to_string()), ("reason", reason)],
             )
             .inc();
+    }
+
+    /// SQL statements run while admitting hellos, by admission path: memory and booking
+    /// admissions must stay at zero (SPEC §5.3).
+    pub fn admission_statements(&self, path: &str, statements: u64) {
+        self.registry
+            .counter(
+                "orca_relay_admission_sql_statements_total",
+                "SQL statements run while admitting hellos, by admission path.",
+                &[("path", path)],
+            )
+            .add(statements);
     }
 
     pub fn admission(&self, path: &str, outcome: &str) {

@@ -494,3 +494,162 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
         move || vec![(vec![], bookings.len() as f64)],
     );
 }
+
+/// The `cell` role: bind both listeners, register with every director under the startup
+/// budget (SPEC §8), then serve until SIGTERM.
+pub fn run(config: Config) -> Result<(), RunError> {
+    use crate::cell::handshake::{register_with_directors, Budget, RegisterRequest};
+    use crate::http::HttpServer;
+
+    let clock = crate::clock::system();
+    let incarnation = clock.now_ms() as i64;
+    let registry = Registry::new();
+    let shutdown = Shutdown::new();
+    let signals = crate::lifecycle::install_signal_handlers(&shutdown)
+        .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
+    match crate::lifecycle::raise_fd_limit() {
+        Ok((old, new)) if old != new => {
+            log::info!("orca_relay_fd_limit_raised from={old} to={new}")
+        }
+        Ok(_) => {}
+        Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
+    }
+    let verifier = super::verifier(&config, &clock)?;
+    let store = super::open_store(&config)?;
+    let migrator = super::migrate_in_background(&store)?;
+
+    // 1. Both listeners first: /health answers while the handshake runs.
+    let ws_listener = super::bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
+    let http_listener = super::bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
+    let ws_addr = ws_listener
+        .local_addr()
+        .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
+    let http_addr = http_listener
+        .local_addr()
+        .map_err(|e| RunError(format!("cannot read the HTTP listener address: {e}")))?;
+    let cell_url =
+        if config.ws_addr.port() == 0 && config.cell_url == format!("ws://{}", config.ws_addr) {
+            format!("ws://{ws_addr}")
+        } else {
+            config.cell_url.clone()
+        };
+    let internal_url = format!("http://{http_addr}");
+
+    let readiness = Readiness::from_config(&config);
+    readiness.register_metrics(&registry, clock.clone());
+    let (prober_stop, prober) = super::start_prober(
+        &readiness,
+        &verifier,
+        &store,
+        &clock,
+        config.timings.readiness_probe_ms,
+    )?;
+    let cell = Arc::new(CellRuntime::start(CellSetup {
+        config: &config,
+        clock: clock.clone(),
+        registry: registry.clone(),
+        store: store.clone(),
+        verifier,
+        readiness: readiness.clone(),
+        ws_listener,
+        cell_url: cell_url.clone(),
+        incarnation,
+        heartbeat: Sink::Directors {
+            urls: config.director_urls.clone(),
+            service_token: config.service_token.clone().unwrap_or_default(),
+        },
+    })?);
+    let handler = {
+        let registry = registry.clone();
+        let readiness = readiness.clone();
+        let cell = cell.clone();
+        let clock = clock.clone();
+        Arc::new(move |request: &mut Request<'_>| {
+            if let Some(reply) = cell.route(request) {
+                return reply;
+            }
+            match (request.method, request.path) {
+                ("GET", "/health") => Reply::json(200, r#"{"ok":true}"#),
+                ("GET", "/ready") => {
+                    let verdict = readiness.answer(clock.now_ms());
+                    Reply::json(verdict.status, verdict.body)
+                }
+                ("GET", "/metrics") => Reply::text(200, registry.render()),
+                _ => Reply::error(404, "not_found"),
+            }
+        })
+    };
+    let http = HttpServer::start(http_listener, 4, handler)
+        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    log::info!(
+        "orca_relay_listening role=cell cell_id={} ws={ws_addr} http={http_addr}",
+        config.cell_id
+    );
+
+    // 2. Register with every director under one budget; only deadline expiry is retried.
+    let budget = Budget::from_config(&config);
+    let request = RegisterRequest::new(&config.cell_id, &cell_url, &config.region, incarnation)
+        .with_internal_url(&internal_url);
+    registry
+        .counter(
+            "orca_relay_handshake_runs_total",
+            "Startup handshakes run.",
+            &[],
+        )
+        .inc();
+    let report = register_with_directors(
+        &config.director_urls,
+        &request,
+        config.service_token.as_deref().unwrap_or_default(),
+        &budget,
+        clock.as_ref(),
+        &crate::clock::sleep,
+    );
+    let report = match report {
+        Ok(report) => report,
+        Err(e) => {
+            log::error!(
+                "orca_relay_handshake_failed cell_id={} error={e}",
+                config.cell_id
+            );
+            return Err(RunError(format!("startup handshake failed: {e}")));
+        }
+    };
+    registry
+        .gauge(
+            "orca_relay_handshake_attempts",
+            "Attempts the startup handshake took.",
+            &[],
+        )
+        .set(report.attempts as i64);
+    log::info!(
+        "orca_relay_handshake_succeeded cell_id={} memberships={} attempts={} elapsed_ms={}",
+        config.cell_id,
+        config.director_urls.len(),
+        report.attempts,
+        report.elapsed_ms
+    );
+
+    // 3. Serve.
+    cell.serve();
+    crate::lifecycle::notify_ready();
+    super::start_systemd_watchdog(http_addr)?;
+    log::info!(
+        "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation}",
+        config.cell_id
+    );
+    while !shutdown.is_draining() {
+        shutdown.wait_timeout(Duration::from_secs(3600));
+    }
+    cell.drain(&shutdown);
+    http.stop();
+    drop(prober_stop);
+    threads::join_logged("readiness", prober);
+    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
+        threads::join_logged("migrator", migrator);
+    }
+    shutdown.close_signal_listener();
+    threads::join_logged("signals", signals);
+    log::info!("orca_relay_shutdown_finished role=cell");
+    Ok(())
+}

@@ -29,24 +29,11 @@ impl std::error::Error for RunError {}
 pub fn run(config: Config) -> Result<(), RunError> {
     match config.role {
         Role::Combined => combined::run(config),
-        Role::Cell | Role::Director => Err(RunError(format!(
+        Role::Cell => cell::run(config),
+        Role::Director => Err(RunError(format!(
             "the {} role is not available in this build yet",
             config.role.as_str()
         ))),
-    }
-}
-
-/// The store settings of a role.
-pub fn store_config(config: &Config) -> StoreConfig {
-    StoreConfig {
-        database_url: config.database_url.clone(),
-        sqlite_path: config.data_dir.join("relay.db"),
-        pool_max: config.pool_max,
-        pool_ceiling: config.pool_max,
-        application_name: config.application_name(),
-        statement_timeout_ms: 5_000,
-        connect_timeout_ms: 5_000,
-        checkout_timeout_ms: 5_000,
     }
 }
 
@@ -60,7 +47,7 @@ pub fn open_store(config: &Config) -> Result<Store, RunError> {
             ))
         })?;
     }
-    let store = Store::open(&store_config(config))
+    let store = Store::open(&StoreConfig::from_config(config))
         .map_err(|e| RunError(format!("cannot open the database: {e}")))?;
     Ok(store)
 }

@@ -227,6 +227,16 @@ fn check_mode(mode: &str) -> Result<(), StoreError> {
     }
 }
 
+thread_local! {
+    static THREAD_STATEMENTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Statements the calling thread has sent to the database, over every store. A relay thread
+/// reads it before and after admitting a hello to count that hello's SQL.
+pub fn thread_statements() -> u64 {
+    THREAD_STATEMENTS.with(|count| count.get())
+}
+
 /// Counts every statement sent to the database (tests use it to prove a path ran no SQL).
 #[derive(Default)]
 pub(crate) struct StatementCounter(AtomicU64);
@@ -234,6 +244,7 @@ pub(crate) struct StatementCounter(AtomicU64);
 impl StatementCounter {
     pub(crate) fn bump(&self) {
         self.0.fetch_add(1, Ordering::Relaxed);
+        THREAD_STATEMENTS.with(|count| count.set(count.get() + 1));
     }
 
     fn get(&self) -> u64 {
@@ -373,6 +384,15 @@ impl Store {
     /// True if the lease exists and has not expired at `now_ms`.
     pub fn lease_exists(&self, activity_id: &str, now_ms: i64) -> Result<bool, StoreError> {
         dispatch!(self, store => store.lease_exists(activity_id, now_ms))
+    }
+
+    /// Unexpired activity leases of one host (operators and tests).
+    pub fn live_leases_for_host(
+        &self,
+        relay_host_id: &str,
+        now_ms: i64,
+    ) -> Result<usize, StoreError> {
+        dispatch!(self, store => store.live_leases_for_host(relay_host_id, now_ms))
     }
 
     /// Records the cell; re-registering is harmless. An older incarnation never replaces a

@@ -380,6 +380,23 @@ impl PgStore {
         })
     }
 
+    pub(super) fn live_leases_for_host(
+        &self,
+        relay_host_id: &str,
+        now_ms: i64,
+    ) -> Result<usize, StoreError> {
+        self.with_client("count leases", |client, n| {
+            let row = query_opt(
+                client,
+                n,
+                "SELECT COUNT(*) FROM relay_assignment_activity_leases
+                 WHERE relay_host_id = $1 AND expires_at > $2",
+                &[&relay_host_id, &now_ms],
+            )?;
+            Ok(row.map(|row| row.get::<_, i64>(0)).unwrap_or(0) as usize)
+        })
+    }
+
     pub(super) fn register_cell(
         &self,
         cell_id: &str,

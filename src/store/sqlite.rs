@@ -359,6 +359,24 @@ impl SqliteStore {
         })
     }
 
+    pub(super) fn live_leases_for_host(
+        &self,
+        relay_host_id: &str,
+        now_ms: i64,
+    ) -> Result<usize, StoreError> {
+        self.with_conn("count leases", |conn, n| {
+            let row = query_opt(
+                conn,
+                n,
+                "SELECT COUNT(*) FROM relay_assignment_activity_leases
+                 WHERE relay_host_id = ?1 AND expires_at > ?2",
+                params![relay_host_id, now_ms],
+                |row| row.get::<_, i64>(0),
+            )?;
+            Ok(row.unwrap_or(0) as usize)
+        })
+    }
+
     pub(super) fn register_cell(
         &self,
         cell_id: &str,

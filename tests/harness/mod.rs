@@ -86,8 +86,13 @@ impl Relay {
             .env("RUST_LOG", "info")
             .env("ORCA_RELAY_WS_ADDR", "127.0.0.1:0")
             .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
-            .env("ORCA_RELAY_DATA_DIR", &data_dir.0)
-            .env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY);
+            .env("ORCA_RELAY_DATA_DIR", &data_dir.0);
+        let combined = env
+            .iter()
+            .all(|(name, value)| *name != "ORCA_RELAY_ROLE" || *value == "combined");
+        if combined {
+            command.env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY);
+        }
         for (name, value) in env {
             command.env(name, value);
         }
@@ -316,6 +321,25 @@ pub fn read_json(ws: &mut Ws) -> serde_json::Value {
     }
 }
 
+/// Waits for the relay's next ping on a control socket and answers it: proof that the socket
+/// is open and the relay still serves it.
+pub fn expect_ping(ws: &mut Ws) {
+    loop {
+        match ws.read() {
+            Ok(Message::Text(text)) => {
+                let value: serde_json::Value = serde_json::from_str(&text).expect("json");
+                if value["type"] == "ping" {
+                    send_json(ws, serde_json::json!({"type":"pong","t":value["t"]}));
+                    return;
+                }
+            }
+            Ok(Message::Close(frame)) => panic!("closed while waiting for a ping: {frame:?}"),
+            Ok(_) => {}
+            Err(e) => panic!("read failed while waiting for a ping: {e}"),
+        }
+    }
+}
+
 /// Reads until the close frame; returns its code (None if the connection just dropped).
 pub fn read_close(ws: &mut Ws) -> Option<u16> {
     loop {
@@ -425,4 +449,220 @@ pub fn splice(relay: &Relay, desktop: &mut Desktop) -> (Ws, Ws) {
     let hello = read_json(&mut phone);
     assert_eq!(hello, serde_json::json!({"type":"relay-hello","ok":true}));
     (phone, leg)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake servers: a JWKS, a director.
+
+/// One request a fake server received.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub path: String,
+    pub authorization: Option<String>,
+    pub body: String,
+}
+
+type FakeHandler = dyn Fn(&Seen) -> (u16, String) + Send + Sync;
+
+/// A local HTTP server whose answers a test chooses; it records every request.
+pub struct FakeServer {
+    pub addr: std::net::SocketAddr,
+    server: Arc<tiny_http::Server>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FakeServer {
+    pub fn start(handler: impl Fn(&Seen) -> (u16, String) + Send + Sync + 'static) -> FakeServer {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("bind fake server"));
+        let addr = server.server_addr().to_ip().expect("ip listener");
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let handler: Arc<FakeHandler> = Arc::new(handler);
+        let thread = {
+            let server = server.clone();
+            let seen = seen.clone();
+            orca_relay::threads::spawn("test-fake-http", move || {
+                while let Ok(mut request) = server.recv() {
+                    let mut body = String::new();
+                    let _ = std::io::Read::read_to_string(request.as_reader(), &mut body);
+                    let entry = Seen {
+                        method: request.method().as_str().to_string(),
+                        path: request.url().to_string(),
+                        authorization: request
+                            .headers()
+                            .iter()
+                            .find(|h| h.field.equiv("Authorization"))
+                            .map(|h| h.value.as_str().to_string()),
+                        body,
+                    };
+                    let (status, answer) = handler(&entry);
+                    seen.lock().unwrap().push(entry);
+                    let response = tiny_http::Response::from_string(answer)
+                        .with_status_code(status)
+                        .with_header(
+                            tiny_http::Header::from_bytes("Content-Type", "application/json")
+                                .unwrap(),
+                        );
+                    let _ = request.respond(response);
+                }
+            })
+            .expect("spawn fake server")
+        };
+        FakeServer {
+            addr,
+            server,
+            seen,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        self.server.unblock();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+pub const TEST_ISSUER: &str = "https://auth.test";
+pub const TEST_KID: &str = "test-ec";
+pub const SERVICE_TOKEN: &str = "test-service-token";
+const EC_PRIVATE_PEM: &str = include_str!("../fixtures/auth/ec-p256-private.pem");
+
+fn ec_key() -> jsonwebtoken::EncodingKey {
+    jsonwebtoken::EncodingKey::from_ec_pem(EC_PRIVATE_PEM.as_bytes()).expect("EC fixture")
+}
+
+/// The JWKS body with the test EC key.
+pub fn jwks_body() -> String {
+    let jwk = jsonwebtoken::jwk::Jwk::from_encoding_key(&ec_key(), jsonwebtoken::Algorithm::ES256)
+        .expect("jwk");
+    let mut value = serde_json::to_value(jwk).unwrap();
+    let object = value.as_object_mut().unwrap();
+    object.remove("alg");
+    object.insert("kid".into(), serde_json::json!(TEST_KID));
+    serde_json::json!({ "keys": [value] }).to_string()
+}
+
+/// A JWKS server with the test key.
+pub fn jwks_server() -> FakeServer {
+    let body = jwks_body();
+    FakeServer::start(move |_| (200, body.clone()))
+}
+
+/// An ES256 desktop token signed with the test key.
+pub fn es256_token(user_id: &str, relay_host_id: &str) -> String {
+    let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+    header.kid = Some(TEST_KID.to_string());
+    let now = orca_relay::clock::system().now_ms() / 1000;
+    let claims = serde_json::json!({
+        "sub": user_id, "relayHostId": relay_host_id, "purpose": "host-control",
+        "aud": "orca-relay", "iss": TEST_ISSUER, "exp": now + 600,
+    });
+    jsonwebtoken::encode(&header, &claims, &ec_key()).expect("sign")
+}
+
+/// A director that accepts every registration and heartbeat.
+pub fn accepting_director() -> FakeServer {
+    FakeServer::start(|_| (200, r#"{"v":1,"ok":true}"#.to_string()))
+}
+
+/// The environment of a `cell` role test process.
+pub fn cell_env(
+    cell_id: &str,
+    jwks: &FakeServer,
+    directors: &[&FakeServer],
+) -> Vec<(String, String)> {
+    let urls: Vec<String> = directors.iter().map(|d| d.url()).collect();
+    vec![
+        ("ORCA_RELAY_ROLE".into(), "cell".into()),
+        ("ORCA_RELAY_CELL_ID".into(), cell_id.into()),
+        ("ORCA_RELAY_SERVICE_TOKEN".into(), SERVICE_TOKEN.into()),
+        (
+            "ORCA_RELAY_JWKS_URL".into(),
+            format!("{}/jwks.json", jwks.url()),
+        ),
+        ("ORCA_RELAY_AUTH_ISSUER".into(), TEST_ISSUER.into()),
+        ("ORCA_RELAY_DIRECTOR_URLS".into(), urls.join(",")),
+    ]
+}
+
+/// Borrowed view of an owned env list for [`Relay::start_in`].
+pub fn env_refs(env: &[(String, String)]) -> Vec<(&str, &str)> {
+    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// Writes the cell's switch file atomically (write + rename), as operators do.
+pub fn write_switch(
+    path: &std::path::Path,
+    cell_id: &str,
+    generation: u64,
+    flags: serde_json::Value,
+) {
+    let body = serde_json::json!({"v":1,"cellId":cell_id,"generation":generation,"flags":flags});
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body.to_string()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+impl Relay {
+    /// Service-token GET on the cell's internal API.
+    pub fn internal_get(&self, path: &str) -> (u16, String) {
+        http_result(
+            ureq::get(&self.http_url(path))
+                .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+                .timeout(Duration::from_secs(10))
+                .call(),
+        )
+    }
+
+    /// Books a seat as a director would.
+    pub fn book(&self, user_id: &str, relay_host_id: &str, epoch: i64) -> String {
+        let body = serde_json::json!({"v":1,"directorId":"test-director","items":[
+            {"userId":user_id,"relayHostId":relay_host_id,"epoch":epoch,"ttlMs":30000}]});
+        let (status, answer) =
+            self.post("/internal/reserve", Some(SERVICE_TOKEN), &body.to_string());
+        assert_eq!(status, 200, "reserve: {answer}");
+        let value: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        value["results"][0]["outcome"].as_str().unwrap().to_string()
+    }
+}
+
+/// Opens a control with a token and sends the hello; returns the socket after the ack, or the
+/// close code.
+pub fn hello(
+    relay: &Relay,
+    token: &str,
+    relay_host_id: &str,
+    epoch: i64,
+) -> Result<(Ws, u64), Option<u16>> {
+    let mut control = ws_connect(&relay.ws_url("/v1/host/control"), Some(token)).map_err(Some)?;
+    send_json(
+        &mut control,
+        serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":epoch}),
+    );
+    loop {
+        match control.read() {
+            Ok(Message::Text(text)) => {
+                let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+                if value["type"] == "host-hello-ack" {
+                    return Ok((control, value["generation"].as_u64().unwrap()));
+                }
+            }
+            Ok(Message::Close(frame)) => return Err(frame.map(|f| u16::from(f.code))),
+            Ok(_) => {}
+            Err(_) => return Err(None),
+        }
+    }
 }

@@ -1,0 +1,331 @@
+//! Black-box dead-man tests (seed `dead-man-trip-slots.md`, SPEC §5.5) on a real `cell`
+//! process over SQLite, with a fake director, shrunk timings and a peer cell that exists only
+//! as rows in the shared database.
+
+mod harness;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness::*;
+use orca_relay::store::{Store, StoreConfig};
+
+const CELL: &str = "c-under-test";
+const PEER: &str = "c-peer";
+
+/// Shrunk timings: a 1.5 s window, claims every 300 ms, fast switch polls and row refreshes.
+fn timings() -> Vec<(String, String)> {
+    [
+        ("ORCA_RELAY_DEAD_MAN_BASE_MS", "1500"),
+        ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "0"),
+        ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", "300"),
+        ("ORCA_RELAY_SWITCH_POLL_MS", "50"),
+        ("ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS", "200"),
+        ("ORCA_RELAY_HEARTBEAT_MS", "200"),
+        ("ORCA_RELAY_PING_MS", "200"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+struct Setup {
+    relay: Relay,
+    store: Store,
+    _jwks: FakeServer,
+    _director: FakeServer,
+}
+
+fn start_cell(flags: serde_json::Value) -> Setup {
+    let jwks = jwks_server();
+    let director = accepting_director();
+    let dir = Arc::new(TempDir::new("dead-man"));
+    write_switch(&dir.0.join("switch.json"), CELL, 1, flags);
+    let mut env = cell_env(CELL, &jwks, &[&director]);
+    env.extend(timings());
+    let relay = Relay::start_in(dir.clone(), &env_refs(&env));
+    let store = Store::open(&StoreConfig::new(None, dir.0.join("relay.db"))).unwrap();
+    Setup {
+        relay,
+        store,
+        _jwks: jwks,
+        _director: director,
+    }
+}
+
+/// Keeps the director "up": a `reserver=1` seat-feed poll every 100 ms until dropped.
+struct DirectorPolls {
+    up: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DirectorPolls {
+    fn start(relay: &Relay) -> DirectorPolls {
+        let up = Arc::new(AtomicBool::new(true));
+        let url = relay.http_url("/internal/seats?reserver=1");
+        let flag = up.clone();
+        let thread = orca_relay::threads::spawn("test-director-polls", move || {
+            while flag.load(Ordering::Acquire) {
+                let _ = ureq::get(&url)
+                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+                    .timeout(Duration::from_secs(2))
+                    .call();
+                orca_relay::clock::sleep(Duration::from_millis(100));
+            }
+        })
+        .unwrap();
+        DirectorPolls {
+            up,
+            thread: Some(thread),
+        }
+    }
+
+    /// The director outage begins.
+    fn stop(&mut self) {
+        self.up.store(false, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
+fn now() -> i64 {
+    orca_relay::clock::system().now_ms() as i64
+}
+
+fn leases_for(store: &Store, relay_host_id: &str) -> usize {
+    store.live_leases_for_host(relay_host_id, now()).unwrap()
+}
+
+/// A desktop admitted from a booking, as in normal reserve-mode operation.
+fn booked_desktop(relay: &Relay, n: u32) -> (String, String, Ws) {
+    let relay_host_id = format!("dm{n:014}");
+    let user = format!("user-{n}");
+    assert_eq!(relay.book(&user, &relay_host_id, 5), "ok");
+    let token = es256_token(&user, &relay_host_id);
+    let (control, _) = hello(relay, &token, &relay_host_id, 5).expect("booked hello");
+    (relay_host_id, token, control)
+}
+
+fn metric(relay: &Relay, series: &str) -> f64 {
+    relay.metric(series).unwrap_or(0.0)
+}
+
+#[test]
+fn held_while_the_only_slot_is_taken_then_trips_once_the_peer_frees_it() {
+    let setup = start_cell(serde_json::json!({"admitMode":"reserve","deadManTripSlots":1}));
+    let relay = &setup.relay;
+    // The peer holds the only slot: its operator record says reserve, its own row says db.
+    setup.store.set_admit_mode(PEER, "reserve", now()).unwrap();
+    setup
+        .store
+        .write_admit_effective(PEER, 1, "db", now())
+        .unwrap();
+
+    let mut director = DirectorPolls::start(relay);
+    assert!(wait_until(Duration::from_secs(5), || metric(
+        relay,
+        "orca_relay_admit_mode{kind=\"raw\"}"
+    ) == 1.0));
+    let (host, token, mut control) = booked_desktop(relay, 1);
+    assert_eq!(
+        metric(
+            relay,
+            "orca_relay_admissions_total{path=\"booking\",outcome=\"admitted\"}"
+        ),
+        1.0
+    );
+
+    // The director goes quiet. The window passes; the claim is refused: held.
+    director.stop();
+    assert!(
+        relay
+            .wait_for_log(
+                "orca_relay_cell_reserve_dead_man_held",
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{}",
+        relay.log_text()
+    );
+    assert!(wait_until(Duration::from_secs(10), || metric(
+        relay,
+        "orca_relay_trip_slot_claims_total{result=\"refused\"}"
+    ) >= 3.0));
+    assert_eq!(
+        metric(relay, "orca_relay_dead_man_state{state=\"held\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(relay, "orca_relay_admit_mode{kind=\"raw\"}"),
+        1.0,
+        "held stays reserve"
+    );
+    assert_eq!(
+        relay.count_log("orca_relay_cell_reserve_dead_man_held"),
+        1,
+        "logged once per silence"
+    );
+    assert_eq!(
+        relay.count_log("orca_relay_cell_reserve_dead_man_tripped"),
+        0
+    );
+    assert_eq!(leases_for(&setup.store, &host), 0, "nothing re-registered");
+    // The row stays reserve and fresh.
+    let row = setup.store.admit_effective(CELL).unwrap().unwrap();
+    assert_eq!(row.mode, "reserve");
+    assert!(now() - row.updated_at < 2_000);
+
+    // The desktop keeps its socket (it still hears pings) ...
+    expect_ping(&mut control);
+    drop(control);
+    // ... and a redial at the same epoch comes back from memory, with no SQL for it.
+    let memory_before = metric(
+        relay,
+        "orca_relay_admissions_total{path=\"memory\",outcome=\"admitted\"}",
+    );
+    let (control, _) = hello(relay, &token, &host, 5).expect("memory redial while held");
+    assert_eq!(
+        metric(
+            relay,
+            "orca_relay_admissions_total{path=\"memory\",outcome=\"admitted\"}"
+        ),
+        memory_before + 1.0
+    );
+    assert_eq!(
+        metric(
+            relay,
+            "orca_relay_admission_sql_statements_total{path=\"memory\"}"
+        ),
+        0.0
+    );
+
+    // The peer is re-armed: it writes reserve and frees the slot. This cell trips and
+    // re-registers its desktop, closing no socket.
+    setup
+        .store
+        .write_admit_effective(PEER, 1, "reserve", now())
+        .unwrap();
+    let tripped = relay
+        .wait_for_log(
+            "orca_relay_cell_reserve_dead_man_tripped",
+            Duration::from_secs(10),
+        )
+        .expect("trips once the slot is free");
+    assert!(tripped.contains("cell_id=c-under-test"), "{tripped}");
+    assert!(relay
+        .wait_for_log("orca_relay_cell_reregistered", Duration::from_secs(10))
+        .is_some());
+    assert!(wait_until(Duration::from_secs(5), || leases_for(
+        &setup.store,
+        &host
+    ) == 1));
+    assert_eq!(
+        setup.store.admit_effective(CELL).unwrap().unwrap().mode,
+        "db"
+    );
+    assert_eq!(
+        metric(relay, "orca_relay_dead_man_state{state=\"tripped\"}"),
+        1.0
+    );
+    let mut control = control;
+    expect_ping(&mut control); // the socket survived the trip
+}
+
+#[test]
+fn slot_zero_never_trips() {
+    let setup = start_cell(serde_json::json!({"admitMode":"reserve","deadManTripSlots":0}));
+    let relay = &setup.relay;
+    let (_host, _token, mut control) = {
+        let mut director = DirectorPolls::start(relay);
+        assert!(wait_until(Duration::from_secs(5), || metric(
+            relay,
+            "orca_relay_admit_mode{kind=\"raw\"}"
+        ) == 1.0));
+        let desktop = booked_desktop(relay, 2);
+        director.stop();
+        desktop
+    };
+    assert!(relay
+        .wait_for_log(
+            "orca_relay_cell_reserve_dead_man_held",
+            Duration::from_secs(10)
+        )
+        .is_some());
+    // Ten windows of silence: no claim is ever made, nothing trips.
+    let silence_started = orca_relay::clock::instant();
+    while silence_started.elapsed() < Duration::from_millis(15 * 1000 / 2) {
+        expect_ping(&mut control);
+    }
+    assert_eq!(
+        relay.count_log("orca_relay_cell_reserve_dead_man_tripped"),
+        0
+    );
+    assert_eq!(
+        metric(
+            relay,
+            "orca_relay_trip_slot_claims_total{result=\"permit\"}"
+        ),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            relay,
+            "orca_relay_trip_slot_claims_total{result=\"refused\"}"
+        ),
+        0.0
+    );
+    assert_eq!(
+        metric(relay, "orca_relay_dead_man_state{state=\"held\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn without_the_flag_the_cell_trips_as_before() {
+    let setup = start_cell(serde_json::json!({"admitMode":"reserve"}));
+    let relay = &setup.relay;
+    let mut director = DirectorPolls::start(relay);
+    assert!(wait_until(Duration::from_secs(5), || metric(
+        relay,
+        "orca_relay_admit_mode{kind=\"raw\"}"
+    ) == 1.0));
+    let (host, _token, mut control) = booked_desktop(relay, 3);
+    director.stop();
+    assert!(relay
+        .wait_for_log(
+            "orca_relay_cell_reserve_dead_man_tripped",
+            Duration::from_secs(10)
+        )
+        .is_some());
+    assert_eq!(relay.count_log("orca_relay_cell_reserve_dead_man_held"), 0);
+    assert!(wait_until(Duration::from_secs(5), || leases_for(
+        &setup.store,
+        &host
+    ) == 1));
+    expect_ping(&mut control); // no socket closed by the trip
+                               // Contact after the trip does not re-arm: the trip is latched.
+    let mut director = DirectorPolls::start(relay);
+    orca_relay::clock::sleep(Duration::from_millis(500));
+    assert_eq!(metric(relay, "orca_relay_admit_mode{kind=\"raw\"}"), 0.0);
+    director.stop();
+    // Only a new switch write saying reserve re-arms, and it frees the slot (row reserve).
+    write_switch(
+        &relay.data_dir.0.join("switch.json"),
+        CELL,
+        2,
+        serde_json::json!({"admitMode":"reserve"}),
+    );
+    let mut director = DirectorPolls::start(relay);
+    assert!(wait_until(Duration::from_secs(5), || metric(
+        relay,
+        "orca_relay_admit_mode{kind=\"raw\"}"
+    ) == 1.0));
+    assert!(wait_until(Duration::from_secs(5), || setup
+        .store
+        .admit_effective(CELL)
+        .unwrap()
+        .is_some_and(|row| row.mode == "reserve")));
+    director.stop();
+}
