@@ -1,50 +1,145 @@
-//! TEMPORARY stub of the store API (replaced by the real store branch).
-#![allow(unused_variables)]
-use std::path::PathBuf;
+//! The store: the only module that talks SQL (SPEC §6.1), over PostgreSQL or SQLite.
+//!
+//! Owns the connection pool ([`pool`]), the migrations embedded from `sql/`, every statement
+//! the relay runs, and the trip-slot claim ([`claim`], SPEC §5.5). [`Store`] is a cheap
+//! `Clone` handle (an `Arc` inside) shared by every thread that needs the database.
+//!
+//! Runs on the calling thread: every method blocks for at most the checkout timeout plus one
+//! statement timeout. Opening a store opens no connection, so a process whose database is down
+//! still starts and reports itself unready instead of crashing.
+//!
+//! Must never: hold a lock of the caller's while it runs (callers take snapshots first), log or
+//! return a connection string (errors are short lowercase phrases without secrets), or let a
+//! connection that errored back into the pool.
 
-#[derive(Debug, Clone)]
+pub mod claim;
+pub mod pool;
+mod postgres;
+mod sqlite;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Config, Role};
+
+/// How to reach the database and how to size the pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreConfig {
+    /// `postgres://…`; `None` means SQLite at `sqlite_path`.
     pub database_url: Option<String>,
     pub sqlite_path: PathBuf,
     pub pool_max: u32,
+    /// The initial ceiling (see [`Store::set_pool_ceiling`]); clamped to `1..=pool_max`.
     pub pool_ceiling: u32,
+    /// PostgreSQL `application_name`, `orca-relay:<role>:<cellId or director>` (SPEC §6.1).
     pub application_name: String,
+    /// PostgreSQL `statement_timeout`; SQLite's `busy_timeout`.
     pub statement_timeout_ms: u64,
     pub connect_timeout_ms: u64,
+    /// How long a caller waits for a pooled connection before `sql_pool_exhausted`.
     pub checkout_timeout_ms: u64,
 }
-#[derive(Debug, Clone)]
-pub enum StoreError {
-    Unavailable(String),
-    Query(String),
-}
-impl std::fmt::Display for StoreError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{self:?}")
+
+impl StoreConfig {
+    /// The defaults for a database at `database_url`, or SQLite at `sqlite_path` when `None`.
+    pub fn new(database_url: Option<String>, sqlite_path: PathBuf) -> Self {
+        StoreConfig {
+            database_url,
+            sqlite_path,
+            pool_max: 10,
+            pool_ceiling: 10,
+            application_name: "orca-relay".to_string(),
+            statement_timeout_ms: 5_000,
+            connect_timeout_ms: 5_000,
+            checkout_timeout_ms: 5_000,
+        }
+    }
+
+    /// The store of a process with this configuration. A cell (or combined process) starts
+    /// under its reserve-mode ceiling, the safe side of the hard bound (SPEC §5.5); the claim
+    /// loop raises it once the cell is tripped or in `db` mode.
+    pub fn from_config(config: &Config) -> Self {
+        let ceiling = match config.role {
+            Role::Director => config.pool_max,
+            Role::Cell | Role::Combined => config.pool_reserve_max,
+        };
+        StoreConfig {
+            pool_max: config.pool_max,
+            pool_ceiling: ceiling,
+            application_name: config.application_name(),
+            ..StoreConfig::new(
+                config.database_url.clone(),
+                config.data_dir.join("relay.db"),
+            )
+        }
     }
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// Why a store call failed. Callers branch on [`StoreError::is_unavailable`] (retry later) and
+/// report [`StoreError::reason_code`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The database could not be reached in time: connect failed, the connection broke, a
+    /// statement timed out, or the pool had no connection. Retry later.
+    Unavailable(String),
+    /// The database answered with an error.
+    Query(String),
+}
+
+/// Message prefixes that [`StoreError::reason_code`] reads; only the constructors below write
+/// them, so the two stay in step.
+const POOL_EXHAUSTED: &str = "database pool exhausted";
+const TIMED_OUT: &str = "database statement timed out";
+
 impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable(_))
     }
+
+    /// `sql_pool_exhausted`, `sql_timed_out` or `sql_failed`, for logs, metrics and `/ready`.
     pub fn reason_code(&self) -> &'static str {
-        "sql_failed"
+        match self {
+            StoreError::Unavailable(message) if message.starts_with(POOL_EXHAUSTED) => {
+                "sql_pool_exhausted"
+            }
+            StoreError::Unavailable(message) if message.starts_with(TIMED_OUT) => "sql_timed_out",
+            StoreError::Unavailable(_) | StoreError::Query(_) => "sql_failed",
+        }
+    }
+
+    pub(crate) fn pool_exhausted(waited: Duration, open: u32) -> Self {
+        StoreError::Unavailable(format!(
+            "{POOL_EXHAUSTED}: no connection free within {} ms ({open} open)",
+            waited.as_millis()
+        ))
+    }
+
+    pub(crate) fn timed_out(context: &str) -> Self {
+        StoreError::Unavailable(format!("{TIMED_OUT}: {context}"))
     }
 }
-#[derive(Debug, Clone)]
-pub struct Assignment {
-    pub user_id: String,
-    pub relay_host_id: String,
-    pub cell_id: String,
-    pub epoch: i64,
-    pub updated_at: i64,
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Unavailable(message) => write!(f, "database unavailable: {message}"),
+            StoreError::Query(message) => write!(f, "database query failed: {message}"),
+        }
+    }
 }
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LeaseOutcome {
-    Renewed,
-    Moved,
-}
-#[derive(Debug, Clone, Copy, Default)]
+
+impl std::error::Error for StoreError {}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolStats {
     pub open: u32,
     pub idle: u32,
@@ -52,34 +147,187 @@ pub struct PoolStats {
     pub max: u32,
     pub ceiling: u32,
 }
+
+/// A placement: which cell serves this desktop, at which assignment epoch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    pub user_id: String,
+    pub relay_host_id: String,
+    pub cell_id: String,
+    pub epoch: i64,
+    pub updated_at: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    Renewed,
+    /// The assignment row no longer names this cell at this epoch; the lease was deleted.
+    Moved,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    Accepted,
+    /// An older incarnation than the one stored: a process that has since been replaced.
+    StaleIncarnation,
+}
+
+/// The answer to a trip-slot claim (SPEC §5.5 "The claim").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// This cell's row now says `db`; `others_holding` other cells held a slot.
+    Permit { others_holding: u32 },
+    /// Every slot is held; this cell's row was refreshed as `reserve`.
+    Refused { others_holding: u32 },
+    /// Another claim held the lock; nothing was written. Ask again later.
+    LockBusy,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CellRuntime {
+    pub cell_incarnation: i64,
+    pub started_at: i64,
+    pub ready: bool,
+    pub connections: i64,
+    pub last_heartbeat_at: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdmitEffective {
+    pub cell_incarnation: i64,
+    pub mode: String,
+    pub updated_at: i64,
+}
+
+/// One registered cell with everything the director knows about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CellRow {
+    pub cell_id: String,
+    pub cell_url: String,
+    pub region: String,
+    pub incarnation: i64,
+    pub registered_at: i64,
+    pub runtime: Option<CellRuntime>,
+    /// The operator's switch record; `"db"` when there is no row (SPEC §6.1).
+    pub admit_mode: String,
+    pub effective: Option<AdmitEffective>,
+}
+
+/// The two admit modes a row may hold.
+pub const MODE_DB: &str = "db";
+pub const MODE_RESERVE: &str = "reserve";
+
+fn check_mode(mode: &str) -> Result<(), StoreError> {
+    if mode == MODE_DB || mode == MODE_RESERVE {
+        Ok(())
+    } else {
+        Err(StoreError::Query(format!(
+            "admit mode {mode:?} is not \"db\" or \"reserve\""
+        )))
+    }
+}
+
+/// Counts every statement sent to the database (tests use it to prove a path ran no SQL).
+#[derive(Default)]
+pub(crate) struct StatementCounter(AtomicU64);
+
+impl StatementCounter {
+    pub(crate) fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+enum Engine {
+    Sqlite(sqlite::SqliteStore),
+    Postgres(postgres::PgStore),
+}
+
+/// A handle to the database; clone it freely.
 #[derive(Clone)]
-pub struct Store;
+pub struct Store {
+    engine: Arc<Engine>,
+}
+
+/// Runs the same method on whichever backend this store uses.
+macro_rules! dispatch {
+    ($self:ident, $store:ident => $call:expr) => {
+        match &*$self.engine {
+            Engine::Sqlite($store) => $call,
+            Engine::Postgres($store) => $call,
+        }
+    };
+}
+
 impl Store {
+    /// Builds the store without connecting: connections open lazily on first use.
     pub fn open(config: &StoreConfig) -> Result<Store, StoreError> {
-        Ok(Store)
+        let engine = match &config.database_url {
+            Some(url) => Engine::Postgres(postgres::PgStore::open(url, config)?),
+            None => Engine::Sqlite(sqlite::SqliteStore::open(config)?),
+        };
+        Ok(Store {
+            engine: Arc::new(engine),
+        })
     }
+
+    pub fn backend(&self) -> Backend {
+        match &*self.engine {
+            Engine::Sqlite(_) => Backend::Sqlite,
+            Engine::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Applies the embedded `sql/` migrations; safe to run again and from several processes
+    /// at once.
     pub fn migrate(&self) -> Result<(), StoreError> {
-        Ok(())
+        dispatch!(self, store => store.migrate())
     }
+
+    /// `SELECT 1`: the readiness probe.
     pub fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
+        dispatch!(self, store => store.ping())
     }
+
     pub fn pool_stats(&self) -> PoolStats {
-        PoolStats::default()
+        let counts = dispatch!(self, store => store.pool_counts());
+        PoolStats {
+            open: counts.open,
+            idle: counts.idle,
+            waiters: counts.waiters,
+            max: counts.max,
+            ceiling: counts.ceiling,
+        }
     }
+
+    /// True while some caller waits for a pooled connection.
     pub fn has_waiters(&self) -> bool {
-        false
+        self.pool_stats().waiters > 0
     }
+
+    /// Caps how many connections may exist (`1..=pool_max`); see [`pool::Pool::set_ceiling`].
+    pub fn set_pool_ceiling(&self, ceiling: u32) {
+        dispatch!(self, store => store.set_ceiling(ceiling))
+    }
+
+    /// Statements sent to the database so far by this store (transaction control included).
     pub fn statements_executed(&self) -> u64 {
-        0
+        dispatch!(self, store => store.statements().get())
     }
+
     pub fn assignment(
         &self,
         user_id: &str,
         relay_host_id: &str,
     ) -> Result<Option<Assignment>, StoreError> {
-        Ok(None)
+        dispatch!(self, store => store.assignment(user_id, relay_host_id))
     }
+
+    /// Inserts the placement, or replaces a row with a strictly lower epoch, in one statement.
+    /// True if the row was written.
     pub fn place_assignment_if_newer(
         &self,
         user_id: &str,
@@ -88,9 +336,12 @@ impl Store {
         epoch: i64,
         now_ms: i64,
     ) -> Result<bool, StoreError> {
-        Ok(true)
+        dispatch!(self, store => store.place_assignment_if_newer(user_id, relay_host_id, cell_id, epoch, now_ms))
     }
-    #[allow(clippy::too_many_arguments)]
+
+    /// In one transaction: if the assignment row names `cell_id` at `epoch`, upserts the lease
+    /// ([`LeaseOutcome::Renewed`]); otherwise deletes it ([`LeaseOutcome::Moved`]).
+    #[allow(clippy::too_many_arguments)] // one value per column of the lease row
     pub fn renew_lease(
         &self,
         activity_id: &str,
@@ -102,9 +353,175 @@ impl Store {
         expires_at: i64,
         now_ms: i64,
     ) -> Result<LeaseOutcome, StoreError> {
-        Ok(LeaseOutcome::Renewed)
+        let lease = LeaseRow {
+            activity_id,
+            user_id,
+            relay_host_id,
+            cell_id,
+            epoch,
+            kind,
+            expires_at,
+            now_ms,
+        };
+        dispatch!(self, store => store.renew_lease(&lease))
     }
+
     pub fn delete_lease(&self, activity_id: &str) -> Result<(), StoreError> {
-        Ok(())
+        dispatch!(self, store => store.delete_lease(activity_id))
+    }
+
+    /// True if the lease exists and has not expired at `now_ms`.
+    pub fn lease_exists(&self, activity_id: &str, now_ms: i64) -> Result<bool, StoreError> {
+        dispatch!(self, store => store.lease_exists(activity_id, now_ms))
+    }
+
+    /// Records the cell; re-registering is harmless. An older incarnation never replaces a
+    /// newer one.
+    pub fn register_cell(
+        &self,
+        cell_id: &str,
+        cell_url: &str,
+        region: &str,
+        incarnation: i64,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        dispatch!(self, store => store.register_cell(cell_id, cell_url, region, incarnation, now_ms))
+    }
+
+    /// Records a heartbeat unless it comes from an older incarnation than the one stored in
+    /// `relay_cell_runtime` or `relay_cells`.
+    pub fn heartbeat(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        started_at: i64,
+        ready: bool,
+        connections: i64,
+        now_ms: i64,
+    ) -> Result<HeartbeatOutcome, StoreError> {
+        let beat = Heartbeat {
+            cell_id,
+            incarnation,
+            started_at,
+            ready,
+            connections,
+            now_ms,
+        };
+        dispatch!(self, store => store.heartbeat(&beat))
+    }
+
+    /// The operator's switch record for a cell: `db` or `reserve`.
+    pub fn set_admit_mode(
+        &self,
+        cell_id: &str,
+        admit_mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        check_mode(admit_mode)?;
+        dispatch!(self, store => store.set_admit_mode(cell_id, admit_mode, now_ms))
+    }
+
+    /// Every registered cell, ordered by id.
+    pub fn list_cells(&self) -> Result<Vec<CellRow>, StoreError> {
+        dispatch!(self, store => store.list_cells())
+    }
+
+    /// Writes this cell's admit-effective row (only the cell's writer calls this, SPEC §5.5).
+    pub fn write_admit_effective(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        check_mode(mode)?;
+        dispatch!(self, store => store.write_admit_effective(cell_id, incarnation, mode, now_ms))
+    }
+
+    pub fn admit_effective(&self, cell_id: &str) -> Result<Option<AdmitEffective>, StoreError> {
+        dispatch!(self, store => store.admit_effective(cell_id))
+    }
+
+    /// The trip-slot claim, one short transaction (SPEC §5.5 "The claim"; see [`claim`]).
+    pub fn claim_trip_slot(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        slots: u32,
+        now_ms: i64,
+        stale_ms: i64,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let request = claim::ClaimRequest {
+            cell_id,
+            incarnation,
+            slots,
+            now_ms,
+            stale_ms,
+        };
+        match &*self.engine {
+            Engine::Sqlite(store) => store.claim_trip_slot(&request),
+            Engine::Postgres(store) => store.claim_trip_slot(&request),
+        }
+    }
+}
+
+/// The arguments of [`Store::renew_lease`], passed to the backends as one value.
+pub(crate) struct LeaseRow<'a> {
+    pub activity_id: &'a str,
+    pub user_id: &'a str,
+    pub relay_host_id: &'a str,
+    pub cell_id: &'a str,
+    pub epoch: i64,
+    pub kind: &'a str,
+    pub expires_at: i64,
+    pub now_ms: i64,
+}
+
+/// The arguments of [`Store::heartbeat`], passed to the backends as one value.
+pub(crate) struct Heartbeat<'a> {
+    pub cell_id: &'a str,
+    pub incarnation: i64,
+    pub started_at: i64,
+    pub ready: bool,
+    pub connections: i64,
+    pub now_ms: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reason_codes_follow_the_constructors() {
+        let exhausted = StoreError::pool_exhausted(Duration::from_millis(5), 3);
+        assert_eq!(exhausted.reason_code(), "sql_pool_exhausted");
+        assert!(exhausted.is_unavailable());
+        let timed_out = StoreError::timed_out("claim");
+        assert_eq!(timed_out.reason_code(), "sql_timed_out");
+        assert!(timed_out.is_unavailable());
+        let refused = StoreError::Unavailable("connect refused".into());
+        assert_eq!(refused.reason_code(), "sql_failed");
+        let query = StoreError::Query("syntax".into());
+        assert_eq!(query.reason_code(), "sql_failed");
+        assert!(!query.is_unavailable());
+        assert_eq!(
+            exhausted.to_string(),
+            "database unavailable: database pool exhausted: no connection free within 5 ms (3 open)"
+        );
+    }
+
+    #[test]
+    fn application_name_names_role_and_cell() {
+        let lookup = |name: &str| match name {
+            "ORCA_RELAY_CELL_ID" => Some("c7".to_string()),
+            "ORCA_RELAY_DATABASE_POOL_MAX" => Some("16".to_string()),
+            "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX" => Some("12".to_string()),
+            _ => None,
+        };
+        let config = Config::from_lookup(&lookup).expect("valid config");
+        let store = StoreConfig::from_config(&config);
+        assert_eq!(store.application_name, "orca-relay:combined:c7");
+        assert_eq!((store.pool_max, store.pool_ceiling), (16, 12));
+        assert_eq!(store.sqlite_path, config.data_dir.join("relay.db"));
     }
 }

@@ -1,0 +1,583 @@
+//! The PostgreSQL backend: every statement the relay sends to PostgreSQL, except the slot
+//! claim, which reads as one transaction in [`super::claim`].
+//!
+//! Runs on the calling thread with a pooled `postgres::Client`. Each connection carries the
+//! configured `application_name` (so an operator can count a process's share of
+//! `max_connections` in `pg_stat_activity`), a connect timeout, and a server-side
+//! `statement_timeout` set through the startup `options`.
+//!
+//! Must never: keep a connection that errored (it is discarded, and after a connection-level
+//! failure every idle one is too, since they most likely point at the same dead server), or put
+//! the connection string into an error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use postgres::error::SqlState;
+use postgres::types::ToSql;
+use postgres::{Client, GenericClient, NoTls, Row};
+
+use super::claim::{self, ClaimRequest};
+use super::pool::{Connector, Pool, PoolCounts};
+use super::{
+    AdmitEffective, Assignment, CellRow, CellRuntime, ClaimOutcome, Heartbeat, HeartbeatOutcome,
+    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError,
+};
+use crate::clock;
+
+/// The migrations, in order, embedded at build time.
+const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../sql/postgres/0001_init.sql"))];
+
+/// The advisory-lock key that serialises migrations across processes: the ASCII bytes of
+/// "orcamigr". Distinct from the trip-slot key in `claim.rs`.
+const MIGRATION_LOCK_KEY: i64 = 0x6f72_6361_6d69_6772;
+
+type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+/// Runs one statement that returns no rows we read; counts it.
+pub(super) fn execute(
+    client: &mut impl GenericClient,
+    statements: &StatementCounter,
+    sql: &str,
+    params: Params<'_>,
+) -> Result<u64, postgres::Error> {
+    statements.bump();
+    client.execute(sql, params)
+}
+
+/// Runs one statement and returns exactly one row; counts it.
+pub(super) fn query_one(
+    client: &mut impl GenericClient,
+    statements: &StatementCounter,
+    sql: &str,
+    params: Params<'_>,
+) -> Result<Row, postgres::Error> {
+    statements.bump();
+    client.query_one(sql, params)
+}
+
+/// Runs one statement and returns zero or one row; counts it.
+pub(super) fn query_opt(
+    client: &mut impl GenericClient,
+    statements: &StatementCounter,
+    sql: &str,
+    params: Params<'_>,
+) -> Result<Option<Row>, postgres::Error> {
+    statements.bump();
+    client.query_opt(sql, params)
+}
+
+fn query(
+    client: &mut impl GenericClient,
+    statements: &StatementCounter,
+    sql: &str,
+    params: Params<'_>,
+) -> Result<Vec<Row>, postgres::Error> {
+    statements.bump();
+    client.query(sql, params)
+}
+
+/// Opens connections with the relay's session settings.
+pub(super) struct PgConnector {
+    config: postgres::Config,
+}
+
+impl Connector for PgConnector {
+    type Conn = Client;
+
+    fn connect(&self) -> Result<Client, StoreError> {
+        self.config
+            .connect(NoTls)
+            .map_err(|error| StoreError::Unavailable(format!("connect failed: {error}")))
+    }
+
+    fn is_usable(&self, conn: &Client) -> bool {
+        !conn.is_closed()
+    }
+}
+
+pub(super) struct PgStore {
+    pool: Pool<PgConnector>,
+    statements: Arc<StatementCounter>,
+    checkout_timeout: Duration,
+}
+
+/// True when the error says the connection (not the statement) failed.
+fn connection_failed(error: &postgres::Error) -> bool {
+    if error.is_closed() {
+        return true;
+    }
+    if let Some(code) = error.code() {
+        // Class 08: connection exception; 57P01-57P03: the server is shutting down or starting.
+        let code = code.code();
+        return code.starts_with("08") || code.starts_with("57P");
+    }
+    std::error::Error::source(error).is_some_and(|source| source.is::<std::io::Error>())
+}
+
+/// Turns a driver error into a short store error that names what was being done.
+pub(super) fn store_error(error: &postgres::Error, context: &str) -> StoreError {
+    if error.code() == Some(&SqlState::QUERY_CANCELED) {
+        return StoreError::timed_out(context);
+    }
+    if connection_failed(error) || error.code() == Some(&SqlState::TOO_MANY_CONNECTIONS) {
+        return StoreError::Unavailable(format!("{context}: {error}"));
+    }
+    match error.as_db_error() {
+        Some(db) => StoreError::Query(format!(
+            "{context}: {} (sqlstate {})",
+            db.message(),
+            db.code().code()
+        )),
+        None => StoreError::Query(format!("{context}: {error}")),
+    }
+}
+
+impl PgStore {
+    pub(super) fn open(url: &str, config: &StoreConfig) -> Result<PgStore, StoreError> {
+        let mut pg: postgres::Config = url.parse().map_err(|_| {
+            StoreError::Query("DATABASE_URL is not a valid postgres connection string".into())
+        })?;
+        // Every statement runs under a server-side timeout (SPEC §6.1); keep any options the
+        // URL already carries.
+        let statement_timeout = format!("-c statement_timeout={}", config.statement_timeout_ms);
+        let options = match pg.get_options() {
+            Some(existing) if !existing.trim().is_empty() => {
+                format!("{existing} {statement_timeout}")
+            }
+            _ => statement_timeout,
+        };
+        pg.options(&options)
+            .application_name(&config.application_name)
+            .connect_timeout(Duration::from_millis(config.connect_timeout_ms.max(1)));
+        let pool = Pool::new(PgConnector { config: pg }, config.pool_max);
+        pool.set_ceiling(config.pool_ceiling);
+        Ok(PgStore {
+            pool,
+            statements: Arc::new(StatementCounter::default()),
+            checkout_timeout: Duration::from_millis(config.checkout_timeout_ms),
+        })
+    }
+
+    pub(super) fn statements(&self) -> &StatementCounter {
+        &self.statements
+    }
+
+    pub(super) fn pool_counts(&self) -> PoolCounts {
+        self.pool.counts()
+    }
+
+    pub(super) fn set_ceiling(&self, ceiling: u32) {
+        self.pool.set_ceiling(ceiling)
+    }
+
+    /// Runs `work` on a pooled connection. On error the connection is discarded (and, after a
+    /// connection-level failure, every idle one too).
+    fn with_client<T>(
+        &self,
+        context: &str,
+        work: impl FnOnce(&mut Client, &StatementCounter) -> Result<T, postgres::Error>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.pool.checkout(self.checkout_timeout)?;
+        match work(&mut conn, &self.statements) {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                conn.discard();
+                drop(conn);
+                if connection_failed(&error) {
+                    self.pool.discard_idle();
+                }
+                Err(store_error(&error, context))
+            }
+        }
+    }
+
+    pub(super) fn migrate(&self) -> Result<(), StoreError> {
+        self.with_client("migrate", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
+            // Held until COMMIT: a second process migrating at once waits here, then finds
+            // every version applied.
+            execute(
+                &mut tx,
+                n,
+                "SELECT pg_advisory_xact_lock($1)",
+                &[&MIGRATION_LOCK_KEY],
+            )?;
+            n.bump();
+            tx.batch_execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (
+                     version    BIGINT PRIMARY KEY,
+                     applied_at BIGINT NOT NULL
+                 )",
+            )?;
+            for (version, sql) in MIGRATIONS {
+                let applied = query_opt(
+                    &mut tx,
+                    n,
+                    "SELECT version FROM schema_migrations WHERE version = $1",
+                    &[version],
+                )?;
+                if applied.is_none() {
+                    n.bump();
+                    tx.batch_execute(sql)?;
+                    let now = clock::system().now_ms() as i64;
+                    execute(
+                        &mut tx,
+                        n,
+                        "INSERT INTO schema_migrations (version, applied_at) VALUES ($1, $2)",
+                        &[version, &now],
+                    )?;
+                }
+            }
+            n.bump();
+            tx.commit()
+        })
+    }
+
+    pub(super) fn ping(&self) -> Result<(), StoreError> {
+        self.with_client("ping", |client, n| {
+            query_one(client, n, "SELECT 1", &[]).map(|_| ())
+        })
+    }
+
+    pub(super) fn assignment(
+        &self,
+        user_id: &str,
+        relay_host_id: &str,
+    ) -> Result<Option<Assignment>, StoreError> {
+        self.with_client("read assignment", |client, n| {
+            let row = query_opt(
+                client,
+                n,
+                "SELECT cell_id, assignment_epoch, updated_at FROM relay_assignments
+                 WHERE user_id = $1 AND relay_host_id = $2",
+                &[&user_id, &relay_host_id],
+            )?;
+            row.map(|row| {
+                Ok(Assignment {
+                    user_id: user_id.to_string(),
+                    relay_host_id: relay_host_id.to_string(),
+                    cell_id: row.try_get(0)?,
+                    epoch: row.try_get(1)?,
+                    updated_at: row.try_get(2)?,
+                })
+            })
+            .transpose()
+        })
+    }
+
+    pub(super) fn place_assignment_if_newer(
+        &self,
+        user_id: &str,
+        relay_host_id: &str,
+        cell_id: &str,
+        epoch: i64,
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        self.with_client("place assignment", |client, n| {
+            let written = execute(
+                client,
+                n,
+                "INSERT INTO relay_assignments
+                     (user_id, relay_host_id, cell_id, assignment_epoch, updated_at)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (user_id, relay_host_id) DO UPDATE
+                     SET cell_id = excluded.cell_id,
+                         assignment_epoch = excluded.assignment_epoch,
+                         updated_at = excluded.updated_at
+                     WHERE relay_assignments.assignment_epoch < excluded.assignment_epoch",
+                &[&user_id, &relay_host_id, &cell_id, &epoch, &now_ms],
+            )?;
+            Ok(written == 1)
+        })
+    }
+
+    pub(super) fn renew_lease(&self, lease: &LeaseRow<'_>) -> Result<LeaseOutcome, StoreError> {
+        self.with_client("renew lease", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
+            // FOR SHARE: a placement that would move the desktop waits for this transaction,
+            // so a lease is never renewed for a row that has already moved on.
+            let still_here = query_opt(
+                &mut tx,
+                n,
+                "SELECT 1 FROM relay_assignments
+                 WHERE user_id = $1 AND relay_host_id = $2 AND cell_id = $3
+                   AND assignment_epoch = $4
+                 FOR SHARE",
+                &[
+                    &lease.user_id,
+                    &lease.relay_host_id,
+                    &lease.cell_id,
+                    &lease.epoch,
+                ],
+            )?
+            .is_some();
+            let outcome = if still_here {
+                execute(
+                    &mut tx,
+                    n,
+                    "INSERT INTO relay_assignment_activity_leases
+                         (activity_id, user_id, relay_host_id, cell_id, activity_kind,
+                          expires_at, updated_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)
+                     ON CONFLICT (activity_id) DO UPDATE
+                         SET user_id = excluded.user_id,
+                             relay_host_id = excluded.relay_host_id,
+                             cell_id = excluded.cell_id,
+                             activity_kind = excluded.activity_kind,
+                             expires_at = excluded.expires_at,
+                             updated_at = excluded.updated_at",
+                    &[
+                        &lease.activity_id,
+                        &lease.user_id,
+                        &lease.relay_host_id,
+                        &lease.cell_id,
+                        &lease.kind,
+                        &lease.expires_at,
+                        &lease.now_ms,
+                    ],
+                )?;
+                LeaseOutcome::Renewed
+            } else {
+                execute(
+                    &mut tx,
+                    n,
+                    "DELETE FROM relay_assignment_activity_leases WHERE activity_id = $1",
+                    &[&lease.activity_id],
+                )?;
+                LeaseOutcome::Moved
+            };
+            n.bump();
+            tx.commit()?;
+            Ok(outcome)
+        })
+    }
+
+    pub(super) fn delete_lease(&self, activity_id: &str) -> Result<(), StoreError> {
+        self.with_client("delete lease", |client, n| {
+            execute(
+                client,
+                n,
+                "DELETE FROM relay_assignment_activity_leases WHERE activity_id = $1",
+                &[&activity_id],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn lease_exists(&self, activity_id: &str, now_ms: i64) -> Result<bool, StoreError> {
+        self.with_client("read lease", |client, n| {
+            let row = query_opt(
+                client,
+                n,
+                "SELECT 1 FROM relay_assignment_activity_leases
+                 WHERE activity_id = $1 AND expires_at > $2",
+                &[&activity_id, &now_ms],
+            )?;
+            Ok(row.is_some())
+        })
+    }
+
+    pub(super) fn register_cell(
+        &self,
+        cell_id: &str,
+        cell_url: &str,
+        region: &str,
+        incarnation: i64,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_client("register cell", |client, n| {
+            execute(
+                client,
+                n,
+                "INSERT INTO relay_cells (cell_id, cell_url, region, incarnation, registered_at)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_url = excluded.cell_url,
+                         region = excluded.region,
+                         incarnation = excluded.incarnation,
+                         registered_at = excluded.registered_at
+                     WHERE relay_cells.incarnation <= excluded.incarnation",
+                &[&cell_id, &cell_url, &region, &incarnation, &now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn heartbeat(&self, beat: &Heartbeat<'_>) -> Result<HeartbeatOutcome, StoreError> {
+        self.with_client("record heartbeat", |client, n| {
+            let registered = query_opt(
+                client,
+                n,
+                "SELECT incarnation FROM relay_cells WHERE cell_id = $1",
+                &[&beat.cell_id],
+            )?;
+            if let Some(row) = registered {
+                let registered_incarnation: i64 = row.try_get(0)?;
+                if beat.incarnation < registered_incarnation {
+                    return Ok(HeartbeatOutcome::StaleIncarnation);
+                }
+            }
+            // The WHERE makes the runtime check and the write one atomic step.
+            let written = execute(
+                client,
+                n,
+                "INSERT INTO relay_cell_runtime
+                     (cell_id, cell_incarnation, started_at, ready, connections, last_heartbeat_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_incarnation = excluded.cell_incarnation,
+                         started_at = excluded.started_at,
+                         ready = excluded.ready,
+                         connections = excluded.connections,
+                         last_heartbeat_at = excluded.last_heartbeat_at
+                     WHERE relay_cell_runtime.cell_incarnation <= excluded.cell_incarnation",
+                &[
+                    &beat.cell_id,
+                    &beat.incarnation,
+                    &beat.started_at,
+                    &beat.ready,
+                    &beat.connections,
+                    &beat.now_ms,
+                ],
+            )?;
+            Ok(if written == 1 {
+                HeartbeatOutcome::Accepted
+            } else {
+                HeartbeatOutcome::StaleIncarnation
+            })
+        })
+    }
+
+    pub(super) fn set_admit_mode(
+        &self,
+        cell_id: &str,
+        admit_mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_client("set admit mode", |client, n| {
+            execute(
+                client,
+                n,
+                "INSERT INTO relay_cell_admit_modes (cell_id, admit_mode, updated_at)
+                 VALUES ($1, $2, $3)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET admit_mode = excluded.admit_mode, updated_at = excluded.updated_at",
+                &[&cell_id, &admit_mode, &now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn list_cells(&self) -> Result<Vec<CellRow>, StoreError> {
+        self.with_client("list cells", |client, n| {
+            let rows = query(
+                client,
+                n,
+                "SELECT c.cell_id, c.cell_url, c.region, c.incarnation, c.registered_at,
+                        r.cell_incarnation, r.started_at, r.ready, r.connections,
+                        r.last_heartbeat_at,
+                        m.admit_mode,
+                        e.cell_incarnation, e.mode, e.updated_at
+                 FROM relay_cells c
+                 LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
+                 LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
+                 LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
+                 ORDER BY c.cell_id",
+                &[],
+            )?;
+            rows.iter().map(cell_row).collect()
+        })
+    }
+
+    pub(super) fn write_admit_effective(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_client("write admit-effective row", |client, n| {
+            execute(
+                client,
+                n,
+                "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_incarnation = excluded.cell_incarnation,
+                         mode = excluded.mode,
+                         updated_at = excluded.updated_at",
+                &[&cell_id, &incarnation, &mode, &now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn admit_effective(
+        &self,
+        cell_id: &str,
+    ) -> Result<Option<AdmitEffective>, StoreError> {
+        self.with_client("read admit-effective row", |client, n| {
+            let row = query_opt(
+                client,
+                n,
+                "SELECT cell_incarnation, mode, updated_at FROM relay_cell_admit_effective
+                 WHERE cell_id = $1",
+                &[&cell_id],
+            )?;
+            row.map(|row| {
+                Ok(AdmitEffective {
+                    cell_incarnation: row.try_get(0)?,
+                    mode: row.try_get(1)?,
+                    updated_at: row.try_get(2)?,
+                })
+            })
+            .transpose()
+        })
+    }
+
+    pub(super) fn claim_trip_slot(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.with_client("claim trip slot", |client, n| {
+            claim::claim_postgres(client, n, request)
+        })
+    }
+}
+
+fn cell_row(row: &Row) -> Result<CellRow, postgres::Error> {
+    let runtime_incarnation: Option<i64> = row.try_get(5)?;
+    let runtime = match runtime_incarnation {
+        Some(cell_incarnation) => Some(CellRuntime {
+            cell_incarnation,
+            started_at: row.try_get(6)?,
+            ready: row.try_get(7)?,
+            connections: row.try_get(8)?,
+            last_heartbeat_at: row.try_get(9)?,
+        }),
+        None => None,
+    };
+    let admit_mode: Option<String> = row.try_get(10)?;
+    let effective_incarnation: Option<i64> = row.try_get(11)?;
+    let effective = match effective_incarnation {
+        Some(cell_incarnation) => Some(AdmitEffective {
+            cell_incarnation,
+            mode: row.try_get(12)?,
+            updated_at: row.try_get(13)?,
+        }),
+        None => None,
+    };
+    Ok(CellRow {
+        cell_id: row.try_get(0)?,
+        cell_url: row.try_get(1)?,
+        region: row.try_get(2)?,
+        incarnation: row.try_get(3)?,
+        registered_at: row.try_get(4)?,
+        runtime,
+        admit_mode: admit_mode.unwrap_or_else(|| super::MODE_DB.to_string()),
+        effective,
+    })
+}

@@ -1,0 +1,563 @@
+//! The SQLite backend: every statement the relay sends to SQLite, except the slot claim, which
+//! reads as one transaction in [`super::claim`].
+//!
+//! Runs on the calling thread with a pooled `rusqlite::Connection` on one file. The file is in
+//! WAL mode with a busy timeout, so several threads and several processes (a combined process
+//! and a `migrate` run, say) share it safely; every read-then-write transaction starts with
+//! `BEGIN IMMEDIATE`, so two writers never deadlock upgrading read locks.
+//!
+//! Must never: keep a connection that errored, or wait on the write lock during a claim (the
+//! claim runs with a zero busy timeout and answers `LockBusy` instead).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rusqlite::{
+    params, Connection, ErrorCode, OpenFlags, OptionalExtension, Row, TransactionBehavior,
+};
+
+use super::claim::{self, ClaimRequest};
+use super::pool::{Connector, Pool, PoolCounts};
+use super::{
+    AdmitEffective, Assignment, CellRow, CellRuntime, ClaimOutcome, Heartbeat, HeartbeatOutcome,
+    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError,
+};
+use crate::clock;
+
+/// The migrations, in order, embedded at build time.
+const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../sql/sqlite/0001_init.sql"))];
+
+/// Opens connections to one database file with the relay's settings.
+pub(super) struct SqliteConnector {
+    path: std::path::PathBuf,
+    busy_timeout: Duration,
+}
+
+impl Connector for SqliteConnector {
+    type Conn = Connection;
+
+    fn connect(&self) -> Result<Connection, StoreError> {
+        open_connection(&self.path, self.busy_timeout).map_err(|error| {
+            StoreError::Unavailable(format!(
+                "open sqlite database {} failed: {error}",
+                self.path.display()
+            ))
+        })
+    }
+}
+
+fn open_connection(path: &Path, busy_timeout: Duration) -> Result<Connection, rusqlite::Error> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    // The busy timeout first: switching to WAL briefly needs a lock another process may hold.
+    conn.busy_timeout(busy_timeout)?;
+    let _mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+    conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;")?;
+    Ok(conn)
+}
+
+pub(super) struct SqliteStore {
+    pool: Pool<SqliteConnector>,
+    statements: Arc<StatementCounter>,
+    checkout_timeout: Duration,
+    busy_timeout: Duration,
+}
+
+/// True when the error says the file or the connection (not the statement) failed.
+fn connection_failed(error: &rusqlite::Error) -> bool {
+    matches!(
+        error.sqlite_error_code(),
+        Some(
+            ErrorCode::CannotOpen
+                | ErrorCode::SystemIoFailure
+                | ErrorCode::DiskFull
+                | ErrorCode::NotADatabase
+                | ErrorCode::DatabaseCorrupt
+                | ErrorCode::PermissionDenied
+                | ErrorCode::ReadOnly
+        )
+    )
+}
+
+fn store_error(error: &rusqlite::Error, context: &str) -> StoreError {
+    if claim::is_busy(error) {
+        // The busy timeout ran out: SQLite's form of a statement timeout.
+        return StoreError::timed_out(&format!("{context}: {error}"));
+    }
+    if connection_failed(error) {
+        return StoreError::Unavailable(format!("{context}: {error}"));
+    }
+    StoreError::Query(format!("{context}: {error}"))
+}
+
+/// Runs one statement (cached per connection); counts it.
+fn execute(
+    conn: &Connection,
+    n: &StatementCounter,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<usize, rusqlite::Error> {
+    n.bump();
+    conn.prepare_cached(sql)?.execute(params)
+}
+
+/// Runs one statement and maps its first row, if any; counts it.
+fn query_opt<T>(
+    conn: &Connection,
+    n: &StatementCounter,
+    sql: &str,
+    params: impl rusqlite::Params,
+    map: impl FnOnce(&Row<'_>) -> Result<T, rusqlite::Error>,
+) -> Result<Option<T>, rusqlite::Error> {
+    n.bump();
+    conn.prepare_cached(sql)?.query_row(params, map).optional()
+}
+
+impl SqliteStore {
+    pub(super) fn open(config: &StoreConfig) -> Result<SqliteStore, StoreError> {
+        if let Some(parent) = config.sqlite_path.parent() {
+            if !parent.as_os_str().is_empty() {
+                std::fs::create_dir_all(parent).map_err(|error| {
+                    StoreError::Unavailable(format!(
+                        "create data directory {} failed: {error}",
+                        parent.display()
+                    ))
+                })?;
+            }
+        }
+        let busy_timeout = Duration::from_millis(config.statement_timeout_ms);
+        let pool = Pool::new(
+            SqliteConnector {
+                path: config.sqlite_path.clone(),
+                busy_timeout,
+            },
+            config.pool_max,
+        );
+        pool.set_ceiling(config.pool_ceiling);
+        Ok(SqliteStore {
+            pool,
+            statements: Arc::new(StatementCounter::default()),
+            checkout_timeout: Duration::from_millis(config.checkout_timeout_ms),
+            busy_timeout,
+        })
+    }
+
+    pub(super) fn statements(&self) -> &StatementCounter {
+        &self.statements
+    }
+
+    pub(super) fn pool_counts(&self) -> PoolCounts {
+        self.pool.counts()
+    }
+
+    pub(super) fn set_ceiling(&self, ceiling: u32) {
+        self.pool.set_ceiling(ceiling)
+    }
+
+    /// Runs `work` on a pooled connection; on error the connection is discarded.
+    fn with_conn<T>(
+        &self,
+        context: &str,
+        work: impl FnOnce(&mut Connection, &StatementCounter) -> Result<T, rusqlite::Error>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.pool.checkout(self.checkout_timeout)?;
+        match work(&mut conn, &self.statements) {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                conn.discard();
+                drop(conn);
+                if connection_failed(&error) {
+                    self.pool.discard_idle();
+                }
+                Err(store_error(&error, context))
+            }
+        }
+    }
+
+    pub(super) fn migrate(&self) -> Result<(), StoreError> {
+        self.with_conn("migrate", |conn, n| {
+            // BEGIN IMMEDIATE takes the write lock up front: a second process migrating at
+            // once waits here (busy timeout), then finds every version applied.
+            n.bump();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            n.bump();
+            tx.execute_batch(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (
+                     version    BIGINT PRIMARY KEY,
+                     applied_at BIGINT NOT NULL
+                 )",
+            )?;
+            for (version, sql) in MIGRATIONS {
+                let applied = query_opt(
+                    &tx,
+                    n,
+                    "SELECT version FROM schema_migrations WHERE version = ?1",
+                    params![version],
+                    |row| row.get::<_, i64>(0),
+                )?;
+                if applied.is_none() {
+                    n.bump();
+                    tx.execute_batch(sql)?;
+                    let now = clock::system().now_ms() as i64;
+                    execute(
+                        &tx,
+                        n,
+                        "INSERT INTO schema_migrations (version, applied_at) VALUES (?1, ?2)",
+                        params![version, now],
+                    )?;
+                }
+            }
+            n.bump();
+            tx.commit()
+        })
+    }
+
+    pub(super) fn ping(&self) -> Result<(), StoreError> {
+        self.with_conn("ping", |conn, n| {
+            query_opt(conn, n, "SELECT 1", [], |row| row.get::<_, i64>(0)).map(|_| ())
+        })
+    }
+
+    pub(super) fn assignment(
+        &self,
+        user_id: &str,
+        relay_host_id: &str,
+    ) -> Result<Option<Assignment>, StoreError> {
+        self.with_conn("read assignment", |conn, n| {
+            query_opt(
+                conn,
+                n,
+                "SELECT cell_id, assignment_epoch, updated_at FROM relay_assignments
+                 WHERE user_id = ?1 AND relay_host_id = ?2",
+                params![user_id, relay_host_id],
+                |row| {
+                    Ok(Assignment {
+                        user_id: user_id.to_string(),
+                        relay_host_id: relay_host_id.to_string(),
+                        cell_id: row.get(0)?,
+                        epoch: row.get(1)?,
+                        updated_at: row.get(2)?,
+                    })
+                },
+            )
+        })
+    }
+
+    pub(super) fn place_assignment_if_newer(
+        &self,
+        user_id: &str,
+        relay_host_id: &str,
+        cell_id: &str,
+        epoch: i64,
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        self.with_conn("place assignment", |conn, n| {
+            let written = execute(
+                conn,
+                n,
+                "INSERT INTO relay_assignments
+                     (user_id, relay_host_id, cell_id, assignment_epoch, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (user_id, relay_host_id) DO UPDATE
+                     SET cell_id = excluded.cell_id,
+                         assignment_epoch = excluded.assignment_epoch,
+                         updated_at = excluded.updated_at
+                     WHERE relay_assignments.assignment_epoch < excluded.assignment_epoch",
+                params![user_id, relay_host_id, cell_id, epoch, now_ms],
+            )?;
+            Ok(written == 1)
+        })
+    }
+
+    pub(super) fn renew_lease(&self, lease: &LeaseRow<'_>) -> Result<LeaseOutcome, StoreError> {
+        self.with_conn("renew lease", |conn, n| {
+            // IMMEDIATE: the check and the write see the same assignment row.
+            n.bump();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let still_here = query_opt(
+                &tx,
+                n,
+                "SELECT 1 FROM relay_assignments
+                 WHERE user_id = ?1 AND relay_host_id = ?2 AND cell_id = ?3
+                   AND assignment_epoch = ?4",
+                params![
+                    lease.user_id,
+                    lease.relay_host_id,
+                    lease.cell_id,
+                    lease.epoch
+                ],
+                |row| row.get::<_, i64>(0),
+            )?
+            .is_some();
+            let outcome = if still_here {
+                execute(
+                    &tx,
+                    n,
+                    "INSERT INTO relay_assignment_activity_leases
+                         (activity_id, user_id, relay_host_id, cell_id, activity_kind,
+                          expires_at, updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                     ON CONFLICT (activity_id) DO UPDATE
+                         SET user_id = excluded.user_id,
+                             relay_host_id = excluded.relay_host_id,
+                             cell_id = excluded.cell_id,
+                             activity_kind = excluded.activity_kind,
+                             expires_at = excluded.expires_at,
+                             updated_at = excluded.updated_at",
+                    params![
+                        lease.activity_id,
+                        lease.user_id,
+                        lease.relay_host_id,
+                        lease.cell_id,
+                        lease.kind,
+                        lease.expires_at,
+                        lease.now_ms
+                    ],
+                )?;
+                LeaseOutcome::Renewed
+            } else {
+                execute(
+                    &tx,
+                    n,
+                    "DELETE FROM relay_assignment_activity_leases WHERE activity_id = ?1",
+                    params![lease.activity_id],
+                )?;
+                LeaseOutcome::Moved
+            };
+            n.bump();
+            tx.commit()?;
+            Ok(outcome)
+        })
+    }
+
+    pub(super) fn delete_lease(&self, activity_id: &str) -> Result<(), StoreError> {
+        self.with_conn("delete lease", |conn, n| {
+            execute(
+                conn,
+                n,
+                "DELETE FROM relay_assignment_activity_leases WHERE activity_id = ?1",
+                params![activity_id],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn lease_exists(&self, activity_id: &str, now_ms: i64) -> Result<bool, StoreError> {
+        self.with_conn("read lease", |conn, n| {
+            let row = query_opt(
+                conn,
+                n,
+                "SELECT 1 FROM relay_assignment_activity_leases
+                 WHERE activity_id = ?1 AND expires_at > ?2",
+                params![activity_id, now_ms],
+                |row| row.get::<_, i64>(0),
+            )?;
+            Ok(row.is_some())
+        })
+    }
+
+    pub(super) fn register_cell(
+        &self,
+        cell_id: &str,
+        cell_url: &str,
+        region: &str,
+        incarnation: i64,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_conn("register cell", |conn, n| {
+            execute(
+                conn,
+                n,
+                "INSERT INTO relay_cells (cell_id, cell_url, region, incarnation, registered_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_url = excluded.cell_url,
+                         region = excluded.region,
+                         incarnation = excluded.incarnation,
+                         registered_at = excluded.registered_at
+                     WHERE relay_cells.incarnation <= excluded.incarnation",
+                params![cell_id, cell_url, region, incarnation, now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn heartbeat(&self, beat: &Heartbeat<'_>) -> Result<HeartbeatOutcome, StoreError> {
+        self.with_conn("record heartbeat", |conn, n| {
+            let registered = query_opt(
+                conn,
+                n,
+                "SELECT incarnation FROM relay_cells WHERE cell_id = ?1",
+                params![beat.cell_id],
+                |row| row.get::<_, i64>(0),
+            )?;
+            if registered.is_some_and(|incarnation| beat.incarnation < incarnation) {
+                return Ok(HeartbeatOutcome::StaleIncarnation);
+            }
+            // The WHERE makes the runtime check and the write one atomic step.
+            let written = execute(
+                conn,
+                n,
+                "INSERT INTO relay_cell_runtime
+                     (cell_id, cell_incarnation, started_at, ready, connections, last_heartbeat_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_incarnation = excluded.cell_incarnation,
+                         started_at = excluded.started_at,
+                         ready = excluded.ready,
+                         connections = excluded.connections,
+                         last_heartbeat_at = excluded.last_heartbeat_at
+                     WHERE relay_cell_runtime.cell_incarnation <= excluded.cell_incarnation",
+                params![
+                    beat.cell_id,
+                    beat.incarnation,
+                    beat.started_at,
+                    beat.ready,
+                    beat.connections,
+                    beat.now_ms
+                ],
+            )?;
+            Ok(if written == 1 {
+                HeartbeatOutcome::Accepted
+            } else {
+                HeartbeatOutcome::StaleIncarnation
+            })
+        })
+    }
+
+    pub(super) fn set_admit_mode(
+        &self,
+        cell_id: &str,
+        admit_mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_conn("set admit mode", |conn, n| {
+            execute(
+                conn,
+                n,
+                "INSERT INTO relay_cell_admit_modes (cell_id, admit_mode, updated_at)
+                 VALUES (?1, ?2, ?3)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET admit_mode = excluded.admit_mode, updated_at = excluded.updated_at",
+                params![cell_id, admit_mode, now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn list_cells(&self) -> Result<Vec<CellRow>, StoreError> {
+        self.with_conn("list cells", |conn, n| {
+            n.bump();
+            let mut statement = conn.prepare_cached(
+                "SELECT c.cell_id, c.cell_url, c.region, c.incarnation, c.registered_at,
+                        r.cell_incarnation, r.started_at, r.ready, r.connections,
+                        r.last_heartbeat_at,
+                        m.admit_mode,
+                        e.cell_incarnation, e.mode, e.updated_at
+                 FROM relay_cells c
+                 LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
+                 LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
+                 LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
+                 ORDER BY c.cell_id",
+            )?;
+            let rows = statement.query_map([], cell_row)?;
+            rows.collect()
+        })
+    }
+
+    pub(super) fn write_admit_effective(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        mode: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.with_conn("write admit-effective row", |conn, n| {
+            execute(
+                conn,
+                n,
+                "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
+                 VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (cell_id) DO UPDATE
+                     SET cell_incarnation = excluded.cell_incarnation,
+                         mode = excluded.mode,
+                         updated_at = excluded.updated_at",
+                params![cell_id, incarnation, mode, now_ms],
+            )
+            .map(|_| ())
+        })
+    }
+
+    pub(super) fn admit_effective(
+        &self,
+        cell_id: &str,
+    ) -> Result<Option<AdmitEffective>, StoreError> {
+        self.with_conn("read admit-effective row", |conn, n| {
+            query_opt(
+                conn,
+                n,
+                "SELECT cell_incarnation, mode, updated_at FROM relay_cell_admit_effective
+                 WHERE cell_id = ?1",
+                params![cell_id],
+                |row| {
+                    Ok(AdmitEffective {
+                        cell_incarnation: row.get(0)?,
+                        mode: row.get(1)?,
+                        updated_at: row.get(2)?,
+                    })
+                },
+            )
+        })
+    }
+
+    pub(super) fn claim_trip_slot(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let busy_timeout = self.busy_timeout;
+        self.with_conn("claim trip slot", |conn, n| {
+            // Never wait for the write lock during a claim: busy means another claim (or
+            // writer) holds it, and the cell asks again later.
+            conn.busy_timeout(Duration::ZERO)?;
+            let outcome = claim::claim_sqlite(conn, n, request);
+            conn.busy_timeout(busy_timeout)?;
+            outcome
+        })
+    }
+}
+
+fn cell_row(row: &Row<'_>) -> Result<CellRow, rusqlite::Error> {
+    let runtime = match row.get::<_, Option<i64>>(5)? {
+        Some(cell_incarnation) => Some(CellRuntime {
+            cell_incarnation,
+            started_at: row.get(6)?,
+            ready: row.get(7)?,
+            connections: row.get(8)?,
+            last_heartbeat_at: row.get(9)?,
+        }),
+        None => None,
+    };
+    let effective = match row.get::<_, Option<i64>>(11)? {
+        Some(cell_incarnation) => Some(AdmitEffective {
+            cell_incarnation,
+            mode: row.get(12)?,
+            updated_at: row.get(13)?,
+        }),
+        None => None,
+    };
+    Ok(CellRow {
+        cell_id: row.get(0)?,
+        cell_url: row.get(1)?,
+        region: row.get(2)?,
+        incarnation: row.get(3)?,
+        registered_at: row.get(4)?,
+        runtime,
+        admit_mode: row
+            .get::<_, Option<String>>(10)?
+            .unwrap_or_else(|| super::MODE_DB.to_string()),
+        effective,
+    })
+}
