@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::clock;
 use crate::config::Config;
-use crate::director::assign::{self, AssignContext, Target};
+use crate::director::assign::{self, AssignContext, Placement, Target};
 use crate::http::{HttpServer, Reply, Request};
 use crate::metrics::Registry;
 use crate::relay::socket::Reaper;
@@ -89,15 +89,16 @@ pub fn run(config: Config) -> Result<(), RunError> {
         .map_err(|e| RunError(format!("cannot start the lease-renewer thread: {e}")))?
     };
 
-    let assign_context = Arc::new(AssignContext {
+    let assign_context = Arc::new(AssignContext::new(
         verifier,
-        store: store.clone(),
-        clock: clock.clone(),
-        local_cell: Target {
+        store.clone(),
+        clock.clone(),
+        Placement::LocalCell(Target {
             cell_id: config.cell_id.clone(),
             cell_url: cell_url.clone(),
-        },
-    });
+        }),
+        &registry,
+    ));
     let handler = {
         let registry = registry.clone();
         let phase = phase.clone();

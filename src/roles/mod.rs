@@ -2,6 +2,7 @@
 //! handles, and run the shutdown order. Nothing here makes a decision of its own.
 
 pub mod combined;
+pub mod director;
 
 use std::fmt;
 use std::net::TcpListener;
@@ -28,7 +29,8 @@ impl std::error::Error for RunError {}
 pub fn run(config: Config) -> Result<(), RunError> {
     match config.role {
         Role::Combined => combined::run(config),
-        Role::Cell | Role::Director => Err(RunError(format!(
+        Role::Director => director::run(config),
+        Role::Cell => Err(RunError(format!(
             "the {} role is not available in this build yet",
             config.role.as_str()
         ))),
