@@ -30,11 +30,7 @@ fn desktop_and_phone_splice_text_and_binary_both_ways_unchanged() {
             Message::Binary(got) => assert_eq!(&got[..], &payload[..], "host->phone {size} B"),
             other => panic!("expected binary, got {other:?}"),
         }
-        let text: String = "é"
-            .repeat(size / 2 + 1)
-            .chars()
-            .take(*size.min(&100_000))
-            .collect();
+        let text: String = "é".repeat(size / 2 + 1).chars().take(*size.min(&100_000)).collect();
         phone.send(Message::text(text.clone())).unwrap();
         match leg.read().unwrap() {
             Message::Text(got) => assert_eq!(got.as_str(), text),
@@ -46,12 +42,7 @@ fn desktop_and_phone_splice_text_and_binary_both_ways_unchanged() {
             other => panic!("expected text, got {other:?}"),
         }
     }
-    assert!(
-        relay
-            .metric("orca_relay_splice_bytes_total{direction=\"phone_to_host\"}")
-            .unwrap()
-            > 9e6
-    );
+    assert!(relay.metric("orca_relay_splice_bytes_total{direction=\"phone_to_host\"}").unwrap() > 9e6);
 }
 
 #[test]
@@ -94,52 +85,30 @@ fn bad_tokens_are_refused_401_at_upgrade() {
     let relay = Relay::combined(&[]);
     let url = relay.ws_url("/v1/host/control");
     let now = orca_relay::clock::system().now_ms() / 1000;
-    let claims = |aud: &str, exp: u64, purpose: &str| serde_json::json!({"sub":"u1","relayHostId":"abcdefghijklmnop","purpose":purpose,"aud":aud,"exp":exp});
+    let claims = |aud: &str, exp: u64, purpose: &str| {
+        serde_json::json!({"sub":"u1","relayHostId":"abcdefghijklmnop","purpose":purpose,"aud":aud,"exp":exp})
+    };
     let key = TEST_KEY.as_bytes();
     let none_token = format!(
         "{}.{}.",
         b64(br#"{"alg":"none","typ":"JWT"}"#),
-        b64(claims("orca-relay", now + 600, "host-control")
-            .to_string()
-            .as_bytes())
+        b64(claims("orca-relay", now + 600, "host-control").to_string().as_bytes())
     );
     let cases: Vec<(&str, Option<String>)> = vec![
         ("missing", None),
         ("garbage", Some("not-a-jwt".into())),
-        (
-            "wrong key",
-            Some(hs256(
-                claims("orca-relay", now + 600, "host-control"),
-                b"another-secret-another-secret-xx",
-            )),
-        ),
-        (
-            "expired",
-            Some(hs256(claims("orca-relay", now - 600, "host-control"), key)),
-        ),
-        (
-            "wrong audience",
-            Some(hs256(
-                claims("someone-else", now + 600, "host-control"),
-                key,
-            )),
-        ),
-        (
-            "wrong purpose",
-            Some(hs256(claims("orca-relay", now + 600, "phone"), key)),
-        ),
+        ("wrong key", Some(hs256(claims("orca-relay", now + 600, "host-control"), b"another-secret-another-secret-xx"))),
+        ("expired", Some(hs256(claims("orca-relay", now - 600, "host-control"), key))),
+        ("wrong audience", Some(hs256(claims("someone-else", now + 600, "host-control"), key))),
+        ("wrong purpose", Some(hs256(claims("orca-relay", now + 600, "phone"), key))),
         ("alg none", Some(none_token)),
     ];
     for (name, token) in cases {
         let result = ws_connect(&url, token.as_deref());
         assert_eq!(result.err(), Some(401), "{name}");
     }
-    assert!(
-        relay
-            .metric("orca_relay_upgrades_refused_total{status=\"401\",reason=\"missing\"}")
-            .is_some()
-            || relay.get("/metrics").1.contains("status=\"401\"")
-    );
+    assert!(relay.metric("orca_relay_upgrades_refused_total{status=\"401\",reason=\"missing\"}").is_some()
+        || relay.get("/metrics").1.contains("status=\"401\""));
 }
 
 #[test]
@@ -151,9 +120,7 @@ fn unknown_path_is_404_and_plain_http_is_refused() {
         .write_all(b"GET /v1/host/control HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let mut answer = String::new();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = stream.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 426"), "{answer}");
 }
@@ -208,18 +175,12 @@ fn phone_refusals_invite_offline_and_ninth_phone() {
 
     // No valid invite: 4401.
     let mut phone = ws_connect(&phone_url, None).unwrap();
-    send_json(
-        &mut phone,
-        serde_json::json!({"type":"relay-auth","v":1,"credential":"forged"}),
-    );
+    send_json(&mut phone, serde_json::json!({"type":"relay-auth","v":1,"credential":"forged"}));
     assert_eq!(read_close(&mut phone), Some(4401));
 
     // Host offline: 4404.
     let mut phone = ws_connect(&relay.ws_url("/v1/connect/offlineofflineof"), None).unwrap();
-    send_json(
-        &mut phone,
-        serde_json::json!({"type":"relay-auth","v":1,"credential":"x"}),
-    );
+    send_json(&mut phone, serde_json::json!({"type":"relay-auth","v":1,"credential":"x"}));
     assert_eq!(read_close(&mut phone), Some(4404));
 
     // Eight phones are spliced; the ninth gets 4429.
@@ -229,10 +190,7 @@ fn phone_refusals_invite_offline_and_ninth_phone() {
     }
     let invite = desktop.invite();
     let mut ninth = ws_connect(&phone_url, None).unwrap();
-    send_json(
-        &mut ninth,
-        serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
-    );
+    send_json(&mut ninth, serde_json::json!({"type":"relay-auth","v":1,"credential":invite}));
     assert_eq!(read_close(&mut ninth), Some(4429));
 
     // An invite has five attempts.
@@ -243,10 +201,7 @@ fn phone_refusals_invite_offline_and_ninth_phone() {
     let invite = desktop.invite();
     for attempt in 0..6 {
         let mut phone = ws_connect(&phone_url, None).unwrap();
-        send_json(
-            &mut phone,
-            serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
-        );
+        send_json(&mut phone, serde_json::json!({"type":"relay-auth","v":1,"credential":invite}));
         if attempt < 5 {
             let (conn_id, ticket) = desktop.conn_open();
             let _leg = desktop.data_leg(&relay, &conn_id, &ticket);
@@ -267,10 +222,7 @@ fn data_leg_that_never_attaches_closes_the_phone_4404() {
         None,
     )
     .unwrap();
-    send_json(
-        &mut phone,
-        serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
-    );
+    send_json(&mut phone, serde_json::json!({"type":"relay-auth","v":1,"credential":invite}));
     let (conn_id, ticket) = desktop.conn_open();
     let started = Instant::now();
     assert_eq!(read_close(&mut phone), Some(4404));
@@ -337,9 +289,7 @@ fn connection_cap_refuses_with_503_and_retry_after() {
     stream
         .write_all(b"GET /v1/host/control HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
         .unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
@@ -353,10 +303,7 @@ fn connection_cap_refuses_with_503_and_retry_after() {
 
 #[test]
 fn silent_control_is_closed_4408_and_pings_are_sent() {
-    let relay = Relay::combined(&[
-        ("ORCA_RELAY_PING_MS", "100"),
-        ("ORCA_RELAY_SILENCE_MS", "800"),
-    ]);
+    let relay = Relay::combined(&[("ORCA_RELAY_PING_MS", "100"), ("ORCA_RELAY_SILENCE_MS", "800")]);
     let mut desktop = Desktop::connect(&relay);
     // Pings arrive; answering keeps the socket open past the silence window.
     let started = Instant::now();
@@ -367,10 +314,7 @@ fn silent_control_is_closed_4408_and_pings_are_sent() {
                 let value: serde_json::Value = serde_json::from_str(&text).unwrap();
                 assert_eq!(value["type"], "ping");
                 pings += 1;
-                send_json(
-                    &mut desktop.control,
-                    serde_json::json!({"type":"pong","t":value["t"]}),
-                );
+                send_json(&mut desktop.control, serde_json::json!({"type":"pong","t":value["t"]}));
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -418,20 +362,14 @@ fn a_stalled_phone_is_closed_4429_without_slowing_another_pair() {
         let _ = busy_phone.read().unwrap();
         worst = worst.max(sent.elapsed());
     }
-    assert!(
-        worst < Duration::from_millis(500),
-        "worst round trip {worst:?}"
-    );
+    assert!(worst < Duration::from_millis(500), "worst round trip {worst:?}");
     assert_eq!(writer.join().unwrap(), Some(4429));
     drop(stalled_phone);
 }
 
 #[test]
 fn every_path_releases_its_slot_and_the_process_keeps_serving() {
-    let relay = Relay::combined(&[
-        ("ORCA_RELAY_FIRST_FRAME_MS", "300"),
-        ("ORCA_RELAY_ATTACH_DEADLINE_MS", "300"),
-    ]);
+    let relay = Relay::combined(&[("ORCA_RELAY_FIRST_FRAME_MS", "300"), ("ORCA_RELAY_ATTACH_DEADLINE_MS", "300")]);
     let baseline = relay.metric("orca_relay_connection_units").unwrap();
     let mut desktop = Desktop::connect(&relay);
     for round in 0..20 {
@@ -445,15 +383,8 @@ fn every_path_releases_its_slot_and_the_process_keeps_serving() {
         // Abandoned after the upgrade, before the first frame.
         drop(ws_connect(&relay.ws_url("/v1/connect/abcdefghijklmnop"), None).unwrap());
         // Refused after the first frame.
-        let mut phone = ws_connect(
-            &relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id)),
-            None,
-        )
-        .unwrap();
-        send_json(
-            &mut phone,
-            serde_json::json!({"type":"relay-auth","v":1,"credential":"nope"}),
-        );
+        let mut phone = ws_connect(&relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id)), None).unwrap();
+        send_json(&mut phone, serde_json::json!({"type":"relay-auth","v":1,"credential":"nope"}));
         assert_eq!(read_close(&mut phone), Some(4401), "round {round}");
         // A spliced pair torn down abruptly.
         if round % 5 == 0 {
@@ -464,9 +395,7 @@ fn every_path_releases_its_slot_and_the_process_keeps_serving() {
     }
     drop(desktop);
     assert!(
-        wait_until(Duration::from_secs(10), || relay
-            .metric("orca_relay_connection_units")
-            == Some(baseline)),
+        wait_until(Duration::from_secs(10), || relay.metric("orca_relay_connection_units") == Some(baseline)),
         "units {:?} != baseline {baseline}",
         relay.metric("orca_relay_connection_units")
     );

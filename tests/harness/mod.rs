@@ -145,14 +145,7 @@ impl Relay {
     }
 
     pub fn count_log(&self, needle: &str) -> usize {
-        self.log
-            .0
-            .lock()
-            .unwrap()
-            .lines
-            .iter()
-            .filter(|l| l.contains(needle))
-            .count()
+        self.log.0.lock().unwrap().lines.iter().filter(|l| l.contains(needle)).count()
     }
 
     pub fn log_text(&self) -> String {
@@ -190,13 +183,8 @@ impl Relay {
     /// The value of one metric line (exact name with labels), if present.
     pub fn metric(&self, series: &str) -> Option<f64> {
         let (_, body) = self.get("/metrics");
-        body.lines().find_map(|line| {
-            line.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
+        body.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
     }
 
     pub fn pid(&self) -> u32 {
@@ -344,8 +332,8 @@ impl Desktop {
         let user_id = format!("user-{relay_host_id}");
         let token = token(&user_id, &relay_host_id);
         let epoch = assign(relay, &token, &relay_host_id);
-        let mut control =
-            ws_connect(&relay.ws_url("/v1/host/control"), Some(&token)).expect("control upgrade");
+        let mut control = ws_connect(&relay.ws_url("/v1/host/control"), Some(&token))
+            .expect("control upgrade");
         send_json(
             &mut control,
             serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":epoch}),
