@@ -120,6 +120,9 @@ pub struct Config {
     pub ws_addr: SocketAddr,
     pub http_addr: SocketAddr,
     pub cell_url: String,
+    /// The base URL of this process's HTTP listener as directors reach it (`/internal/*`,
+    /// SPEC §5.4); sent in the cell's registration.
+    pub internal_url: String,
     pub director_urls: Vec<String>,
     pub database_url: Option<String>,
     pub data_dir: PathBuf,
@@ -148,6 +151,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_WS_ADDR",
     "ORCA_RELAY_HTTP_ADDR",
     "ORCA_RELAY_CELL_URL",
+    "ORCA_RELAY_INTERNAL_URL",
     "ORCA_RELAY_DIRECTOR_URLS",
     "DATABASE_URL",
     "ORCA_RELAY_DATA_DIR",
@@ -305,6 +309,8 @@ impl Config {
         let http_addr = parse_addr(lookup, "ORCA_RELAY_HTTP_ADDR", "127.0.0.1:8081")?;
         let cell_url = parse_url(lookup, "ORCA_RELAY_CELL_URL", &["ws", "wss"])?
             .unwrap_or_else(|| format!("ws://{ws_addr}"));
+        let internal_url = parse_url(lookup, "ORCA_RELAY_INTERNAL_URL", &["http", "https"])?
+            .unwrap_or_else(|| format!("http://{http_addr}"));
         let director_urls = match get(lookup, "ORCA_RELAY_DIRECTOR_URLS") {
             None => Vec::new(),
             Some(raw) => {
@@ -452,6 +458,7 @@ impl Config {
             ws_addr,
             http_addr,
             cell_url,
+            internal_url,
             director_urls,
             database_url,
             data_dir,
@@ -492,6 +499,7 @@ impl Config {
         out.insert("ORCA_RELAY_WS_ADDR", self.ws_addr.to_string());
         out.insert("ORCA_RELAY_HTTP_ADDR", self.http_addr.to_string());
         out.insert("ORCA_RELAY_CELL_URL", self.cell_url.clone());
+        out.insert("ORCA_RELAY_INTERNAL_URL", self.internal_url.clone());
         out.insert("ORCA_RELAY_DIRECTOR_URLS", self.director_urls.join(","));
         out.insert("DATABASE_URL", opt(&self.database_url));
         out.insert("ORCA_RELAY_DATA_DIR", self.data_dir.display().to_string());
@@ -606,6 +614,7 @@ mod tests {
         assert_eq!(config.handshake_timeout_ms, 12_000);
         assert_eq!(config.handshake_attempts, 3);
         assert_eq!(config.cell_url, "ws://127.0.0.1:8080");
+        assert_eq!(config.internal_url, "http://127.0.0.1:8081");
         assert_eq!(config.switch_file, PathBuf::from("./data/switch.json"));
         assert_eq!(config.timings, Timings::default());
     }
@@ -657,6 +666,7 @@ mod tests {
             ("ORCA_RELAY_CELL_ID", "c 7", "[A-Za-z0-9_-]"),
             ("ORCA_RELAY_WS_ADDR", "localhost", "IP address and port"),
             ("DATABASE_URL", "mysql://x", "postgres"),
+            ("ORCA_RELAY_INTERNAL_URL", "ws://10.0.0.7:8081", "http"),
             ("ORCA_RELAY_SELF_HOSTED_KEY", "short", "32 to 256"),
         ];
         for (name, value, expected) in cases {
@@ -667,6 +677,14 @@ mod tests {
             assert!(line.contains(expected), "{line} should mention {expected}");
             assert!(!line.contains('\n'));
         }
+    }
+
+    #[test]
+    fn internal_url_follows_the_http_listener_unless_set() {
+        let config = parse(&[("ORCA_RELAY_HTTP_ADDR", "10.0.0.7:9000")]).unwrap();
+        assert_eq!(config.internal_url, "http://10.0.0.7:9000");
+        let config = parse(&[("ORCA_RELAY_INTERNAL_URL", "https://c7.internal:8443/")]).unwrap();
+        assert_eq!(config.internal_url, "https://c7.internal:8443");
     }
 
     #[test]

@@ -533,7 +533,14 @@ pub fn run(config: Config) -> Result<(), RunError> {
         } else {
             config.cell_url.clone()
         };
-    let internal_url = format!("http://{http_addr}");
+    // With port 0 the listener's real address stands in for the default URL.
+    let internal_url = if config.http_addr.port() == 0
+        && config.internal_url == format!("http://{}", config.http_addr)
+    {
+        format!("http://{http_addr}")
+    } else {
+        config.internal_url.clone()
+    };
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::cell::heartbeat::Sink;
 use crate::clock;
 use crate::config::Config;
-use crate::director::assign::{self, AssignContext, Target};
+use crate::director::assign::{self, AssignContext, Placement, Target};
 use crate::http::{HttpServer, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
@@ -69,15 +69,16 @@ pub fn run(config: Config) -> Result<(), RunError> {
         heartbeat: Sink::Store(store.clone()),
     })?);
 
-    let assign_context = Arc::new(AssignContext {
+    let assign_context = Arc::new(AssignContext::new(
         verifier,
-        store: store.clone(),
-        clock: clock.clone(),
-        local_cell: Target {
+        store.clone(),
+        clock.clone(),
+        Placement::LocalCell(Target {
             cell_id: config.cell_id.clone(),
             cell_url: cell_url.clone(),
-        },
-    });
+        }),
+        &registry,
+    ));
     let handler = {
         let registry = registry.clone();
         let readiness = readiness.clone();
@@ -107,6 +108,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     if let Err(e) = store.register_cell(
         &config.cell_id,
         &cell_url,
+        &format!("http://{http_addr}"),
         &config.region,
         incarnation,
         incarnation,

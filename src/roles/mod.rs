@@ -3,6 +3,7 @@
 
 pub mod cell;
 pub mod combined;
+pub mod director;
 
 use std::fmt;
 use std::net::TcpListener;
@@ -30,10 +31,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     match config.role {
         Role::Combined => combined::run(config),
         Role::Cell => cell::run(config),
-        Role::Director => Err(RunError(format!(
-            "the {} role is not available in this build yet",
-            config.role.as_str()
-        ))),
+        Role::Director => director::run(config),
     }
 }
 

@@ -203,7 +203,11 @@ pub struct AdmitEffective {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CellRow {
     pub cell_id: String,
+    /// The public WebSocket URL desktops and phones dial.
     pub cell_url: String,
+    /// The base URL of the cell's HTTP listener (`/internal/*`, SPEC §5.4); `None` when the
+    /// cell registered without one, so it can be neither booked nor polled.
+    pub internal_url: Option<String>,
     pub region: String,
     pub incarnation: i64,
     pub registered_at: i64,
@@ -396,16 +400,19 @@ impl Store {
     }
 
     /// Records the cell; re-registering is harmless. An older incarnation never replaces a
-    /// newer one.
+    /// newer one. `internal_url` is the base URL of the cell's HTTP listener; `""` means the
+    /// cell did not say, and keeps whatever URL an earlier registration stored.
     pub fn register_cell(
         &self,
         cell_id: &str,
         cell_url: &str,
+        internal_url: &str,
         region: &str,
         incarnation: i64,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        dispatch!(self, store => store.register_cell(cell_id, cell_url, region, incarnation, now_ms))
+        let internal_url = Some(internal_url).filter(|url| !url.is_empty());
+        dispatch!(self, store => store.register_cell(cell_id, cell_url, internal_url, region, incarnation, now_ms))
     }
 
     /// Records a heartbeat unless it comes from an older incarnation than the one stored in

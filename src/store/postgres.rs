@@ -26,7 +26,10 @@ use super::{
 use crate::clock;
 
 /// The migrations, in order, embedded at build time.
-const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../sql/postgres/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, include_str!("../../sql/postgres/0001_init.sql")),
+    (2, include_str!("../../sql/postgres/0002_internal_url.sql")),
+];
 
 /// The advisory-lock key that serialises migrations across processes: the ASCII bytes of
 /// "orcamigr". Distinct from the trip-slot key in `claim.rs`.
@@ -401,6 +404,7 @@ impl PgStore {
         &self,
         cell_id: &str,
         cell_url: &str,
+        internal_url: Option<&str>,
         region: &str,
         incarnation: i64,
         now_ms: i64,
@@ -409,15 +413,24 @@ impl PgStore {
             execute(
                 client,
                 n,
-                "INSERT INTO relay_cells (cell_id, cell_url, region, incarnation, registered_at)
-                 VALUES ($1, $2, $3, $4, $5)
+                "INSERT INTO relay_cells
+                     (cell_id, cell_url, internal_url, region, incarnation, registered_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_url = excluded.cell_url,
+                         internal_url = COALESCE(excluded.internal_url, relay_cells.internal_url),
                          region = excluded.region,
                          incarnation = excluded.incarnation,
                          registered_at = excluded.registered_at
                      WHERE relay_cells.incarnation <= excluded.incarnation",
-                &[&cell_id, &cell_url, &region, &incarnation, &now_ms],
+                &[
+                    &cell_id,
+                    &cell_url,
+                    &internal_url,
+                    &region,
+                    &incarnation,
+                    &now_ms,
+                ],
             )
             .map(|_| ())
         })
@@ -497,7 +510,8 @@ impl PgStore {
                         r.cell_incarnation, r.started_at, r.ready, r.connections,
                         r.last_heartbeat_at,
                         m.admit_mode,
-                        e.cell_incarnation, e.mode, e.updated_at
+                        e.cell_incarnation, e.mode, e.updated_at,
+                        c.internal_url
                  FROM relay_cells c
                  LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
                  LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
@@ -590,6 +604,7 @@ fn cell_row(row: &Row) -> Result<CellRow, postgres::Error> {
     Ok(CellRow {
         cell_id: row.try_get(0)?,
         cell_url: row.try_get(1)?,
+        internal_url: row.try_get(14)?,
         region: row.try_get(2)?,
         incarnation: row.try_get(3)?,
         registered_at: row.try_get(4)?,

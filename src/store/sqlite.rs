@@ -26,7 +26,10 @@ use super::{
 use crate::clock;
 
 /// The migrations, in order, embedded at build time.
-const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../sql/sqlite/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, include_str!("../../sql/sqlite/0001_init.sql")),
+    (2, include_str!("../../sql/sqlite/0002_internal_url.sql")),
+];
 
 /// Opens connections to one database file with the relay's settings.
 pub(super) struct SqliteConnector {
@@ -381,6 +384,7 @@ impl SqliteStore {
         &self,
         cell_id: &str,
         cell_url: &str,
+        internal_url: Option<&str>,
         region: &str,
         incarnation: i64,
         now_ms: i64,
@@ -389,15 +393,17 @@ impl SqliteStore {
             execute(
                 conn,
                 n,
-                "INSERT INTO relay_cells (cell_id, cell_url, region, incarnation, registered_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5)
+                "INSERT INTO relay_cells
+                     (cell_id, cell_url, internal_url, region, incarnation, registered_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_url = excluded.cell_url,
+                         internal_url = COALESCE(excluded.internal_url, relay_cells.internal_url),
                          region = excluded.region,
                          incarnation = excluded.incarnation,
                          registered_at = excluded.registered_at
                      WHERE relay_cells.incarnation <= excluded.incarnation",
-                params![cell_id, cell_url, region, incarnation, now_ms],
+                params![cell_id, cell_url, internal_url, region, incarnation, now_ms],
             )
             .map(|_| ())
         })
@@ -474,7 +480,8 @@ impl SqliteStore {
                         r.cell_incarnation, r.started_at, r.ready, r.connections,
                         r.last_heartbeat_at,
                         m.admit_mode,
-                        e.cell_incarnation, e.mode, e.updated_at
+                        e.cell_incarnation, e.mode, e.updated_at,
+                        c.internal_url
                  FROM relay_cells c
                  LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
                  LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
@@ -569,6 +576,7 @@ fn cell_row(row: &Row<'_>) -> Result<CellRow, rusqlite::Error> {
     Ok(CellRow {
         cell_id: row.get(0)?,
         cell_url: row.get(1)?,
+        internal_url: row.get(14)?,
         region: row.get(2)?,
         incarnation: row.get(3)?,
         registered_at: row.get(4)?,
