@@ -10,12 +10,14 @@
 #   scripts/test-postgres.sh stop      stop the server and delete its data directory
 #   scripts/test-postgres.sh status    say whether it runs
 #
-# A test that needs PostgreSQL to go away and come back (same data, same port) runs:
-#   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" stop -m fast
-#   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" start -w
-# (or `su postgres -c "…"`; without root, run pg_ctl directly). The server logs through its
-# logging collector into the data directory, so `pg_ctl start` needs no `-l` and holds no
-# pipe of the caller open.
+# A test that needs PostgreSQL to go away and come back (same data, same port) runs
+# (tests/common/pg.rs has stop_server() and start_server() doing exactly this):
+#   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" stop -m fast -w
+#   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" \
+#       -l "$ORCA_RELAY_TEST_PGDATA/log/pg_ctl.log" start -w
+# (or `su postgres -c "…"`; without root, run pg_ctl directly). Pass `-l` (or give the command
+# /dev/null for stdout and stderr): the server's log collector keeps the starter's stdout open,
+# so a caller that reads pg_ctl's output to its end would otherwise wait forever.
 #
 # One server per checkout: its state file is target/test-postgres.env (override with
 # ORCA_RELAY_TEST_PG_STATE). Idempotent: `start` twice reuses the running server, `stop` twice
@@ -138,7 +140,7 @@ start() {
             print_env
             return
         fi
-        if [ -d "$PG_DATA" ] && as_pg_user "$PG_BINDIR/pg_ctl" -D "$PG_DATA" -w -t 60 start >/dev/null 2>&1 && wait_ready; then
+        if [ -d "$PG_DATA" ] && as_pg_user "$PG_BINDIR/pg_ctl" -D "$PG_DATA" -l "$PG_DATA/log/pg_ctl.log" -w -t 60 start >/dev/null 2>&1 && wait_ready; then
             say "restarted the server in $PG_DATA on port $PG_PORT"
             print_env
             return
@@ -176,7 +178,8 @@ EOF
         if ! grep -q "^include_if_exists = 'orca-relay-test.conf'" "$PG_DATA/postgresql.conf"; then
             echo "include_if_exists = 'orca-relay-test.conf'" | as_pg_user tee -a "$PG_DATA/postgresql.conf" >/dev/null
         fi
-        if as_pg_user "$PG_BINDIR/pg_ctl" -D "$PG_DATA" -w -t 60 start >/dev/null 2>&1 && wait_ready; then
+        as_pg_user mkdir -p "$PG_DATA/log"
+        if as_pg_user "$PG_BINDIR/pg_ctl" -D "$PG_DATA" -l "$PG_DATA/log/pg_ctl.log" -w -t 60 start >/dev/null 2>&1 && wait_ready; then
             mkdir -p "$(dirname "$state_file")"
             cat >"$state_file" <<EOF
 PG_DATA='$PG_DATA'

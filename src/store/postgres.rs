@@ -150,9 +150,16 @@ impl PgStore {
             }
             _ => statement_timeout,
         };
+        // The statement timeout is enforced by the server; a server that vanishes without a
+        // reset (a dropped route) is caught by the kernel instead: unacknowledged data older
+        // than the statement timeout plus the connect timeout ends the connection.
+        let tcp_user_timeout = config
+            .statement_timeout_ms
+            .saturating_add(config.connect_timeout_ms);
         pg.options(&options)
             .application_name(&config.application_name)
-            .connect_timeout(Duration::from_millis(config.connect_timeout_ms.max(1)));
+            .connect_timeout(Duration::from_millis(config.connect_timeout_ms.max(1)))
+            .tcp_user_timeout(Duration::from_millis(tcp_user_timeout.max(1)));
         let pool = Pool::new(PgConnector { config: pg }, config.pool_max);
         pool.set_ceiling(config.pool_ceiling);
         Ok(PgStore {

@@ -1,0 +1,291 @@
+//! The store on PostgreSQL, against the test server of `scripts/test-postgres.sh`: every
+//! scenario of `common::store_cases`, plus what only PostgreSQL shows (concurrent migrators,
+//! `application_name` and the pool ceiling in `pg_stat_activity`, statement timeouts, the
+//! advisory lock). Each test gets its own database. Without ORCA_RELAY_TEST_DATABASE_URL every
+//! test here fails.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use common::pg;
+use common::store_cases::{self as cases, NOW, STALE_MS};
+use orca_relay::clock;
+use orca_relay::store::claim::TRIP_SLOT_LOCK_KEY;
+use orca_relay::store::{Backend, ClaimOutcome, Store, StoreConfig};
+use orca_relay::threads;
+
+fn config(url: &str, application_name: &str) -> StoreConfig {
+    StoreConfig {
+        pool_max: 4,
+        pool_ceiling: 4,
+        application_name: application_name.to_string(),
+        ..StoreConfig::new(Some(url.to_string()), "unused.db".into())
+    }
+}
+
+fn migrated(name: &str) -> Store {
+    let url = pg::fresh_database(name);
+    let store = Store::open(&config(&url, "orca-relay:test:store")).expect("open");
+    assert_eq!(store.backend(), Backend::Postgres);
+    store.migrate().expect("migrate");
+    store
+}
+
+/// Waits until `check` holds, polling with a short pause, or fails after `what` took 20 s.
+fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = clock::instant() + Duration::from_secs(20);
+    while !check() {
+        assert!(clock::instant() < deadline, "timed out waiting for {what}");
+        clock::sleep(Duration::from_millis(20));
+    }
+}
+
+macro_rules! scenarios {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                cases::$name(&migrated(stringify!($name)));
+            }
+        )*
+    };
+}
+
+scenarios!(
+    migrate_is_idempotent,
+    only_a_strictly_higher_epoch_replaces_an_assignment,
+    leases_renew_expire_move_and_delete,
+    cells_register_heartbeat_and_list,
+    admit_modes_and_effective_rows,
+    every_statement_is_counted,
+    a_live_holder_keeps_its_slot,
+    a_stale_holder_frees_exactly_one_slot,
+    a_holder_whose_switch_says_db_does_not_count,
+    rewriting_reserve_frees_the_slot,
+    zero_slots_never_permit,
+);
+
+#[test]
+fn several_processes_migrate_at_once() {
+    let url = pg::fresh_database("migrators");
+    let barrier = Arc::new(Barrier::new(6));
+    let migrators: Vec<_> = (0..6)
+        .map(|i| {
+            let url = url.clone();
+            let barrier = barrier.clone();
+            threads::spawn(format!("migrator-{i}"), move || {
+                let store = Store::open(&config(&url, "orca-relay:test:migrator")).unwrap();
+                store.ping().expect("connect before the race");
+                barrier.wait();
+                store.migrate()
+            })
+            .unwrap()
+        })
+        .collect();
+    for migrator in migrators {
+        migrator.join().unwrap().expect("every migrator succeeds");
+    }
+    let applied: i64 = pg::connect(&url)
+        .query_one("SELECT count(*) FROM schema_migrations", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(applied, 1, "version 1 recorded once");
+}
+
+#[test]
+fn open_does_not_need_the_database_and_a_dead_server_is_unavailable() {
+    // Port 1 on localhost: nothing listens, the connect is refused at once.
+    let store = Store::open(&StoreConfig {
+        connect_timeout_ms: 1_000,
+        ..config(
+            "postgres://postgres@127.0.0.1:1/none",
+            "orca-relay:test:dead",
+        )
+    })
+    .expect("opening a store does not connect");
+    let error = store.ping().unwrap_err();
+    assert!(error.is_unavailable(), "{error}");
+    assert_eq!(error.reason_code(), "sql_failed");
+    assert!(
+        !error.to_string().contains("postgres://"),
+        "no connection string: {error}"
+    );
+    assert_eq!(
+        store.pool_stats().open,
+        0,
+        "the failed connect gave its slot back"
+    );
+}
+
+#[test]
+fn connections_carry_the_application_name() {
+    let url = pg::fresh_database("appname");
+    let name = "orca-relay:cell:appname-c7";
+    let store = Store::open(&config(&url, name)).unwrap();
+    store.ping().unwrap();
+    let mut admin = pg::admin_client();
+    assert_eq!(
+        pg::connections_named(&mut admin, &pg::database_name(&url), name),
+        1
+    );
+}
+
+#[test]
+fn the_pool_ceiling_bounds_connections_in_pg_stat_activity() {
+    const CALLERS: usize = 20;
+    const MAX: u32 = 6;
+    let url = pg::fresh_database("ceiling");
+    let database = pg::database_name(&url);
+    let name = "orca-relay:cell:ceiling-test";
+    let store = Store::open(&StoreConfig {
+        pool_max: MAX,
+        pool_ceiling: 2,
+        checkout_timeout_ms: 30_000,
+        ..config(&url, name)
+    })
+    .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|i| {
+            let store = store.clone();
+            let stop = stop.clone();
+            threads::spawn(format!("caller-{i}"), move || {
+                while !stop.load(Ordering::SeqCst) {
+                    store.ping().expect("ping under load");
+                }
+            })
+            .unwrap()
+        })
+        .collect();
+    let mut admin = pg::admin_client();
+
+    // Ceiling 2: twenty callers queue up, PostgreSQL never sees a third connection.
+    let mut saw_waiters = false;
+    let mut peak = 0;
+    for _ in 0..100 {
+        peak = peak.max(pg::connections_named(&mut admin, &database, name));
+        saw_waiters |= store.pool_stats().waiters > 0;
+    }
+    assert!(peak <= 2, "{peak} connections under ceiling 2");
+    assert_eq!(peak, 2, "the callers do use both connections");
+    assert!(saw_waiters, "callers waited for a connection");
+    assert!(store.has_waiters() || store.pool_stats().open == 2);
+
+    // Raised to the max: the waiters open the rest of the pool.
+    store.set_pool_ceiling(MAX);
+    wait_until("the pool to reach its max", || {
+        pg::connections_named(&mut admin, &database, name) == MAX as i64
+    });
+    assert_eq!(store.pool_stats().open, MAX);
+
+    // Lowered again under load: connections close as they come back.
+    store.set_pool_ceiling(2);
+    wait_until("the pool to shrink to the ceiling", || {
+        pg::connections_named(&mut admin, &database, name) <= 2
+    });
+    assert!(store.pool_stats().open <= 2);
+
+    stop.store(true, Ordering::SeqCst);
+    for caller in callers {
+        caller.join().expect("caller panicked");
+    }
+}
+
+#[test]
+fn a_statement_past_the_timeout_is_sql_timed_out() {
+    let url = pg::fresh_database("timeout");
+    let store = Store::open(&StoreConfig {
+        statement_timeout_ms: 300,
+        ..config(&url, "orca-relay:test:timeout")
+    })
+    .unwrap();
+    store.migrate().unwrap();
+    let mut blocker = pg::connect(&url);
+    let mut tx = blocker.transaction().unwrap();
+    tx.batch_execute("LOCK TABLE relay_assignments IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    let error = store.assignment("u", "h").unwrap_err();
+    assert_eq!(error.reason_code(), "sql_timed_out", "{error}");
+    assert!(error.is_unavailable());
+    tx.rollback().unwrap();
+    assert_eq!(
+        store.assignment("u", "h").unwrap(),
+        None,
+        "works again afterwards"
+    );
+}
+
+#[test]
+fn a_caller_finding_no_free_connection_gets_sql_pool_exhausted() {
+    let url = pg::fresh_database("exhausted");
+    let store = Store::open(&StoreConfig {
+        pool_max: 1,
+        pool_ceiling: 1,
+        checkout_timeout_ms: 200,
+        statement_timeout_ms: 10_000,
+        ..config(&url, "orca-relay:test:exhausted")
+    })
+    .unwrap();
+    store.migrate().unwrap();
+    let mut blocker = pg::connect(&url);
+    let mut tx = blocker.transaction().unwrap();
+    tx.batch_execute("LOCK TABLE relay_assignments IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    let busy = store.clone();
+    let stuck = threads::spawn("stuck-reader", move || busy.assignment("u", "h")).unwrap();
+    wait_until("the only connection to be in use", || {
+        let stats = store.pool_stats();
+        stats.open == 1 && stats.idle == 0
+    });
+    let error = store.ping().unwrap_err();
+    assert_eq!(error.reason_code(), "sql_pool_exhausted", "{error}");
+    assert!(error.is_unavailable());
+    tx.rollback().unwrap();
+    assert_eq!(stuck.join().unwrap().unwrap(), None);
+    store.ping().expect("the connection came back");
+}
+
+#[test]
+fn a_claim_answers_lock_busy_while_another_transaction_holds_the_lock() {
+    let url = pg::fresh_database("lockbusy");
+    let store = Store::open(&config(&url, "orca-relay:test:lockbusy")).unwrap();
+    store.migrate().unwrap();
+    store.set_admit_mode("c1", "reserve", NOW).unwrap();
+    let mut holder = pg::connect(&url);
+    let mut tx = holder.transaction().unwrap();
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&TRIP_SLOT_LOCK_KEY])
+        .unwrap();
+    let started = clock::instant();
+    assert_eq!(
+        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        ClaimOutcome::LockBusy
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the claim did not wait for the lock"
+    );
+    assert_eq!(
+        store.admit_effective("c1").unwrap(),
+        None,
+        "a busy claim writes nothing"
+    );
+    tx.commit().unwrap();
+    assert_eq!(
+        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        ClaimOutcome::Permit { others_holding: 0 }
+    );
+}
+
+#[test]
+fn eight_cells_racing_get_exactly_two_permits() {
+    let url = pg::fresh_database("race");
+    Store::open(&config(&url, "orca-relay:test:race"))
+        .unwrap()
+        .migrate()
+        .unwrap();
+    let open = move || Store::open(&config(&url, "orca-relay:test:race")).expect("open");
+    cases::eight_cells_racing_get_exactly_two_permits(&open, 30);
+}

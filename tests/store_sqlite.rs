@@ -1,0 +1,137 @@
+//! The store on SQLite: every scenario of `common::store_cases`, plus what only SQLite has
+//! (one file shared by several stores, the write lock as the claim lock).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Barrier};
+
+use common::store_cases::{self as cases, NOW, STALE_MS};
+use orca_relay::store::{Backend, ClaimOutcome, Store, StoreConfig};
+use orca_relay::threads;
+
+fn config(path: PathBuf) -> StoreConfig {
+    StoreConfig {
+        pool_max: 4,
+        pool_ceiling: 4,
+        ..StoreConfig::new(None, path)
+    }
+}
+
+/// A store on a new file in a directory that does not exist yet.
+fn fresh_path(name: &str) -> PathBuf {
+    common::temp_dir(name).join("nested").join("relay.db")
+}
+
+fn migrated(name: &str) -> Store {
+    let store = Store::open(&config(fresh_path(name))).expect("open");
+    assert_eq!(store.backend(), Backend::Sqlite);
+    store.migrate().expect("migrate");
+    store
+}
+
+macro_rules! scenarios {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                cases::$name(&migrated(stringify!($name)));
+            }
+        )*
+    };
+}
+
+scenarios!(
+    migrate_is_idempotent,
+    only_a_strictly_higher_epoch_replaces_an_assignment,
+    leases_renew_expire_move_and_delete,
+    cells_register_heartbeat_and_list,
+    admit_modes_and_effective_rows,
+    every_statement_is_counted,
+    a_live_holder_keeps_its_slot,
+    a_stale_holder_frees_exactly_one_slot,
+    a_holder_whose_switch_says_db_does_not_count,
+    rewriting_reserve_frees_the_slot,
+    zero_slots_never_permit,
+);
+
+#[test]
+fn open_connects_lazily_and_creates_the_data_directory() {
+    let path = fresh_path("lazy");
+    let store = Store::open(&config(path.clone())).expect("open");
+    assert_eq!(store.pool_stats().open, 0, "no connection before first use");
+    assert!(
+        path.parent().unwrap().is_dir(),
+        "the parent directory is created"
+    );
+    store.migrate().unwrap();
+    assert!(path.is_file());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+}
+
+#[test]
+fn several_stores_migrate_one_file_at_once() {
+    let path = fresh_path("migrators");
+    let barrier = Arc::new(Barrier::new(6));
+    let migrators: Vec<_> = (0..6)
+        .map(|i| {
+            let path = path.clone();
+            let barrier = barrier.clone();
+            threads::spawn(format!("migrator-{i}"), move || {
+                let store = Store::open(&config(path)).expect("open");
+                barrier.wait();
+                store.migrate()
+            })
+            .unwrap()
+        })
+        .collect();
+    for migrator in migrators {
+        migrator.join().unwrap().expect("every migrator succeeds");
+    }
+    let store = Store::open(&config(path)).unwrap();
+    assert!(store.list_cells().unwrap().is_empty());
+}
+
+#[test]
+fn a_claim_answers_lock_busy_instead_of_waiting_for_the_write_lock() {
+    let path = fresh_path("busy");
+    let store = Store::open(&config(path.clone())).unwrap();
+    store.migrate().unwrap();
+    store.set_admit_mode("c1", "reserve", NOW).unwrap();
+    let holder = rusqlite::Connection::open(&path).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let started = orca_relay::clock::instant();
+    assert_eq!(
+        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        ClaimOutcome::LockBusy
+    );
+    assert!(
+        started.elapsed().as_millis() < 2_000,
+        "the claim did not wait out the busy timeout"
+    );
+    holder.execute_batch("COMMIT").unwrap();
+    assert_eq!(
+        store.admit_effective("c1").unwrap(),
+        None,
+        "a busy claim writes nothing"
+    );
+    assert_eq!(
+        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        ClaimOutcome::Permit { others_holding: 0 }
+    );
+}
+
+#[test]
+fn eight_cells_racing_on_one_file_get_exactly_two_permits() {
+    let path = fresh_path("race");
+    Store::open(&config(path.clone()))
+        .unwrap()
+        .migrate()
+        .unwrap();
+    let open = move || Store::open(&config(path.clone())).expect("open");
+    cases::eight_cells_racing_get_exactly_two_permits(&open, 30);
+}
