@@ -119,9 +119,15 @@ pub fn leases_renew_expire_move_and_delete(store: &Store) {
 }
 
 pub fn cells_register_heartbeat_and_list(store: &Store) {
-    store.register_cell("c1", "ws://c1", "eu", 2, NOW).unwrap();
-    store.register_cell("c1", "ws://c1", "eu", 2, NOW).unwrap();
-    store.register_cell("c0", "ws://c0", "us", 1, NOW).unwrap();
+    store
+        .register_cell("c1", "ws://c1", "http://c1", "eu", 2, NOW)
+        .unwrap();
+    store
+        .register_cell("c1", "ws://c1", "http://c1", "eu", 2, NOW)
+        .unwrap();
+    store
+        .register_cell("c0", "ws://c0", "http://c0", "us", 1, NOW)
+        .unwrap();
     let cells = store.list_cells().unwrap();
     assert_eq!(cells.len(), 2, "registering twice keeps one row");
     assert_eq!(cells[0].cell_id, "c0", "ordered by id");
@@ -140,7 +146,7 @@ pub fn cells_register_heartbeat_and_list(store: &Store) {
     assert_eq!(c1.effective, None);
 
     store
-        .register_cell("c1", "ws://old", "eu", 1, NOW + 1)
+        .register_cell("c1", "ws://old", "http://c1", "eu", 1, NOW + 1)
         .unwrap();
     assert_eq!(
         store.list_cells().unwrap()[1].cell_url,
@@ -148,7 +154,7 @@ pub fn cells_register_heartbeat_and_list(store: &Store) {
         "an older incarnation does not replace the registration"
     );
     store
-        .register_cell("c1", "ws://c1b", "eu", 3, NOW + 2)
+        .register_cell("c1", "ws://c1b", "http://c1", "eu", 3, NOW + 2)
         .unwrap();
     let c1 = store.list_cells().unwrap().remove(1);
     assert_eq!((c1.cell_url.as_str(), c1.incarnation), ("ws://c1b", 3));
@@ -191,7 +197,9 @@ pub fn cells_register_heartbeat_and_list(store: &Store) {
 }
 
 pub fn admit_modes_and_effective_rows(store: &Store) {
-    store.register_cell("c1", "ws://c1", "eu", 1, NOW).unwrap();
+    store
+        .register_cell("c1", "ws://c1", "http://c1", "eu", 1, NOW)
+        .unwrap();
     store.set_admit_mode("c1", "reserve", NOW).unwrap();
     assert_eq!(store.list_cells().unwrap()[0].admit_mode, "reserve");
     store.set_admit_mode("c1", "db", NOW + 1).unwrap();
