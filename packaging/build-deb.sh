@@ -14,7 +14,7 @@ fi
 
 # The sql/ migrations are packaged to /usr/share/orca-relay/sql; refuse to build a package that
 # would ship without them.
-if ! ls sql/*.sql >/dev/null 2>&1; then
+if ! ls sql/postgres/*.sql sql/sqlite/*.sql >/dev/null 2>&1; then
     echo "build_deb_failed reason=no_sql_migrations dir=sql/" >&2
     exit 1
 fi

@@ -40,13 +40,13 @@ expect -rw-r--r-- usr/share/doc/orca-relay/examples/fleet-seed.toml
 
 # Every migration in the tree is in the package.
 sql_count=0
-for migration in sql/*.sql; do
+for migration in sql/postgres/*.sql sql/sqlite/*.sql; do
     [ -e "$migration" ] || continue
     sql_count=$((sql_count + 1))
-    expect -rw-r--r-- "usr/share/orca-relay/sql/$(basename "$migration")"
+    expect -rw-r--r-- "usr/share/orca-relay/$migration"
 done
 if [ "$sql_count" -eq 0 ]; then
-    echo "check_deb_missing path=sql/*.sql reason=no_migrations_in_tree" >&2
+    echo "check_deb_missing path=sql/<backend>/*.sql reason=no_migrations_in_tree" >&2
     failed=1
 fi
 
