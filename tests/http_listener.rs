@@ -1,0 +1,54 @@
+//! The HTTP listener (SPEC §5.4): stalled clients do not hold the workers, a stalled request
+//! head is closed, and the listener keeps serving after idle periods (the accept-timeout
+//! restart in `src/http.rs`).
+
+mod harness;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use harness::*;
+
+#[test]
+fn stalled_clients_do_not_delay_health_and_are_closed() {
+    let relay = Relay::combined(&[]);
+    // Clients that send half a request head and stall, arriving the way a slow-loris attack
+    // does: one after another. (tiny_http 0.12's connection pool can queue a connection that
+    // arrives in the same instant as another behind it; see ARCHITECTURE.md.)
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        let mut stream = TcpStream::connect(&relay.http).unwrap();
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            .unwrap();
+        stalled.push(stream);
+        orca_relay::clock::sleep(Duration::from_millis(25));
+    }
+    for _ in 0..20 {
+        let started = orca_relay::clock::instant();
+        assert_eq!(relay.get("/health").0, 200);
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    // A stalled head is closed by the relay within its 10 s connection timeout.
+    let mut first = stalled.remove(0);
+    first
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let started = orca_relay::clock::instant();
+    let mut buf = [0u8; 64];
+    let n = first.read(&mut buf).unwrap_or(0);
+    assert_eq!(
+        n, 0,
+        "the relay closes a stalled connection without answering"
+    );
+    assert!(started.elapsed() < Duration::from_secs(12));
+    // More than 10 idle seconds have passed (tiny_http's accept thread timed out and was
+    // replaced): the listener still serves.
+    assert_eq!(relay.get("/health").0, 200);
+    assert_eq!(relay.get("/ready").0, 200);
+}
