@@ -473,3 +473,29 @@ fn every_path_releases_its_slot_and_the_process_keeps_serving() {
     let _still = Desktop::connect(&relay);
     assert_eq!(relay.get("/health").0, 200);
 }
+
+#[test]
+fn the_control_holds_its_activity_lease_row_only_while_connected() {
+    let relay = Relay::combined(&[]);
+    let store = orca_relay::store::Store::open(&orca_relay::store::StoreConfig::new(
+        None,
+        relay.data_dir.0.join("relay.db"),
+    ))
+    .unwrap();
+    let now = || orca_relay::clock::system().now_ms() as i64;
+    let desktop = Desktop::connect(&relay);
+    let host = desktop.relay_host_id.clone();
+    assert_eq!(
+        store.live_leases_for_host(&host, now()).unwrap(),
+        1,
+        "a database-admitted control holds its lease row"
+    );
+    drop(desktop);
+    assert!(
+        wait_until(Duration::from_secs(10), || store
+            .live_leases_for_host(&host, now())
+            .unwrap()
+            == 0),
+        "the lease row outlived the control"
+    );
+}
