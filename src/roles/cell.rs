@@ -439,6 +439,7 @@ fn heartbeat_sampler(
 
 /// Metrics of the cell's shared state (SPEC §5.6).
 pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &RelayContext) {
+    claim_loop::register_metrics(registry);
     let pool = store.clone();
     registry.sampled_gauge(
         "orca_relay_db_pool",
