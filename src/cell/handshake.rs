@@ -309,6 +309,28 @@ pub fn register_with_directors(
     clock: &dyn Clock,
     wait: &dyn Fn(Duration),
 ) -> Result<HandshakeReport, HandshakeError> {
+    register_with_directors_observed(
+        memberships,
+        request,
+        service_token,
+        budget,
+        clock,
+        wait,
+        &|_| {},
+    )
+}
+
+/// [`register_with_directors`], calling `on_attempt(n)` as attempt `n` (1-based) starts, so
+/// that the role can show the attempts in `/metrics` while the handshake is still running.
+pub fn register_with_directors_observed(
+    memberships: &[String],
+    request: &RegisterRequest,
+    service_token: &str,
+    budget: &Budget,
+    clock: &dyn Clock,
+    wait: &dyn Fn(Duration),
+    on_attempt: &dyn Fn(u32),
+) -> Result<HandshakeReport, HandshakeError> {
     if memberships.is_empty() {
         return Ok(HandshakeReport {
             attempts: 0,
@@ -333,6 +355,7 @@ pub fn register_with_directors(
             return Err(exhausted(budget, attempts, elapsed(), last_silent_director));
         };
         attempts += 1;
+        on_attempt(attempts);
         let attempt_deadline_ms = started_ms
             .saturating_add(attempt_started_ms)
             .saturating_add(attempt_ms);

@@ -29,15 +29,27 @@ pub struct StoreRow {
     pub registry: Registry,
 }
 
+/// Every result a trip-slot claim can have; their sum is the number of claim attempts.
+pub const CLAIM_RESULTS: [&str; 4] = ["permit", "refused", "lock_busy", "error"];
+
+fn claims_counter(registry: &Registry, result: &str) -> crate::metrics::Counter {
+    registry.counter(
+        "orca_relay_trip_slot_claims_total",
+        "Trip-slot claims by result.",
+        &[("result", result)],
+    )
+}
+
+/// Creates every claim-result series at zero, so a scraper sees the family before any trip.
+pub fn register_metrics(registry: &Registry) {
+    for result in CLAIM_RESULTS {
+        claims_counter(registry, result);
+    }
+}
+
 impl StoreRow {
     fn count_claim(&self, result: &str) {
-        self.registry
-            .counter(
-                "orca_relay_trip_slot_claims_total",
-                "Trip-slot claims by result.",
-                &[("result", result)],
-            )
-            .inc();
+        claims_counter(&self.registry, result).inc();
     }
 }
 

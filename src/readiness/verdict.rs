@@ -36,6 +36,8 @@ pub mod reason {
     pub const SQL_FAILED: &str = "sql_failed";
     /// `SELECT 1` did not finish within its timeout.
     pub const SQL_TIMED_OUT: &str = "sql_timed_out";
+    /// `SELECT 1` answers but this process's migrations have not been applied yet.
+    pub const SQL_MIGRATIONS_PENDING: &str = "sql_migrations_pending";
     /// The JWKS probe closure panicked; the prober caught it and kept running.
     pub const JWKS_PROBE_PANICKED: &str = "jwks_probe_panicked";
     /// The SQL probe closure panicked; the prober caught it and kept running.

@@ -97,6 +97,20 @@ impl RelayMetrics {
                 &[("path", path)],
             );
         }
+        // Every admission series exists from the start, so a scraper sees the family at zero.
+        for (path, outcome) in [
+            ("booking", "admitted"),
+            ("memory", "admitted"),
+            ("database", "admitted"),
+            ("database", "wrong_cell"),
+            ("database", "error"),
+        ] {
+            registry.counter(
+                "orca_relay_admissions_total",
+                "Desktop hellos by admission path and outcome.",
+                &[("path", path), ("outcome", outcome)],
+            );
+        }
         for kind in ["control", "phone", "data"] {
             registry.gauge(
                 "orca_relay_connections",

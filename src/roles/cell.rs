@@ -2,8 +2,8 @@
 //!
 //! [`CellRuntime::start`] builds the cell's shared state and starts its named threads:
 //! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
-//! `claim-loop`, `heartbeat`; relay threads come and go with connections, and a trip starts
-//! `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
+//! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
+//! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
 //! [`CellRuntime::drain`] runs the SIGTERM sequence and joins the threads in reverse order.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -71,9 +71,13 @@ pub struct CellRuntime {
     reaper: Mutex<Option<JoinHandle<()>>>,
     writer: Mutex<Option<WriterHandle>>,
     readiness: Readiness,
+    /// Starts the `heartbeat` thread; taken by [`CellRuntime::serve`].
+    heartbeat: Mutex<Option<PendingHeartbeat>>,
     reregister_stop: Arc<AtomicBool>,
     drain_grace: Duration,
 }
+
+type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
 
 fn spawn_stoppable(
     name: &'static str,
@@ -213,15 +217,20 @@ impl CellRuntime {
             },
         );
 
-        {
+        // The heartbeat starts with [`CellRuntime::serve`]: until the startup registration has
+        // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
+        // then nothing but the registration goes out).
+        let heartbeat: PendingHeartbeat = {
             let sample =
                 heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
             let sink = setup.heartbeat;
             let period = Duration::from_millis(config.timings.heartbeat_ms);
-            started.push(spawn_stoppable("heartbeat", move |stop| {
-                heartbeat::run(sink, period, sample, stop)
-            })?);
-        }
+            Box::new(move || {
+                spawn_stoppable("heartbeat", move |stop| {
+                    heartbeat::run(sink, period, sample, stop)
+                })
+            })
+        };
 
         let internal = config.service_token.clone().map(|service_token| {
             InternalApi::new(
@@ -249,15 +258,22 @@ impl CellRuntime {
             reaper: Mutex::new(Some(reaper_handle)),
             writer: Mutex::new(Some(writer)),
             readiness: setup.readiness,
+            heartbeat: Mutex::new(Some(heartbeat)),
             reregister_stop,
             drain_grace: Duration::from_millis(config.drain_grace_ms),
         })
     }
 
-    /// Opens the WebSocket listener for business (after the startup handshake).
-    pub fn serve(&self) {
+    /// Opens the WebSocket listener for business (after the startup handshake) and starts
+    /// the heartbeat.
+    pub fn serve(&self) -> Result<(), RunError> {
+        if let Some(start_heartbeat) = lock(&self.heartbeat).take() {
+            let heartbeat = start_heartbeat()?;
+            lock(&self.threads).push(heartbeat);
+        }
         self.context.phase.set(Phase::SERVING);
         self.readiness.set_phase(readiness::Phase::Serving);
+        Ok(())
     }
 
     pub fn ws_addr(&self) -> SocketAddr {
@@ -423,6 +439,7 @@ fn heartbeat_sampler(
 
 /// Metrics of the cell's shared state (SPEC §5.6).
 pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &RelayContext) {
+    claim_loop::register_metrics(registry);
     let pool = store.clone();
     registry.sampled_gauge(
         "orca_relay_db_pool",
@@ -498,7 +515,7 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
 /// The `cell` role: bind both listeners, register with every director under the startup
 /// budget (SPEC §8), then serve until SIGTERM.
 pub fn run(config: Config) -> Result<(), RunError> {
-    use crate::cell::handshake::{register_with_directors, Budget, RegisterRequest};
+    use crate::cell::handshake::{register_with_directors_observed, Budget, RegisterRequest};
     use crate::http::HttpServer;
 
     let clock = crate::clock::system();
@@ -516,7 +533,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     }
     let verifier = super::verifier(&config, &clock)?;
     let store = super::open_store(&config)?;
-    let migrator = super::migrate_in_background(&store)?;
+    let (migrated, migrator) = super::migrate_in_background(&store, || Ok(()))?;
 
     // 1. Both listeners first: /health answers while the handshake runs.
     let ws_listener = super::bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
@@ -548,6 +565,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         &readiness,
         &verifier,
         &store,
+        &migrated,
         &clock,
         config.timings.readiness_probe_ms,
     )?;
@@ -604,13 +622,21 @@ pub fn run(config: Config) -> Result<(), RunError> {
             &[],
         )
         .inc();
-    let report = register_with_directors(
+    // Registered before the first attempt and updated as each starts, so a scrape during a
+    // slow handshake shows how far it got.
+    let attempts = registry.gauge(
+        "orca_relay_handshake_attempts",
+        "Attempts the startup handshake has started.",
+        &[],
+    );
+    let report = register_with_directors_observed(
         &config.director_urls,
         &request,
         config.service_token.as_deref().unwrap_or_default(),
         &budget,
         clock.as_ref(),
         &crate::clock::sleep,
+        &|attempt| attempts.set(i64::from(attempt)),
     );
     let report = match report {
         Ok(report) => report,
@@ -622,13 +648,6 @@ pub fn run(config: Config) -> Result<(), RunError> {
             return Err(RunError(format!("startup handshake failed: {e}")));
         }
     };
-    registry
-        .gauge(
-            "orca_relay_handshake_attempts",
-            "Attempts the startup handshake took.",
-            &[],
-        )
-        .set(report.attempts as i64);
     log::info!(
         "orca_relay_handshake_succeeded cell_id={} memberships={} attempts={} elapsed_ms={}",
         config.cell_id,
@@ -638,7 +657,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     );
 
     // 3. Serve.
-    cell.serve();
+    cell.serve()?;
     crate::lifecycle::notify_ready();
     super::start_systemd_watchdog(http_addr)?;
     log::info!(

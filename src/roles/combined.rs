@@ -28,7 +28,6 @@ pub fn run(config: Config) -> Result<(), RunError> {
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
-    let migrator = migrate_in_background(&store)?;
 
     let ws_listener = bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
     let http_listener = bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
@@ -46,12 +45,34 @@ pub fn run(config: Config) -> Result<(), RunError> {
             config.cell_url.clone()
         };
 
+    // The combined role has no remote director to register with: the cell goes into the store
+    // once the schema exists (at once, or when a database that was down at boot answers).
+    let (migrated, migrator) = {
+        let registrar = store.clone();
+        let (cell_id, region, cell_url) = (
+            config.cell_id.clone(),
+            config.region.clone(),
+            cell_url.clone(),
+        );
+        migrate_in_background(&store, move || {
+            registrar.register_cell(
+                &cell_id,
+                &cell_url,
+                &format!("http://{http_addr}"),
+                &region,
+                incarnation,
+                incarnation,
+            )
+        })?
+    };
+
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
     let (prober_stop, prober) = start_prober(
         &readiness,
         &verifier,
         &store,
+        &migrated,
         &clock,
         config.timings.readiness_probe_ms,
     )?;
@@ -104,21 +125,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
     super::start_systemd_watchdog(http_addr)?;
 
-    // The combined role has no remote director to register with: the cell is in the store.
-    if let Err(e) = store.register_cell(
-        &config.cell_id,
-        &cell_url,
-        &format!("http://{http_addr}"),
-        &config.region,
-        incarnation,
-        incarnation,
-    ) {
-        log::warn!(
-            "orca_relay_self_registration_deferred reason={}",
-            e.reason_code()
-        );
-    }
-    cell.serve();
+    cell.serve()?;
     lifecycle::notify_ready();
     log::info!(
         "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation}",

@@ -3,7 +3,8 @@
 //!
 //! Threads: `signals` (SIGTERM/SIGINT → drain), `migrator` (applies migrations, retrying in the
 //! background while the database is down), `readiness` (JWKS and SQL probes), `feed-poller`
-//! with its `feed-poll-<n>` workers, `http-<n>`. The main thread waits for the drain and runs
+//! with its `feed-poll-<n>` workers, `http-<n>`, and `systemd-watchdog` when `WatchdogSec=` is
+//! set (`WATCHDOG=1` after its own `GET /health` answered). The main thread waits for the drain and runs
 //! the shutdown order: `/ready` says draining, the poller stops, the prober stops, HTTP stops,
 //! exit 0.
 //!
@@ -137,6 +138,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         }
     );
     lifecycle::notify_ready();
+    super::start_systemd_watchdog(http_addr)?;
 
     while !shutdown.wait_timeout(Duration::from_secs(3600)) {}
 

@@ -105,11 +105,13 @@ pub fn self_hosted_key_path(data_dir: &std::path::Path) -> PathBuf {
 }
 
 /// Starts the `readiness` prober thread: JWKS (when configured) and SQL, every
-/// `READINESS_PROBE_MS`. Returns the stop sender and the handle.
+/// `READINESS_PROBE_MS`; SQL counts as failing until `migrated` is set. Returns the stop
+/// sender and the handle.
 pub fn start_prober(
     readiness: &crate::readiness::Readiness,
     verifier: &Verifier,
     store: &Store,
+    migrated: &Migrated,
     clock: &SharedClock,
     period_ms: u64,
 ) -> Result<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>), RunError> {
@@ -120,9 +122,17 @@ pub fn start_prober(
         None
     };
     let sql_store = store.clone();
+    let migrated = migrated.clone();
     let probes = crate::readiness::Probes {
         jwks,
-        sql: Box::new(move || sql_store.ping().map_err(|e| e.reason_code())),
+        sql: Box::new(move || {
+            sql_store.ping().map_err(|e| e.reason_code())?;
+            if migrated.load(std::sync::atomic::Ordering::Acquire) {
+                Ok(())
+            } else {
+                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING)
+            }
+        }),
     };
     let (stop, receiver) = std::sync::mpsc::channel();
     let readiness = readiness.clone();
@@ -140,43 +150,53 @@ pub fn start_prober(
     Ok((stop, handle))
 }
 
-/// Applies migrations now, or, when the database does not answer, in the background until they
-/// succeed, so a process whose database is down at boot still starts (SPEC §7) instead of
-/// crash-looping. An error the database answered with (a broken migration) stops start-up.
+/// Set once this process's migrations (and the step that has to follow them) are done. Until
+/// then the SQL readiness probe fails with `sql_migrations_pending`: a database that answers
+/// `SELECT 1` but has no tables yet cannot admit anyone, so `/ready` must not say 200.
+pub type Migrated = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+/// Applies migrations and then runs `after` (the combined role registers its cell there),
+/// now, or, when the database does not answer, in the background until both succeed, so a
+/// process whose database is down at boot still starts (SPEC §7) instead of crash-looping. An
+/// error the database answered to the migrations (a broken migration) stops start-up.
 pub fn migrate_in_background(
     store: &Store,
-) -> Result<Option<std::thread::JoinHandle<()>>, RunError> {
-    match store.migrate() {
-        Ok(()) => return Ok(None),
+    after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
+) -> Result<(Migrated, Option<std::thread::JoinHandle<()>>), RunError> {
+    use std::sync::atomic::Ordering;
+    let migrated = Migrated::default();
+    let first = match store.migrate() {
+        Ok(()) => after(),
         Err(e) if !e.is_unavailable() => {
             return Err(RunError(format!("migration failed: {e}")));
         }
-        Err(_) => {}
-    }
+        Err(e) => Err(e),
+    };
+    let first_reason = match first {
+        Ok(()) => {
+            migrated.store(true, Ordering::Release);
+            return Ok((migrated, None));
+        }
+        Err(e) => e.reason_code(),
+    };
+    log::warn!("orca_relay_migrations_pending reason={first_reason}");
     let store = store.clone();
+    let done = migrated.clone();
     crate::threads::spawn("migrator", move || {
         let mut delay = std::time::Duration::from_millis(250);
-        let mut logged = false;
         loop {
-            match store.migrate() {
+            crate::clock::sleep(delay);
+            match store.migrate().and_then(|()| after()) {
                 Ok(()) => {
-                    if logged {
-                        log::info!("orca_relay_migrations_applied after_retry=true");
-                    }
+                    done.store(true, Ordering::Release);
+                    log::info!("orca_relay_migrations_applied after_retry=true");
                     return;
                 }
-                Err(e) => {
-                    if !logged {
-                        log::warn!("orca_relay_migrations_pending reason={}", e.reason_code());
-                        logged = true;
-                    }
-                    crate::clock::sleep(delay);
-                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
-                }
+                Err(_) => delay = (delay * 2).min(std::time::Duration::from_secs(5)),
             }
         }
     })
-    .map(Some)
+    .map(|handle| (migrated, Some(handle)))
     .map_err(|e| RunError(format!("cannot start the migrator thread: {e}")))
 }
 

@@ -79,6 +79,14 @@ impl Relay {
     }
 
     pub fn start_in(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
+        let relay = Relay::launch(data_dir, env);
+        relay.expect_listening("orca_relay_started")
+    }
+
+    /// Starts the binary without waiting for anything: for processes that are expected to fail
+    /// at start or to stay in their startup handshake. Read the log with [`Relay::wait_for_log`]
+    /// and call [`Relay::expect_listening`] to learn the addresses.
+    pub fn launch(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
         let mut command = Command::new(env!("CARGO_BIN_EXE_orca-relay"));
         command
             .env_clear()
@@ -90,7 +98,11 @@ impl Relay {
         let combined = env
             .iter()
             .all(|(name, value)| *name != "ORCA_RELAY_ROLE" || *value == "combined");
-        if combined {
+        // A combined relay with a JWKS gets no self-hosted key: the JWKS is its only key source.
+        let jwks = env
+            .iter()
+            .any(|(name, value)| *name == "ORCA_RELAY_JWKS_URL" && !value.is_empty());
+        if combined && !jwks {
             command.env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY);
         }
         for (name, value) in env {
@@ -117,19 +129,25 @@ impl Relay {
                 }
             })
             .expect("log thread");
-        let mut relay = Relay {
+        Relay {
             child,
             log,
             ws: String::new(),
             http: String::new(),
             data_dir,
-        };
-        let started = relay
-            .wait_for_log("orca_relay_started", Duration::from_secs(30))
-            .unwrap_or_else(|| panic!("relay did not start; log:\n{}", relay.log_text()));
-        relay.ws = field(&started, "ws").expect("ws= in the started line");
-        relay.http = field(&started, "http").expect("http= in the started line");
-        relay
+        }
+    }
+
+    /// Waits for the log line `event` carrying `ws=` (when the role has one) and `http=`, and
+    /// takes the listener addresses from it: `orca_relay_started`, or `orca_relay_listening`
+    /// for a cell that is still in its startup handshake.
+    pub fn expect_listening(mut self, event: &str) -> Relay {
+        let line = self
+            .wait_for_log(event, Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("relay never logged {event}; log:\n{}", self.log_text()));
+        self.ws = field(&line, "ws").unwrap_or_default();
+        self.http = field(&line, "http").expect("http= in the listening line");
+        self
     }
 
     /// Waits for a log line containing `needle`; returns it.
@@ -367,6 +385,23 @@ impl Desktop {
         let relay_host_id = host_id();
         let user_id = format!("user-{relay_host_id}");
         let token = token(&user_id, &relay_host_id);
+        Desktop::connect_with(relay, user_id, relay_host_id, token)
+    }
+
+    /// As [`Desktop::connect`], for a relay that verifies JWKS tokens ([`es256_token`]).
+    pub fn connect_es256(relay: &Relay) -> Desktop {
+        let relay_host_id = host_id();
+        let user_id = format!("user-{relay_host_id}");
+        let token = es256_token(&user_id, &relay_host_id);
+        Desktop::connect_with(relay, user_id, relay_host_id, token)
+    }
+
+    pub fn connect_with(
+        relay: &Relay,
+        user_id: String,
+        relay_host_id: String,
+        token: String,
+    ) -> Desktop {
         let epoch = assign(relay, &token, &relay_host_id);
         let mut control =
             ws_connect(&relay.ws_url("/v1/host/control"), Some(&token)).expect("control upgrade");
@@ -664,5 +699,219 @@ pub fn hello(
             Ok(_) => {}
             Err(_) => return Err(None),
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A server that can be stopped and started again on the same port, and a systemd stand-in.
+
+type PathHandler = dyn Fn(&str) -> (u16, String) + Send + Sync;
+
+/// A minimal HTTP server on a fixed port that a test can stop (the port then refuses
+/// connections) and start again on the same port: a dependency going away and coming back.
+/// One request per connection, answered with `Connection: close`, so no pooled connection
+/// outlives a stop.
+pub struct RestartableServer {
+    pub addr: std::net::SocketAddr,
+    handler: Arc<PathHandler>,
+    running: Option<(
+        Arc<std::sync::atomic::AtomicBool>,
+        std::thread::JoinHandle<()>,
+    )>,
+    served: Arc<AtomicU64>,
+}
+
+impl RestartableServer {
+    /// Starts on a free port; `handler` maps a request path to (status, body).
+    pub fn start(handler: impl Fn(&str) -> (u16, String) + Send + Sync + 'static) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind restartable");
+        let mut server = RestartableServer {
+            addr: listener.local_addr().expect("local addr"),
+            handler: Arc::new(handler),
+            running: None,
+            served: Arc::default(),
+        };
+        server.serve(listener);
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests answered so far.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::SeqCst)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// Stops accepting and closes the listener: from now on the port refuses connections.
+    pub fn stop(&mut self) {
+        if let Some((stop, thread)) = self.running.take() {
+            stop.store(true, Ordering::SeqCst);
+            // Unblocks the accept call; the loop sees the flag and drops the listener.
+            let _ = TcpStream::connect(self.addr);
+            thread.join().expect("restartable server thread");
+        }
+    }
+
+    /// Binds the same port again and serves.
+    pub fn restart(&mut self) {
+        assert!(self.running.is_none(), "already running");
+        let deadline = orca_relay::clock::instant() + Duration::from_secs(10);
+        let listener = loop {
+            match std::net::TcpListener::bind(self.addr) {
+                Ok(listener) => break listener,
+                Err(e) if orca_relay::clock::instant() < deadline => {
+                    let _ = e;
+                    orca_relay::clock::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("rebind {}: {e}", self.addr),
+            }
+        };
+        self.serve(listener);
+    }
+
+    fn serve(&mut self, listener: std::net::TcpListener) {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let handler = self.handler.clone();
+        let served = self.served.clone();
+        let flag = stop.clone();
+        let thread = orca_relay::threads::spawn("test-restartable", move || {
+            for stream in listener.incoming() {
+                if flag.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut stream) = stream else { continue };
+                let Some(path) = read_request_path(&mut stream) else {
+                    continue;
+                };
+                let (status, body) = handler(&path);
+                let answer = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = std::io::Write::write_all(&mut stream, answer.as_bytes());
+                served.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .expect("spawn restartable server");
+        self.running = Some((stop, thread));
+    }
+}
+
+impl Drop for RestartableServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Reads one request head (and ignores any body); returns the request path.
+pub fn read_request_path(stream: &mut TcpStream) -> Option<String> {
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = std::io::Read::read(stream, &mut buf).ok()?;
+        if n == 0 {
+            return None;
+        }
+        head.extend_from_slice(&buf[..n]);
+        if head.len() > 64 * 1024 {
+            return None;
+        }
+    }
+    let text = String::from_utf8_lossy(&head);
+    text.split_whitespace().nth(1).map(str::to_string)
+}
+
+/// A JWKS server with the test key that can be stopped and restarted on the same port.
+pub fn restartable_jwks_server() -> RestartableServer {
+    let body = jwks_body();
+    RestartableServer::start(move |_| (200, body.clone()))
+}
+
+/// A bound unix datagram socket standing in for systemd's `NOTIFY_SOCKET`.
+pub struct NotifySocket {
+    pub path: PathBuf,
+    socket: std::os::unix::net::UnixDatagram,
+    received: Mutex<Vec<String>>,
+    _dir: TempDir,
+}
+
+impl NotifySocket {
+    pub fn new() -> NotifySocket {
+        let dir = TempDir::new("notify");
+        let path = dir.0.join("notify.sock");
+        let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("bind notify socket");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .expect("notify read timeout");
+        NotifySocket {
+            path,
+            socket,
+            received: Mutex::default(),
+            _dir: dir,
+        }
+    }
+
+    /// The value for `NOTIFY_SOCKET`.
+    pub fn env_value(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// Reads every datagram waiting now into the received list; returns the whole list.
+    pub fn drain(&self) -> Vec<String> {
+        let mut received = self.received.lock().unwrap();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = self.socket.recv(&mut buf) {
+            received.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        received.clone()
+    }
+
+    /// How many datagrams equal to `message` arrived so far.
+    pub fn count(&self, message: &str) -> usize {
+        self.drain().iter().filter(|m| *m == message).count()
+    }
+
+    /// Waits until `count` datagrams equal to `message` have arrived.
+    pub fn wait_for(&self, message: &str, count: usize, timeout: Duration) -> bool {
+        wait_until(timeout, || self.count(message) >= count)
+    }
+}
+
+impl Default for NotifySocket {
+    fn default() -> Self {
+        NotifySocket::new()
+    }
+}
+
+/// How an attempted WebSocket upgrade ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Upgrade {
+    /// 101: the socket is open.
+    Opened,
+    /// The upgrade was answered with this HTTP status.
+    Status(u16),
+    /// The TCP connection was refused, reset or closed without an answer.
+    NoAnswer,
+}
+
+/// Tries an upgrade without panicking on transport errors.
+pub fn try_upgrade(url: &str, bearer: Option<&str>) -> Upgrade {
+    let mut request = url.into_client_request().expect("url");
+    if let Some(token) = bearer {
+        request
+            .headers_mut()
+            .insert("Authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    match tungstenite::connect(request) {
+        Ok(_) => Upgrade::Opened,
+        Err(tungstenite::Error::Http(response)) => Upgrade::Status(response.status().as_u16()),
+        Err(_) => Upgrade::NoAnswer,
     }
 }
