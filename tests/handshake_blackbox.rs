@@ -310,7 +310,8 @@ fn a_slow_director_that_answers_inside_the_deadline_lets_the_cell_start() {
         &jwks,
         &director,
         &[
-            ("ORCA_RELAY_HANDSHAKE_TIMEOUT_MS", "300"),
+            // The answer takes 200 ms; the deadline leaves room for a loaded CI machine.
+            ("ORCA_RELAY_HANDSHAKE_TIMEOUT_MS", "2000"),
             ("ORCA_RELAY_HANDSHAKE_ATTEMPTS", "3"),
         ],
     );
@@ -320,7 +321,7 @@ fn a_slow_director_that_answers_inside_the_deadline_lets_the_cell_start() {
         .expect("success line");
     assert_eq!(field(&line, "attempts").as_deref(), Some("1"), "{line}");
     let elapsed: u64 = field(&line, "elapsed_ms").unwrap().parse().unwrap();
-    assert!((200..300).contains(&elapsed), "{line}");
+    assert!((200..2000).contains(&elapsed), "{line}");
     assert_eq!(director.registrations(), 1);
     assert!(wait_until(WAIT, || cell.get("/ready").0 == 200));
 }
