@@ -12,7 +12,7 @@
 mod common;
 mod harness;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -352,6 +352,9 @@ fn reserve_cell_admits_from_booking_then_memory_and_the_host_moves_only_when_its
     assert_eq!(admissions(b, "database", "admitted"), 1.0);
 }
 
+/// One way of writing the switch file.
+type SwitchWrite = fn(&Path);
+
 /// Reads the cell's log lines for one cause of the unreadable-switch line.
 fn unreadable(cell: &Relay, cause: &str) -> usize {
     cell.count_log(&format!(
@@ -428,34 +431,28 @@ fn hostile_input_against_a_cell_changes_nothing() {
     // The switch file: each void or stale write leaves the applied generation in place and is
     // said once, however often the watcher reads it.
     let path = switch_path(cell);
-    let writes: [(&str, Box<dyn Fn()>); 4] = [
-        (
-            "bad_admit_mode",
-            Box::new(|| write_switch(&path, "cell-h", 2, json!({"admitMode": "DB"}))),
-        ),
-        (
-            "wrong_cell_id",
-            Box::new(|| write_switch(&path, "cell-other", 2, json!({"admitMode": "db"}))),
-        ),
-        (
-            "stale_generation",
-            Box::new(|| write_switch(&path, "cell-h", 0, json!({"admitMode": "db"}))),
-        ),
-        (
-            "bad_json",
-            Box::new(|| {
-                let tmp = path.with_extension("tmp");
-                std::fs::write(
-                    &tmp,
-                    br#"{"v":1,"cellId":"cell-h","generation":3,"flags":{"#,
-                )
-                .unwrap();
-                std::fs::rename(&tmp, &path).unwrap();
-            }),
-        ),
+    let writes: [(&str, SwitchWrite); 4] = [
+        ("bad_admit_mode", |path| {
+            write_switch(path, "cell-h", 2, json!({"admitMode": "DB"}))
+        }),
+        ("wrong_cell_id", |path| {
+            write_switch(path, "cell-other", 2, json!({"admitMode": "db"}))
+        }),
+        ("stale_generation", |path| {
+            write_switch(path, "cell-h", 0, json!({"admitMode": "db"}))
+        }),
+        ("bad_json", |path| {
+            let tmp = path.with_extension("tmp");
+            std::fs::write(
+                &tmp,
+                br#"{"v":1,"cellId":"cell-h","generation":3,"flags":{"#,
+            )
+            .unwrap();
+            std::fs::rename(&tmp, path).unwrap();
+        }),
     ];
     for (cause, write) in &writes {
-        write();
+        write(&path);
         wait_for(&format!("the {cause} line"), || {
             unreadable(cell, cause) == 1
         });

@@ -137,7 +137,6 @@ fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{mpsc, Arc, Mutex};
 
