@@ -309,9 +309,9 @@ fn reserve_cell_admits_from_booking_then_memory_and_the_host_moves_only_when_its
     assert_eq!(a.book(&user4, &host4, 9), "ok", "a booking no row backs");
     assert_eq!(bookings(a), 2.0);
     write_switch(&switch_path(a), "cell-a", 2, json!({"admitMode": "db"}));
-    wait_for("cell-a raw db, bookings voided", || {
-        raw_mode(a) == 0.0 && bookings(a) == 0.0
-    });
+    // The raw mode turns `db` as the switch applies; from then on bookings are neither taken
+    // nor honoured, and the watchdog's next tick voids (and returns the units of) the rest.
+    wait_for("cell-a raw db", || raw_mode(a) == 0.0);
     assert_eq!(a.book(&user3, &host3, epoch3 + 1), "off");
     let (_control3, _) = hello(a, &token3, &host3, epoch3).expect("the row still agrees");
     assert_eq!(
@@ -326,6 +326,7 @@ fn reserve_cell_admits_from_booking_then_memory_and_the_host_moves_only_when_its
     );
     assert_eq!(hello(a, &token4, &host4, 9).err(), Some(Some(4409)));
     assert_eq!(admissions(a, "database", "wrong_cell"), 2.0);
+    wait_for("bookings voided", || bookings(a) == 0.0);
     let _ = user3;
 
     // 6. cell-a dies. Until its heartbeat is older than HEARTBEAT_FRESH_MS the host stays
