@@ -2,6 +2,12 @@
 //! alive, ready or not, and how many connections it holds. One request in flight at a time
 //! (the thread posts to each director in turn, each with a 10 s timeout). In the combined role
 //! the heartbeat goes straight into the store instead, since the director is in-process.
+//!
+//! A change of the `ready` flag is sent at once (noticed within [`READY_WATCH`]) rather than at
+//! the next period: a cell that has just started serving is placeable within a fraction of a
+//! second instead of one `HEARTBEAT_MS` later, and one that stops being ready stops getting
+//! desktops as soon as the director hears it. The flag moves only with readiness probes and
+//! phase changes, so this adds at most one beat per probe period.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
@@ -12,6 +18,8 @@ use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the thread samples the cell between beats to notice a change of `ready`.
+pub const READY_WATCH: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -35,51 +43,68 @@ pub enum Sink {
     Store(Store),
 }
 
-/// The thread body: `sample` builds the current heartbeat; returns when `stop` fires.
+/// The thread body: `sample` builds the current heartbeat; returns when `stop` fires. A beat
+/// goes out every `period`, and at once when `ready` differs from the last beat sent.
 pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: Receiver<()>) {
     let agent = ureq::AgentBuilder::new().timeout(HEARTBEAT_TIMEOUT).build();
     let mut failing = false;
+    // When the last beat was sent and the `ready` it carried.
+    let mut last: Option<(std::time::Instant, bool)> = None;
     loop {
         let beat = sample();
-        let ok = match &sink {
-            Sink::Directors {
-                urls,
-                service_token,
-            } => {
-                // Every director hears the beat, even after one failed.
-                let failures = urls
-                    .iter()
-                    .filter(|url| !send(&agent, url, service_token, &beat))
-                    .count();
-                failures == 0
+        let due = match last {
+            None => true,
+            Some((sent_at, ready)) => {
+                ready != beat.ready || crate::clock::instant() >= sent_at + period
             }
-            Sink::Store(store) => match store.heartbeat(
-                &beat.cell_id,
-                beat.incarnation,
-                beat.started_at,
-                beat.ready,
-                beat.connections,
-                crate::clock::system().now_ms() as i64,
-            ) {
-                Ok(HeartbeatOutcome::Accepted) => true,
-                Ok(HeartbeatOutcome::StaleIncarnation) => {
-                    log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
-                    false
-                }
-                Err(e) => {
-                    log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
-                    false
-                }
-            },
         };
-        if ok && failing {
-            log::info!("orca_relay_heartbeat_recovered cell_id={}", beat.cell_id);
+        if due {
+            last = Some((crate::clock::instant(), beat.ready));
+            let ok = deliver(&sink, &agent, &beat);
+            if ok && failing {
+                log::info!("orca_relay_heartbeat_recovered cell_id={}", beat.cell_id);
+            }
+            failing = !ok;
         }
-        failing = !ok;
-        match stop.recv_timeout(period) {
+        match stop.recv_timeout(READY_WATCH.min(period)) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
+    }
+}
+
+/// Sends one beat to every sink; true when all accepted it.
+fn deliver(sink: &Sink, agent: &ureq::Agent, beat: &Heartbeat) -> bool {
+    match sink {
+        Sink::Directors {
+            urls,
+            service_token,
+        } => {
+            // Every director hears the beat, even after one failed.
+            let failures = urls
+                .iter()
+                .filter(|url| !send(agent, url, service_token, beat))
+                .count();
+            failures == 0
+        }
+        Sink::Store(store) => match store.heartbeat(
+            &beat.cell_id,
+            beat.incarnation,
+            beat.started_at,
+            beat.ready,
+            beat.connections,
+            crate::clock::system().now_ms() as i64,
+        ) {
+            Ok(HeartbeatOutcome::Accepted) => true,
+            Ok(HeartbeatOutcome::StaleIncarnation) => {
+                log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
+                false
+            }
+            Err(e) => {
+                log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
+                false
+            }
+        },
     }
 }
 
@@ -106,5 +131,77 @@ fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> b
             log::warn!("orca_relay_heartbeat_failed director={director} error={e}");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+
+    /// A local director that records the `ready` of every beat it receives.
+    fn director() -> (String, Arc<Mutex<Vec<bool>>>, Arc<tiny_http::Server>) {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+        let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+        let beats: Arc<Mutex<Vec<bool>>> = Arc::default();
+        let (serving, seen) = (server.clone(), beats.clone());
+        crate::threads::spawn("test-director", move || {
+            while let Ok(mut request) = serving.recv() {
+                let mut body = String::new();
+                let _ = request.as_reader().read_to_string(&mut body);
+                let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+                seen.lock().unwrap().push(value["ready"].as_bool().unwrap());
+                let _ = request.respond(tiny_http::Response::from_string("{}"));
+            }
+        })
+        .unwrap();
+        (url, beats, server)
+    }
+
+    fn wait_for(what: &str, condition: impl Fn() -> bool) {
+        let deadline = crate::clock::instant() + Duration::from_secs(10);
+        while !condition() {
+            assert!(crate::clock::instant() < deadline, "timed out: {what}");
+            crate::clock::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn a_change_of_ready_is_sent_at_once_not_a_period_later() {
+        let (url, beats, server) = director();
+        let ready = Arc::new(AtomicBool::new(false));
+        let sample = {
+            let ready = ready.clone();
+            move || Heartbeat {
+                v: 1,
+                cell_id: "c7".into(),
+                cell_url: "ws://c7".into(),
+                region: "r".into(),
+                incarnation: 1,
+                started_at: 1,
+                ready: ready.load(Ordering::SeqCst),
+                connections: 0,
+            }
+        };
+        let (stop, stop_rx) = mpsc::channel();
+        let sink = Sink::Directors {
+            urls: vec![url],
+            service_token: "t".into(),
+        };
+        // A period far longer than the test: only the flip can cause the second beat.
+        let thread = crate::threads::spawn("test-heartbeat", move || {
+            run(sink, Duration::from_secs(3600), sample, stop_rx)
+        })
+        .unwrap();
+        wait_for("the first beat", || beats.lock().unwrap().len() == 1);
+        assert_eq!(*beats.lock().unwrap(), vec![false]);
+        ready.store(true, Ordering::SeqCst);
+        wait_for("the ready beat", || beats.lock().unwrap().len() == 2);
+        assert_eq!(*beats.lock().unwrap(), vec![false, true]);
+        drop(stop);
+        thread.join().unwrap();
+        server.unblock();
+        assert_eq!(beats.lock().unwrap().len(), 2, "no beat without a change");
     }
 }

@@ -68,8 +68,15 @@ impl CellMode {
         *self.lock_switch()
     }
 
+    /// Publishes a newly applied switch. A switch that does not say `reserve` makes the raw
+    /// mode `db` at once (SPEC §5.3: raw is `db` unless the switch says `reserve`): admission
+    /// and `/internal/reserve` stop trusting bookings now, not at the watchdog's next tick,
+    /// which then voids them. Only the watchdog moves the raw mode to `reserve`.
     pub fn set_switch(&self, switch: Switch) {
         *self.lock_switch() = switch;
+        if !switch.says_reserve() {
+            self.set_raw_reserve(false);
+        }
     }
 
     /// The raw mode (SPEC §5.3): `reserve` only while the switch says so and the dead-man has
@@ -105,5 +112,40 @@ impl CellMode {
 
     pub fn set_draining(&self) {
         self.draining.store(true, Ordering::Release)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cell::switch::{AdmitMode, Flags};
+
+    fn switch(generation: u64, admit_mode: AdmitMode) -> Switch {
+        Switch {
+            generation,
+            flags: Flags {
+                admit_mode,
+                dead_man_trip_slots: None,
+            },
+        }
+    }
+
+    #[test]
+    fn leaving_reserve_makes_raw_db_at_once_and_entering_it_waits_for_the_watchdog() {
+        let mode = CellMode::new();
+        mode.set_switch(switch(1, AdmitMode::Reserve));
+        assert!(
+            !mode.raw_is_reserve(),
+            "the watchdog arms reserve, not the switch"
+        );
+        mode.set_raw_reserve(true);
+        mode.set_switch(switch(2, AdmitMode::Reserve));
+        assert!(
+            mode.raw_is_reserve(),
+            "a new reserve generation keeps reserve"
+        );
+        mode.set_switch(switch(3, AdmitMode::Db));
+        assert!(!mode.raw_is_reserve());
+        assert_eq!(mode.switch().generation, 3);
     }
 }

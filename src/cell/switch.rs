@@ -8,6 +8,11 @@
 //! Must never: apply a generation that is not strictly higher than the applied one, apply part
 //! of a void object, or log the same complaint on every poll.
 //!
+//! A valid object that can never be applied is reported on the same line, once: a generation
+//! below the applied one (`cause=stale_generation`), or the applied generation with different
+//! flags (`cause=generation_not_raised`, an edit without a new generation). Neither changes
+//! anything; the applied file read again on every poll is quiet.
+//!
 //! A missing file means the defaults (generation 0, `admitMode` `db`, no trip-slot cap). Because
 //! generation 0 is never higher than an applied generation, a file that disappears after a
 //! generation was applied **keeps the previous values**: a rename gone wrong or a config manager
@@ -241,10 +246,21 @@ impl SwitchWatcher {
                 self.complain(complaint, &mut event);
             }
             Ok((switch, unknown)) => {
-                let complaint = Complaint {
-                    cause: (!unknown.is_empty()).then_some("unknown_flags"),
-                    unknown,
+                // A valid object that will never be applied is an operator mistake worth one
+                // line: a generation below the applied one, or the applied generation with
+                // other flags (edited without raising the generation).
+                let cause = if switch.generation < self.applied.generation {
+                    Some("stale_generation")
+                } else if switch.generation == self.applied.generation
+                    && switch.flags != self.applied.flags
+                {
+                    Some("generation_not_raised")
+                } else if !unknown.is_empty() {
+                    Some("unknown_flags")
+                } else {
+                    None
                 };
+                let complaint = Complaint { cause, unknown };
                 self.complain(complaint, &mut event);
                 if switch.generation > self.applied.generation {
                     self.applied = switch;
@@ -450,13 +466,36 @@ mod tests {
             ]
         );
 
-        // The same generation with different content is not a new operator write.
+        // The same generation with different content is not a new operator write: nothing
+        // changes, and the mistake is said once.
         let event = watcher.poll(file(5, r#"{"admitMode":"db"}"#));
-        assert_eq!(event, SwitchEvent::default());
-        // A lower generation changes nothing, quietly.
+        assert_eq!(event.applied, None);
+        assert_eq!(event.log_lines.len(), 1, "{:?}", event.log_lines);
+        assert!(event.log_lines[0].contains("cause=generation_not_raised"));
+        assert_eq!(
+            watcher.poll(file(5, r#"{"admitMode":"db"}"#)),
+            SwitchEvent::default()
+        );
+        // A lower generation changes nothing either, and is said once.
         let event = watcher.poll(file(4, r#"{"admitMode":"db"}"#));
-        assert_eq!(event, SwitchEvent::default());
+        assert_eq!(event.applied, None);
+        assert_eq!(event.log_lines.len(), 1, "{:?}", event.log_lines);
+        assert!(event.log_lines[0].contains("cause=stale_generation"));
+        assert!(event.log_lines[0].contains("applied_generation=5"));
+        assert_eq!(
+            watcher.poll(file(4, r#"{"admitMode":"db"}"#)),
+            SwitchEvent::default()
+        );
         assert_eq!(watcher.applied(), reserve(5, None));
+        // The applied file itself, re-read on every poll, is quiet.
+        assert_eq!(
+            watcher.poll(file(5, r#"{"admitMode":"reserve"}"#)),
+            SwitchEvent::default()
+        );
+        assert_eq!(
+            watcher.poll(file(5, r#"{"admitMode":"reserve"}"#)),
+            SwitchEvent::default()
+        );
 
         let event = watcher.poll(file(6, r#"{"admitMode":"reserve","deadManTripSlots":2}"#));
         assert_eq!(event.applied, Some(reserve(6, Some(2))));
@@ -537,8 +576,11 @@ mod tests {
         let lines = watcher.poll(bad_mode()).log_lines;
         assert_eq!(lines.len(), 1);
 
-        // A clean file (same generation, not applied) resets the memory quietly.
-        assert_eq!(watcher.poll(file(1, r#"{}"#)), SwitchEvent::default());
+        // A clean file (the applied one, read again) resets the memory quietly.
+        assert_eq!(
+            watcher.poll(file(1, r#"{"admitMode":"reserve"}"#)),
+            SwitchEvent::default()
+        );
         assert_eq!(watcher.poll(bad_mode()).log_lines.len(), 1);
     }
 

@@ -212,8 +212,9 @@ impl Fleet {
 
 /// Where placements go.
 pub enum Placement {
-    /// Every host on this one cell at a new epoch, written through the database path. The
-    /// combined role uses it until its cell registers and heartbeats into the store.
+    /// Every host on this one cell at a new epoch, written through the database path, with no
+    /// pin, feed or booking. No role uses it any more (the combined role runs [`Fleet`] over
+    /// its own cell); it remains for embedding a bare cell behind a trivial director.
     LocalCell(Target),
     /// The director's rules (SPEC §6.2) over the registered cells.
     Fleet(Fleet),

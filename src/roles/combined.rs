@@ -1,31 +1,67 @@
-//! The `combined` role: one cell and the director's `/v1/assign` in one process, on SQLite by
-//! default. The zero-setup way to run the relay on one machine.
+//! The `combined` role: the director and its one cell in one process, on SQLite by default.
+//! The zero-setup way to run the relay on one machine.
+//!
+//! The director part is the same director as the `director` role (SPEC §3): `/v1/assign` runs
+//! [`Placement::Fleet`] over the store's cells, booking seats through the cell's own
+//! `/internal/reserve` over HTTP, with a [`FeedPoller`] polling the cell's `/internal/seats`
+//! (which is what keeps a reserve cell's dead-man armed, SPEC §5.5). What a remote cell does
+//! over the network is done in-process here:
+//! - registration: the cell is written into the store at start (retried by `self-record`);
+//! - heartbeats: straight into the store (`Sink::Store`);
+//! - the operator's admit-mode record (`relay_cell_admit_modes`, SPEC §6.1): the
+//!   `self-record` thread writes it from the cell's own switch file whenever the applied
+//!   `admitMode` changes, so a combined process whose switch says `reserve` books its desktops.
+//!
+//! Without `ORCA_RELAY_SERVICE_TOKEN` a random in-process token protects the cell's internal
+//! API; the director side holds the same one.
 //!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `http-<n>`, `signals`; the main thread waits for SIGTERM and runs the drain.
+//! `feed-poller` and its workers, `self-record`, `http-<n>`, `signals`. The main thread waits
+//! for SIGTERM and runs the drain: the cell drains (the poller keeps polling meanwhile, so the
+//! dead-man stays armed), then the poller and `self-record` stop, then HTTP.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::cell::heartbeat::Sink;
-use crate::clock;
+use crate::cell::mode::CellMode;
+use crate::cell::switch::AdmitMode;
+use crate::clock::{self, SharedClock};
 use crate::config::Config;
-use crate::director::assign::{self, AssignContext, Placement, Target};
+use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
+use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
 use crate::http::{HttpServer, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
 use crate::readiness::Readiness;
+use crate::store::Store;
 use crate::threads;
 
 use super::cell::{CellRuntime, CellSetup};
 use super::{bind, migrate_in_background, open_store, start_prober, verifier, RunError};
 
-pub fn run(config: Config) -> Result<(), RunError> {
+/// HTTP workers: an assign holds one while its booking is served by another, and the feed
+/// poller's requests take a third.
+const HTTP_WORKERS: usize = 8;
+/// How long start-up waits for the cell's first ready heartbeat to reach the store, so that
+/// `/v1/assign` can place desktops as soon as the started line is logged. Past it the process
+/// starts anyway and becomes placeable with the heartbeat that says ready.
+const PLACEABLE_WAIT: Duration = Duration::from_secs(5);
+
+pub fn run(mut config: Config) -> Result<(), RunError> {
     let clock = clock::system();
     let incarnation = clock.now_ms() as i64;
+    let director_id = format!("combined-{incarnation}");
     let registry = Registry::new();
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
+    if config.service_token.is_none() {
+        config.service_token = Some(in_process_token()?);
+    }
+    let service_token = config.service_token.clone().unwrap_or_default();
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
 
@@ -44,21 +80,24 @@ pub fn run(config: Config) -> Result<(), RunError> {
         } else {
             config.cell_url.clone()
         };
+    // The director is in this process: it reaches the cell's internal API over loopback.
+    let internal_url = loopback_url(http_addr);
 
     // The combined role has no remote director to register with: the cell goes into the store
     // once the schema exists (at once, or when a database that was down at boot answers).
     let (migrated, migrator) = {
         let registrar = store.clone();
-        let (cell_id, region, cell_url) = (
+        let (cell_id, region, cell_url, internal_url) = (
             config.cell_id.clone(),
             config.region.clone(),
             cell_url.clone(),
+            internal_url.clone(),
         );
         migrate_in_background(&store, move || {
             registrar.register_cell(
                 &cell_id,
                 &cell_url,
-                &format!("http://{http_addr}"),
+                &internal_url,
                 &region,
                 incarnation,
                 incarnation,
@@ -90,14 +129,18 @@ pub fn run(config: Config) -> Result<(), RunError> {
         heartbeat: Sink::Store(store.clone()),
     })?);
 
+    let board = FeedBoard::new();
+    let fleet = Fleet::new(
+        director_id.clone(),
+        board.clone(),
+        Arc::new(HttpCellClient::new(service_token.clone())),
+        &config.timings,
+    );
     let assign_context = Arc::new(AssignContext::new(
         verifier,
         store.clone(),
         clock.clone(),
-        Placement::LocalCell(Target {
-            cell_id: config.cell_id.clone(),
-            cell_url: cell_url.clone(),
-        }),
+        Placement::Fleet(fleet),
         &registry,
     ));
     let handler = {
@@ -117,27 +160,205 @@ pub fn run(config: Config) -> Result<(), RunError> {
                 }
                 ("GET", "/metrics") => Reply::text(200, registry.render()),
                 ("POST", "/v1/assign") => assign::handle(request, &assign_context),
+                (_, "/v1/assign") => {
+                    Reply::error(405, "method_not_allowed").with_header("Allow", "POST")
+                }
                 _ => Reply::error(404, "not_found"),
             }
         })
     };
-    let http = HttpServer::start(http_listener, 4, handler)
+    let http = HttpServer::start(http_listener, HTTP_WORKERS, handler)
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
     super::start_systemd_watchdog(http_addr)?;
 
+    // The combined role has no remote director to register with: the cell is in the store.
+    let record = SelfRecord {
+        store: store.clone(),
+        cell_id: config.cell_id.clone(),
+        cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
+        region: config.region.clone(),
+        incarnation,
+        mode: cell.context.mode.clone(),
+        clock: clock.clone(),
+    };
+    // Registered by the migration step already, unless the database was down at boot: then
+    // the self-record thread registers the cell as soon as it can.
+    let registered = migrated.load(std::sync::atomic::Ordering::Acquire);
     cell.serve()?;
+    let (record_stop, record_stop_rx) = mpsc::channel::<()>();
+    let record_thread = {
+        let period = Duration::from_millis(config.timings.switch_poll_ms);
+        threads::spawn("self-record", move || {
+            record.run(registered, period, record_stop_rx)
+        })
+        .map_err(|e| RunError(format!("cannot start the self-record thread: {e}")))?
+    };
+    let poller = FeedPoller::start(FeedPollerConfig {
+        board,
+        store: store.clone(),
+        service_token,
+        clock: clock.clone(),
+        registry: registry.clone(),
+        period: Duration::from_millis(config.timings.feed_poll_ms),
+    })
+    .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
+    wait_until_placeable(&store, &config.cell_id, incarnation);
+
     lifecycle::notify_ready();
     log::info!(
-        "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation}",
+        "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation}",
         config.cell_id
     );
 
     while !shutdown.is_draining() {
-        shutdown.wait_timeout(std::time::Duration::from_secs(3600));
+        shutdown.wait_timeout(Duration::from_secs(3600));
     }
     cell.drain(&shutdown);
+    poller.stop();
+    drop(record_stop);
+    threads::join_logged("self-record", record_thread);
     http.stop();
     finish(prober_stop, prober, migrator, signals, &shutdown)
+}
+
+/// A random service token for a combined process started without one: 32 bytes from the OS,
+/// base64url. Never a fixed fallback: the token guards `/internal/*` on the HTTP listener.
+fn in_process_token() -> Result<String, RunError> {
+    use base64::Engine;
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| RunError(format!("cannot generate the in-process service token: {e}")))?;
+    Ok(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes))
+}
+
+/// `http://<addr>` with an unspecified address (`0.0.0.0`, `::`) replaced by loopback.
+fn loopback_url(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
+}
+
+/// Waits (at most [`PLACEABLE_WAIT`]) until the store shows this incarnation registered and
+/// heartbeating ready, which is what placement needs. The heartbeat thread sends the ready beat
+/// as soon as readiness turns (SPEC §5.6; `cell::heartbeat`).
+fn wait_until_placeable(store: &Store, cell_id: &str, incarnation: i64) {
+    let deadline = clock::instant() + PLACEABLE_WAIT;
+    loop {
+        let placeable = store.list_cells().is_ok_and(|cells| {
+            cells.iter().any(|cell| {
+                cell.cell_id == cell_id
+                    && cell.runtime.as_ref().is_some_and(|runtime| {
+                        runtime.ready && runtime.cell_incarnation == incarnation
+                    })
+            })
+        });
+        if placeable {
+            return;
+        }
+        if clock::instant() >= deadline {
+            log::warn!(
+                "orca_relay_self_placement_pending cell_id={cell_id} waited_ms={}",
+                PLACEABLE_WAIT.as_millis()
+            );
+            return;
+        }
+        clock::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What the in-process director keeps in the store on the cell's behalf: its registration and
+/// the operator's admit-mode record following the switch file.
+struct SelfRecord {
+    store: Store,
+    cell_id: String,
+    cell_url: String,
+    internal_url: String,
+    region: String,
+    incarnation: i64,
+    mode: Arc<CellMode>,
+    clock: SharedClock,
+}
+
+impl SelfRecord {
+    /// Registers the cell; false (logged) when the store did not take it.
+    fn register(&self) -> bool {
+        let now = self.clock.now_ms() as i64;
+        match self.store.register_cell(
+            &self.cell_id,
+            &self.cell_url,
+            &self.internal_url,
+            &self.region,
+            self.incarnation,
+            now,
+        ) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!(
+                    "orca_relay_self_registration_deferred cell_id={} reason={}",
+                    self.cell_id,
+                    e.reason_code()
+                );
+                false
+            }
+        }
+    }
+
+    /// The `self-record` thread: every `period` (the switch poll), registers the cell if that
+    /// has not succeeded yet, and writes the admit-mode record when the applied switch's
+    /// `admitMode` differs from the last one written. A failed write is retried next period
+    /// and logged once per run of failures.
+    fn run(&self, mut registered: bool, period: Duration, stop: Receiver<()>) {
+        let mut recorded: Option<AdmitMode> = None;
+        let mut failing = false;
+        loop {
+            if !registered {
+                registered = self.register();
+                if registered {
+                    log::info!(
+                        "orca_relay_self_registered cell_id={} incarnation={}",
+                        self.cell_id,
+                        self.incarnation
+                    );
+                }
+            }
+            let wanted = self.mode.switch().flags.admit_mode;
+            if recorded != Some(wanted) {
+                let now = self.clock.now_ms() as i64;
+                match self
+                    .store
+                    .set_admit_mode(&self.cell_id, wanted.as_str(), now)
+                {
+                    Ok(()) => {
+                        log::info!(
+                            "orca_relay_self_admit_mode_recorded cell_id={} admit_mode={}",
+                            self.cell_id,
+                            wanted.as_str()
+                        );
+                        recorded = Some(wanted);
+                        failing = false;
+                    }
+                    Err(e) => {
+                        if !failing {
+                            log::warn!(
+                                "orca_relay_self_admit_mode_failed cell_id={} reason={}",
+                                self.cell_id,
+                                e.reason_code()
+                            );
+                        }
+                        failing = true;
+                    }
+                }
+            }
+            match stop.recv_timeout(period) {
+                Err(RecvTimeoutError::Timeout) => {}
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
 }
 
 fn finish(
@@ -156,4 +377,29 @@ fn finish(
     threads::join_logged("signals", signals);
     log::info!("orca_relay_shutdown_finished role=combined");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_internal_url_reaches_an_unspecified_listener_over_loopback() {
+        let cases = [
+            ("0.0.0.0:8081", "http://127.0.0.1:8081"),
+            ("[::]:8081", "http://[::1]:8081"),
+            ("10.0.0.7:9000", "http://10.0.0.7:9000"),
+            ("127.0.0.1:1234", "http://127.0.0.1:1234"),
+        ];
+        for (addr, url) in cases {
+            assert_eq!(loopback_url(addr.parse().unwrap()), url, "{addr}");
+        }
+    }
+
+    #[test]
+    fn the_in_process_token_is_random_and_long() {
+        let (a, b) = (in_process_token().unwrap(), in_process_token().unwrap());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 43, "32 bytes base64url without padding");
+    }
 }
