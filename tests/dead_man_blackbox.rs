@@ -4,7 +4,6 @@
 
 mod harness;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,42 +50,6 @@ fn start_cell(flags: serde_json::Value) -> Setup {
         store,
         _jwks: jwks,
         _director: director,
-    }
-}
-
-/// Keeps the director "up": a `reserver=1` seat-feed poll every 100 ms until dropped.
-struct DirectorPolls {
-    up: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl DirectorPolls {
-    fn start(relay: &Relay) -> DirectorPolls {
-        let up = Arc::new(AtomicBool::new(true));
-        let url = relay.http_url("/internal/seats?reserver=1");
-        let flag = up.clone();
-        let thread = orca_relay::threads::spawn("test-director-polls", move || {
-            while flag.load(Ordering::Acquire) {
-                let _ = ureq::get(&url)
-                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
-                    .timeout(Duration::from_secs(2))
-                    .call();
-                orca_relay::clock::sleep(Duration::from_millis(100));
-            }
-        })
-        .unwrap();
-        DirectorPolls {
-            up,
-            thread: Some(thread),
-        }
-    }
-
-    /// The director outage begins.
-    fn stop(&mut self) {
-        self.up.store(false, Ordering::Release);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
     }
 }
 

@@ -37,48 +37,6 @@ fn now() -> i64 {
     orca_relay::clock::system().now_ms() as i64
 }
 
-/// Keeps the director "up": a `reserver=1` seat-feed poll every 100 ms until stopped.
-struct DirectorPolls {
-    up: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl DirectorPolls {
-    fn start(relay: &Relay) -> DirectorPolls {
-        let up = Arc::new(AtomicBool::new(true));
-        let url = relay.http_url("/internal/seats?reserver=1");
-        let flag = up.clone();
-        let thread = orca_relay::threads::spawn("test-director-polls", move || {
-            while flag.load(Ordering::Acquire) {
-                let _ = ureq::get(&url)
-                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
-                    .timeout(Duration::from_secs(2))
-                    .call();
-                orca_relay::clock::sleep(Duration::from_millis(100));
-            }
-        })
-        .unwrap();
-        DirectorPolls {
-            up,
-            thread: Some(thread),
-        }
-    }
-
-    /// The director outage begins.
-    fn stop(&mut self) {
-        self.up.store(false, Ordering::Release);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
-    }
-}
-
-impl Drop for DirectorPolls {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 /// Samples the cell's connections in `pg_stat_activity` every few milliseconds on its own
 /// thread, keeping the latest value and the peak since the last [`Sampler::reset`].
 struct Sampler {

@@ -536,28 +536,12 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let (migrated, migrator) = super::migrate_in_background(&store, || Ok(()))?;
 
     // 1. Both listeners first: /health answers while the handshake runs.
-    let ws_listener = super::bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
-    let http_listener = super::bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
-    let ws_addr = ws_listener
-        .local_addr()
-        .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-    let http_addr = http_listener
-        .local_addr()
-        .map_err(|e| RunError(format!("cannot read the HTTP listener address: {e}")))?;
-    let cell_url =
-        if config.ws_addr.port() == 0 && config.cell_url == format!("ws://{}", config.ws_addr) {
-            format!("ws://{ws_addr}")
-        } else {
-            config.cell_url.clone()
-        };
-    // With port 0 the listener's real address stands in for the default URL.
-    let internal_url = if config.http_addr.port() == 0
-        && config.internal_url == format!("http://{}", config.http_addr)
-    {
-        format!("http://{http_addr}")
-    } else {
-        config.internal_url.clone()
-    };
+    let (ws_listener, ws_addr) = super::bind_with_addr("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
+    let (http_listener, http_addr) =
+        super::bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
+    let cell_url = super::url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
+    let internal_url =
+        super::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
@@ -590,18 +574,9 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let cell = cell.clone();
         let clock = clock.clone();
         Arc::new(move |request: &mut Request<'_>| {
-            if let Some(reply) = cell.route(request) {
-                return reply;
-            }
-            match (request.method, request.path) {
-                ("GET", "/health") => Reply::json(200, r#"{"ok":true}"#),
-                ("GET", "/ready") => {
-                    let verdict = readiness.answer(clock.now_ms());
-                    Reply::json(verdict.status, verdict.body)
-                }
-                ("GET", "/metrics") => Reply::text(200, registry.render()),
-                _ => Reply::error(404, "not_found"),
-            }
+            cell.route(request)
+                .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .unwrap_or_else(|| Reply::error(404, "not_found"))
         })
     };
     let http = HttpServer::start(http_listener, 4, handler)

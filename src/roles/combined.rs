@@ -40,7 +40,10 @@ use crate::store::Store;
 use crate::threads;
 
 use super::cell::{CellRuntime, CellSetup};
-use super::{bind, migrate_in_background, open_store, start_prober, verifier, RunError};
+use super::{
+    bind_with_addr, migrate_in_background, open_store, start_prober, url_for_bound, verifier,
+    RunError,
+};
 
 /// HTTP workers: an assign holds one while its booking is served by another, and the feed
 /// poller's requests take a third.
@@ -65,21 +68,9 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
 
-    let ws_listener = bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
-    let http_listener = bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
-    let ws_addr = ws_listener
-        .local_addr()
-        .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-    let http_addr = http_listener
-        .local_addr()
-        .map_err(|e| RunError(format!("cannot read the HTTP listener address: {e}")))?;
-    // With port 0 the operator asked for any free port: the URL follows the real one.
-    let cell_url =
-        if config.ws_addr.port() == 0 && config.cell_url == format!("ws://{}", config.ws_addr) {
-            format!("ws://{ws_addr}")
-        } else {
-            config.cell_url.clone()
-        };
+    let (ws_listener, ws_addr) = bind_with_addr("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
+    let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
+    let cell_url = url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
     // The director is in this process: it reaches the cell's internal API over loopback.
     let internal_url = loopback_url(http_addr);
 
@@ -149,16 +140,13 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         let cell = cell.clone();
         let clock = clock.clone();
         Arc::new(move |request: &mut Request<'_>| {
-            if let Some(reply) = cell.route(request) {
+            if let Some(reply) = cell
+                .route(request)
+                .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+            {
                 return reply;
             }
             match (request.method, request.path) {
-                ("GET", "/health") => Reply::json(200, r#"{"ok":true}"#),
-                ("GET", "/ready") => {
-                    let verdict = readiness.answer(clock.now_ms());
-                    Reply::json(verdict.status, verdict.body)
-                }
-                ("GET", "/metrics") => Reply::text(200, registry.render()),
                 ("POST", "/v1/assign") => assign::handle(request, &assign_context),
                 (_, "/v1/assign") => {
                     Reply::error(405, "method_not_allowed").with_header("Allow", "POST")

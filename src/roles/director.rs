@@ -30,7 +30,7 @@ use crate::readiness::{self, Phase, Probes, Readiness};
 use crate::store::Store;
 use crate::threads;
 
-use super::{bind, open_store, verifier, RunError};
+use super::{bind_with_addr, open_store, verifier, RunError};
 
 /// HTTP worker threads: an assign may wait up to 2 s on a cell's `/internal/reserve`.
 const HTTP_WORKERS: usize = 8;
@@ -52,10 +52,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
-    let http_listener = bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
-    let http_addr = http_listener
-        .local_addr()
-        .map_err(|e| RunError(format!("cannot read the HTTP listener address: {e}")))?;
+    let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
@@ -221,14 +218,10 @@ struct Routes {
 
 impl Routes {
     fn route(&self, request: &mut Request<'_>) -> Reply {
-        match (request.method, request.path) {
-            ("GET", "/health") => return Reply::json(200, r#"{"ok":true}"#),
-            ("GET", "/ready") => {
-                let verdict = self.readiness.answer(self.clock.now_ms());
-                return Reply::json(verdict.status, verdict.body);
-            }
-            ("GET", "/metrics") => return Reply::text(200, self.registry.render()),
-            _ => {}
+        if let Some(reply) =
+            super::process_route(request, &self.registry, &self.readiness, &self.clock)
+        {
+            return reply;
         }
         let store_route = request.path == "/v1/assign" || request.path.starts_with("/v1/admin/");
         if store_route && !self.migrated.load(Ordering::Acquire) {

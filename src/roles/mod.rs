@@ -224,3 +224,50 @@ pub fn start_systemd_watchdog(http_addr: std::net::SocketAddr) -> Result<(), Run
     .map(|_| ())
     .map_err(|e| RunError(format!("cannot start the systemd-watchdog thread: {e}")))
 }
+
+/// A bound listener and its real address (port 0 asks the OS for a free one).
+pub fn bind_with_addr(
+    variable: &str,
+    addr: std::net::SocketAddr,
+) -> Result<(TcpListener, std::net::SocketAddr), RunError> {
+    let listener = bind(variable, addr)?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| RunError(format!("cannot read the {variable} listener address: {e}")))?;
+    Ok((listener, bound))
+}
+
+/// A URL that defaults to `<scheme>://<configured addr>`: when the operator asked for port 0,
+/// the listener's real address stands in for the default.
+pub fn url_for_bound(
+    configured_url: &str,
+    scheme: &str,
+    configured: std::net::SocketAddr,
+    bound: std::net::SocketAddr,
+) -> String {
+    if configured.port() == 0 && configured_url == format!("{scheme}://{configured}") {
+        format!("{scheme}://{bound}")
+    } else {
+        configured_url.to_string()
+    }
+}
+
+/// The endpoints every role serves: `/health` (touches nothing), `/ready` (the readiness
+/// verdict, never blocking on a dependency) and `/metrics`.
+pub fn process_route(
+    request: &crate::http::Request<'_>,
+    registry: &crate::metrics::Registry,
+    readiness: &crate::readiness::Readiness,
+    clock: &SharedClock,
+) -> Option<crate::http::Reply> {
+    use crate::http::Reply;
+    match (request.method, request.path) {
+        ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
+        ("GET", "/ready") => {
+            let verdict = readiness.answer(clock.now_ms());
+            Some(Reply::json(verdict.status, verdict.body))
+        }
+        ("GET", "/metrics") => Some(Reply::text(200, registry.render())),
+        _ => None,
+    }
+}

@@ -915,3 +915,46 @@ pub fn try_upgrade(url: &str, bearer: Option<&str>) -> Upgrade {
         Err(_) => Upgrade::NoAnswer,
     }
 }
+
+/// Keeps a cell's director "up" from the cell's point of view: a `reserver=1` seat-feed poll
+/// (dead-man contact) every 100 ms until stopped or dropped.
+pub struct DirectorPolls {
+    up: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DirectorPolls {
+    pub fn start(relay: &Relay) -> DirectorPolls {
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let url = relay.http_url("/internal/seats?reserver=1");
+        let flag = up.clone();
+        let thread = orca_relay::threads::spawn("test-director-polls", move || {
+            while flag.load(Ordering::Acquire) {
+                let _ = ureq::get(&url)
+                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+                    .timeout(Duration::from_secs(2))
+                    .call();
+                orca_relay::clock::sleep(Duration::from_millis(100));
+            }
+        })
+        .expect("spawn director polls");
+        DirectorPolls {
+            up,
+            thread: Some(thread),
+        }
+    }
+
+    /// The director outage begins.
+    pub fn stop(&mut self) {
+        self.up.store(false, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for DirectorPolls {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
