@@ -22,11 +22,11 @@
 //! 2. **db cell on PostgreSQL.** A fresh database, the switch saying `db`, a placement row per
 //!    desktop written first (`Store::place_assignment_if_newer`); each desktop says hello
 //!    (database admission), all drop, all redial. Reported: admits per second, the peak of
-//!    `orca_relay_db_pool{state="waiters"}` sampled every 25 ms during the storm, upgrades shed
-//!    with 503, 4429 closes, and that the process is still alive.
+//!    `orca_relay_db_pool{state="waiters"}` sampled every 5 ms during the storm (a lower
+//!    bound), upgrades shed with 503, 4429 closes, and that the process is still alive.
 //!
 //! A refused redial (503 at upgrade, or a 4429 close) is retried like a desktop would: after
-//! 2 s (`Retry-After`), at most 5 attempts. The first-attempt refusals are what the table
+//! 2 s (`Retry-After`), at most 10 attempts. The first-attempt refusals are what the table
 //! counts; the wall time includes the retries. The bench exits non-zero if a row's process
 //! died or the reserve row ran SQL on the memory path.
 
@@ -56,7 +56,7 @@ use tungstenite::{Message, WebSocket};
 type Ws = WebSocket<TcpStream>;
 
 const EPOCH: i64 = 7;
-const MAX_ATTEMPTS: u32 = 5;
+const MAX_ATTEMPTS: u32 = 10;
 const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 struct Desktop {
@@ -386,7 +386,9 @@ impl Drop for DirectorPoller {
     }
 }
 
-/// Samples `orca_relay_db_pool{state="waiters"}` every 25 ms until dropped; keeps the peak.
+/// Samples `orca_relay_db_pool{state="waiters"}` every 5 ms until dropped; keeps the peak.
+/// Waiters come and go within milliseconds, so the peak is a lower bound; the shed count is
+/// the direct evidence of pool pressure.
 struct WaiterSampler {
     stop: Arc<AtomicBool>,
     peak: Arc<AtomicU64>,
@@ -417,7 +419,7 @@ impl WaiterSampler {
                         .unwrap_or(0.0);
                     max.fetch_max(waiters as u64, Ordering::Relaxed);
                 }
-                clock::sleep(Duration::from_millis(25));
+                clock::sleep(Duration::from_millis(5));
             }
         })
         .expect("spawn sampler");
@@ -478,6 +480,12 @@ fn storm(
         seat.admitted,
         seat.elapsed.as_secs_f64()
     );
+    if seat.admitted < desktops.len() {
+        println!(
+            "reconnect_storm: {label}: seating: {} shed, {} closed 4429, {} gave up; samples {:?}",
+            seat.shed_503, seat.close_4429, seat.gave_up, seat.samples
+        );
+    }
     let mut seat = seat;
     drop(std::mem::take(&mut seat.sockets));
     wait_no_controls(relay);
