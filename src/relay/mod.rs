@@ -344,7 +344,12 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
     if let Some(claims) = &claims {
         // Under pool pressure, a hello the cell cannot admit from memory is shed rather than
         // queued behind the database (SPEC §5.3).
-        if context.store.has_waiters() && !context.cell.remembers(&claims.relay_host_id) {
+        let shed = shed_under_pool_pressure(
+            context.store.has_waiters(),
+            context.mode.raw_is_reserve(),
+            context.cell.remembers(&claims.relay_host_id),
+        );
+        if shed {
             context.metrics.upgrade_refused(503, "pool_pressure");
             upgrade::refuse(&stream, 503, "pool_pressure", Some(2));
             return;
@@ -388,6 +393,18 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
     drop(slot);
 }
 
+/// Whether a desktop's control upgrade is shed with 503 under database pool pressure (SPEC
+/// §5.3): only a hello the cell may admit from memory gets past waiters, and only a cell whose
+/// raw mode is `reserve` admits from memory. In `db` mode every hello needs the database, so a
+/// remembered desktop would only queue behind the pool like any other.
+pub fn shed_under_pool_pressure(
+    pool_has_waiters: bool,
+    raw_reserve: bool,
+    remembered: bool,
+) -> bool {
+    pool_has_waiters && !(raw_reserve && remembered)
+}
+
 /// Reads the first frame of a leg within the first-frame deadline: it must be a text frame.
 pub(crate) fn read_first_text(
     context: &RelayContext,
@@ -401,5 +418,30 @@ pub(crate) fn read_first_text(
         socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
         socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
         _ => Err(CloseCode::BadOuterCredential),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shed_under_pool_pressure;
+
+    #[test]
+    fn only_a_reserve_cell_lets_remembered_desktops_past_pool_waiters() {
+        // (waiters, raw reserve, remembered) -> shed
+        let cases = [
+            ((false, true, true), false),
+            ((false, false, false), false),
+            ((true, true, true), false),
+            ((true, true, false), true),
+            ((true, false, true), true),
+            ((true, false, false), true),
+        ];
+        for ((waiters, reserve, remembered), shed) in cases {
+            assert_eq!(
+                shed_under_pool_pressure(waiters, reserve, remembered),
+                shed,
+                "waiters={waiters} reserve={reserve} remembered={remembered}"
+            );
+        }
     }
 }
