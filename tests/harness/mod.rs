@@ -79,7 +79,20 @@ impl Relay {
     }
 
     pub fn start_in(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_orca-relay"));
+        Relay::start_binary(
+            std::path::Path::new(env!("CARGO_BIN_EXE_orca-relay")),
+            data_dir,
+            env,
+        )
+    }
+
+    /// As [`Relay::start_in`] with another build of the binary (the bench compares two).
+    pub fn start_binary(
+        binary: &std::path::Path,
+        data_dir: Arc<TempDir>,
+        env: &[(&str, &str)],
+    ) -> Relay {
+        let mut command = Command::new(binary);
         command
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
