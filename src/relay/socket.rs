@@ -6,7 +6,9 @@
 //! - the **reader** context belongs to the connection's own relay thread ([`Reader`]);
 //! - the **writer** context sits behind a mutex in [`Socket`]; every frame this process sends on
 //!   the connection (the peer's splice, the pinger, the cell logic, close frames) goes through
-//!   it, so frames never interleave.
+//!   it, so frames never interleave. Data frames are written under that mutex straight from the
+//!   message (header and payload in one vectored write) rather than copied through
+//!   tungstenite's out buffer; control and close frames go through the writer context.
 //!
 //! The reader's automatic replies (pong, close) are written through the same mutex by
 //! [`ReadHalf`]'s `Write` impl. A writer blocked longer than the socket's send timeout (the
@@ -17,14 +19,15 @@
 //! [`Reaper`], which shuts the TCP connection down one second later if the peer never answered.
 
 use std::collections::BinaryHeap;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
-use tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tungstenite::protocol::frame::coding::{CloseCode as WsCloseCode, Data, OpCode};
+use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
@@ -159,12 +162,26 @@ impl Socket {
         if writer.broken {
             return Err(SendError::Wedged);
         }
+        // A close frame may have gone out while this sender waited for the lock: nothing may
+        // follow it (tungstenite's writer used to refuse; data frames now bypass it).
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
         let len = message.len() as u64;
         let mut stream = &self.stream;
-        let result = writer
-            .context
-            .write(&mut stream, message)
-            .and_then(|()| writer.context.flush(&mut stream));
+        let result = match &message {
+            // Data frames go out as header + payload in one vectored write, straight from the
+            // message: tungstenite would first copy the payload into its out buffer, one more
+            // pass over every spliced byte. Server frames are unmasked, so the payload is sent
+            // as it is.
+            Message::Binary(payload) => write_data_frame(&self.stream, Data::Binary, payload),
+            Message::Text(text) => write_data_frame(&self.stream, Data::Text, text.as_bytes()),
+            _ => writer
+                .context
+                .write(&mut stream, message)
+                .and_then(|()| writer.context.flush(&mut stream))
+                .map_err(|_| ()),
+        };
         match result {
             Ok(()) => {
                 self.bytes_out.fetch_add(len, Ordering::Relaxed);
@@ -211,6 +228,45 @@ impl Socket {
         self.closing.store(true, Ordering::Release);
         let _ = self.stream.shutdown(Shutdown::Both);
     }
+}
+
+/// Writes one final, unmasked data frame (RFC 6455 §5.2) with the header and the payload in
+/// one vectored write, finishing partial writes. Any error (the send timeout included) leaves
+/// the stream mid-frame: the caller marks the writer broken.
+fn write_data_frame(stream: &TcpStream, data: Data, payload: &[u8]) -> Result<(), ()> {
+    let header = FrameHeader {
+        opcode: OpCode::Data(data),
+        ..FrameHeader::default()
+    };
+    // The longest header is 14 bytes (8-byte length and a mask; ours carry no mask).
+    let mut head = [0u8; 14];
+    let head_len = {
+        let mut cursor = io::Cursor::new(&mut head[..]);
+        header
+            .format(payload.len() as u64, &mut cursor)
+            .map_err(|_| ())?;
+        cursor.position() as usize
+    };
+    let total = head_len + payload.len();
+    let mut written = 0;
+    let mut stream = stream;
+    while written < total {
+        let result = if written < head_len {
+            stream.write_vectored(&[
+                IoSlice::new(&head[written..head_len]),
+                IoSlice::new(payload),
+            ])
+        } else {
+            stream.write(&payload[written - head_len..])
+        };
+        match result {
+            Ok(0) => return Err(()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Err(()),
+        }
+    }
+    Ok(())
 }
 
 /// The reader's view of the stream: reads go straight to the socket, writes (tungstenite's

@@ -79,15 +79,35 @@ impl Relay {
     }
 
     pub fn start_in(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
-        let relay = Relay::launch(data_dir, env);
-        relay.expect_listening("orca_relay_started")
+        Relay::launch(data_dir, env).expect_listening("orca_relay_started")
+    }
+
+    /// As [`Relay::start_in`] with another build of the binary (the bench compares two).
+    pub fn start_binary(
+        binary: &std::path::Path,
+        data_dir: Arc<TempDir>,
+        env: &[(&str, &str)],
+    ) -> Relay {
+        Relay::launch_binary(binary, data_dir, env).expect_listening("orca_relay_started")
     }
 
     /// Starts the binary without waiting for anything: for processes that are expected to fail
     /// at start or to stay in their startup handshake. Read the log with [`Relay::wait_for_log`]
     /// and call [`Relay::expect_listening`] to learn the addresses.
     pub fn launch(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_orca-relay"));
+        Relay::launch_binary(
+            std::path::Path::new(env!("CARGO_BIN_EXE_orca-relay")),
+            data_dir,
+            env,
+        )
+    }
+
+    fn launch_binary(
+        binary: &std::path::Path,
+        data_dir: Arc<TempDir>,
+        env: &[(&str, &str)],
+    ) -> Relay {
+        let mut command = Command::new(binary);
         command
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
