@@ -22,6 +22,8 @@ pub enum CloseCode {
     Draining,
     /// A frame larger than the endpoint allows (RFC 6455 "message too big").
     TooBig,
+    /// A frame no client may send (unmasked, reserved bits or opcodes).
+    ProtocolError,
     /// Normal closure.
     Normal,
 }
@@ -36,6 +38,7 @@ impl CloseCode {
             CloseCode::LimitExceeded => 4429,
             CloseCode::Draining => 4503,
             CloseCode::TooBig => 1009,
+            CloseCode::ProtocolError => 1002,
             CloseCode::Normal => 1000,
         }
     }
@@ -49,11 +52,12 @@ impl CloseCode {
             CloseCode::LimitExceeded => "LIMIT_EXCEEDED",
             CloseCode::Draining => "DRAINING",
             CloseCode::TooBig => "MESSAGE_TOO_BIG",
+            CloseCode::ProtocolError => "PROTOCOL_ERROR",
             CloseCode::Normal => "NORMAL",
         }
     }
 
-    pub const ALL: [CloseCode; 8] = [
+    pub const ALL: [CloseCode; 9] = [
         CloseCode::BadOuterCredential,
         CloseCode::HostOffline,
         CloseCode::PeerDropped,
@@ -61,6 +65,7 @@ impl CloseCode {
         CloseCode::LimitExceeded,
         CloseCode::Draining,
         CloseCode::TooBig,
+        CloseCode::ProtocolError,
         CloseCode::Normal,
     ];
 }
@@ -199,6 +204,9 @@ mod tests {
     #[test]
     fn close_codes_match_the_spec_table() {
         let codes: Vec<u16> = CloseCode::ALL.iter().map(|c| c.code()).collect();
-        assert_eq!(codes, vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1000]);
+        assert_eq!(
+            codes,
+            vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1002, 1000]
+        );
     }
 }

@@ -499,3 +499,85 @@ fn the_control_holds_its_activity_lease_row_only_while_connected() {
         "the lease row outlived the control"
     );
 }
+
+#[test]
+fn splice_legs_forward_fragments_and_answer_pings() {
+    use tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tungstenite::protocol::frame::Frame;
+    let relay = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut desktop);
+    // A text message in three fragments arrives whole at the other side.
+    let fragments = [
+        ("frag", false, Data::Text),
+        ("men", false, Data::Continue),
+        ("ted", true, Data::Continue),
+    ];
+    for (part, fin, data) in fragments {
+        phone
+            .write(Message::Frame(Frame::message(
+                part.as_bytes().to_vec(),
+                OpCode::Data(data),
+                fin,
+            )))
+            .unwrap();
+    }
+    phone.flush().unwrap();
+    match leg.read().unwrap() {
+        Message::Text(text) => assert_eq!(text.as_str(), "fragmented"),
+        other => panic!("expected the reassembled text, got {other:?}"),
+    }
+    // A ping on a splice leg is answered by the relay itself, and data still flows after it.
+    phone
+        .send(Message::Ping(b"are you there".to_vec().into()))
+        .unwrap();
+    loop {
+        match phone.read().unwrap() {
+            Message::Pong(payload) => {
+                assert_eq!(&payload[..], b"are you there");
+                break;
+            }
+            other => panic!("expected a pong, got {other:?}"),
+        }
+    }
+    leg.send(Message::binary(vec![1, 2, 3])).unwrap();
+    assert_eq!(phone.read().unwrap(), Message::binary(vec![1, 2, 3]));
+}
+
+#[test]
+fn an_unmasked_frame_from_a_phone_is_a_protocol_error() {
+    let relay = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&relay);
+    let invite = desktop.invite();
+    let mut raw = TcpStream::connect(&relay.ws).unwrap();
+    raw.write_all(
+        format!(
+            "GET /v1/connect/{} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+            desktop.relay_host_id
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    // A masked relay-auth (mask of zeros keeps the payload readable), then one unmasked frame.
+    let auth = serde_json::json!({"type":"relay-auth","v":1,"credential":invite}).to_string();
+    let mut frame = vec![0x81, 0x80 | auth.len() as u8, 0, 0, 0, 0];
+    frame.extend_from_slice(auth.as_bytes());
+    raw.write_all(&frame).unwrap();
+    let (conn_id, ticket) = desktop.conn_open();
+    let mut leg = desktop.data_leg(&relay, &conn_id, &ticket);
+    raw.write_all(&[0x82, 0x03, 1, 2, 3]).unwrap();
+    assert_eq!(
+        read_close(&mut leg),
+        Some(4408),
+        "the other side is told its peer left"
+    );
+    // The phone's stream ends with a close frame carrying 1002.
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut bytes = Vec::new();
+    let _ = raw.read_to_end(&mut bytes);
+    let close_at = bytes
+        .windows(2)
+        .position(|w| w[0] == 0x88)
+        .expect("a close frame");
+    assert_eq!(&bytes[close_at + 2..close_at + 4], &1002u16.to_be_bytes());
+}

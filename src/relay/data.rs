@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use tungstenite::Message;
 
-use super::socket::{ReadEvent, Reader, SendError, Socket};
-use super::{read_first_text, RelayContext};
+use super::frames::{SpliceEvent, SpliceReader};
+use super::socket::{SendError, Socket};
+use super::{read_first_splice_text, RelayContext};
 use crate::protocol::{self, CloseCode, DataLegFirst};
 
 #[derive(Debug, Clone, Copy)]
@@ -19,8 +20,8 @@ pub enum Direction {
     HostToPhone,
 }
 
-pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, conn_id: &str) {
-    let text = match read_first_text(context, &mut reader) {
+pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: SpliceReader, conn_id: &str) {
+    let text = match read_first_splice_text(context, &mut reader) {
         Ok(text) => text,
         Err(code) => return context.close(&socket, code, "first frame"),
     };
@@ -53,15 +54,15 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, co
     );
 }
 
-/// Forwards every data frame read from `from` to `to` until one side ends.
+/// Forwards every data frame read from `from` to `to`, unchanged, until one side ends.
 pub fn pump(
     context: &RelayContext,
-    reader: &mut Reader,
+    reader: &mut SpliceReader,
     from: &Arc<Socket>,
     to: &Arc<Socket>,
     direction: Direction,
 ) {
-    let _ = from.stream().set_read_timeout(None);
+    reader.set_read_timeout(None);
     let (bytes, frames) = match direction {
         Direction::PhoneToHost => (
             &context.metrics.bytes_phone_to_host,
@@ -74,40 +75,41 @@ pub fn pump(
     };
     loop {
         match reader.read() {
-            ReadEvent::Message(message @ (Message::Text(_) | Message::Binary(_))) => {
-                let len = message.len() as u64;
-                match to.send(message) {
-                    Ok(()) => {
-                        bytes.add(len);
-                        frames.inc();
-                    }
-                    Err(SendError::Wedged) => {
-                        log::info!(
-                            "orca_relay_splice_wedged conn={} peer={} direction={direction:?}",
-                            from.id,
-                            to.id
-                        );
-                        // Close the sender first: the stalled side's own thread will notice the
-                        // shutdown and must not win the race with a 4408.
-                        context.close(from, CloseCode::LimitExceeded, "wedged");
-                        to.shutdown();
-                        return;
-                    }
-                    Err(SendError::Closed) => {
-                        context.close(from, CloseCode::PeerDropped, "peer left");
-                        return;
-                    }
+            SpliceEvent::Frame { data, fin, payload } => match to.send_frame(data, fin, payload) {
+                Ok(()) => {
+                    bytes.add(payload.len() as u64);
+                    frames.inc();
                 }
-            }
-            ReadEvent::Message(_) => {}
-            ReadEvent::TimedOut => {}
-            ReadEvent::TooBig => {
+                Err(SendError::Wedged) => {
+                    log::info!(
+                        "orca_relay_splice_wedged conn={} peer={} direction={direction:?}",
+                        from.id,
+                        to.id
+                    );
+                    // Close the sender first: the stalled side's own thread will notice the
+                    // shutdown and must not win the race with a 4408.
+                    context.close(from, CloseCode::LimitExceeded, "wedged");
+                    to.shutdown();
+                    return;
+                }
+                Err(SendError::Closed) => {
+                    context.close(from, CloseCode::PeerDropped, "peer left");
+                    return;
+                }
+            },
+            SpliceEvent::TimedOut => {}
+            SpliceEvent::TooBig => {
                 context.close(from, CloseCode::TooBig, "frame too large");
                 context.close(to, CloseCode::PeerDropped, "peer left");
                 reader.drain_after_close();
                 return;
             }
-            ReadEvent::Gone => {
+            SpliceEvent::Protocol => {
+                context.close(from, CloseCode::ProtocolError, "protocol error");
+                context.close(to, CloseCode::PeerDropped, "peer left");
+                return;
+            }
+            SpliceEvent::Gone => {
                 context.close(to, CloseCode::PeerDropped, "peer left");
                 return;
             }

@@ -11,6 +11,7 @@
 
 pub mod control;
 pub mod data;
+pub mod frames;
 pub mod phone;
 pub mod socket;
 pub mod upgrade;
@@ -358,25 +359,35 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
     if upgrade::accept(&stream, &key).is_err() {
         return;
     }
-    let sizing = match route {
-        Route::Control => socket::Sizing::CONTROL,
-        _ => socket::Sizing::SPLICE,
-    };
     let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-    let (socket, reader) = Socket::new(id, stream, request.tail, sizing);
+    // Control sockets read small JSON through tungstenite; splice legs forward frames as they
+    // are through their own reader (relay/frames.rs).
+    let (socket, leg) = match &route {
+        Route::Control => {
+            let (socket, reader) = Socket::new(id, stream, request.tail, socket::Sizing::CONTROL);
+            (socket, Leg::Control(reader))
+        }
+        _ => {
+            let (socket, reader) = Socket::new_splice(id, stream, request.tail);
+            (socket, Leg::Splice(reader))
+        }
+    };
     let gauge = context.metrics.connections(route.kind());
     gauge.inc();
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match route.clone() {
-        Route::Control => control::serve(
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match (route.clone(), leg) {
+        (Route::Control, Leg::Control(reader)) => control::serve(
             &context,
             socket.clone(),
             reader,
             claims.expect("checked above"),
         ),
-        Route::Phone { relay_host_id } => {
+        (Route::Phone { relay_host_id }, Leg::Splice(reader)) => {
             phone::serve(&context, socket.clone(), reader, &relay_host_id)
         }
-        Route::DataLeg { conn_id } => data::serve(&context, socket.clone(), reader, &conn_id),
+        (Route::DataLeg { conn_id }, Leg::Splice(reader)) => {
+            data::serve(&context, socket.clone(), reader, &conn_id)
+        }
+        _ => context.close(&socket, CloseCode::LimitExceeded, "internal error"),
     }));
     if outcome.is_err() {
         log::error!(
@@ -406,6 +417,30 @@ pub fn shed_under_pool_pressure(
 }
 
 /// Reads the first frame of a leg within the first-frame deadline: it must be a text frame.
+/// The reader a connection gets, by endpoint.
+enum Leg {
+    Control(socket::Reader),
+    Splice(frames::SpliceReader),
+}
+
+/// Reads the first frame of a splice leg within the first-frame deadline: it must be one
+/// whole text frame.
+pub(crate) fn read_first_splice_text(
+    context: &RelayContext,
+    reader: &mut frames::SpliceReader,
+) -> Result<String, CloseCode> {
+    reader.set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
+    match reader.read() {
+        frames::SpliceEvent::Frame {
+            data: tungstenite::protocol::frame::coding::Data::Text,
+            fin: true,
+            payload,
+        } => String::from_utf8(payload.to_vec()).map_err(|_| CloseCode::BadOuterCredential),
+        frames::SpliceEvent::TooBig => Err(CloseCode::TooBig),
+        _ => Err(CloseCode::BadOuterCredential),
+    }
+}
+
 pub(crate) fn read_first_text(
     context: &RelayContext,
     reader: &mut socket::Reader,

@@ -11,13 +11,19 @@ use std::time::Duration;
 use tungstenite::Message;
 
 use super::data::pump;
-use super::socket::{Reader, Socket};
-use super::{read_first_text, RelayContext};
+use super::frames::SpliceReader;
+use super::socket::Socket;
+use super::{read_first_splice_text, RelayContext};
 use crate::cell::state::{random_token, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 
-pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, relay_host_id: &str) {
-    let text = match read_first_text(context, &mut reader) {
+pub fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    mut reader: SpliceReader,
+    relay_host_id: &str,
+) {
+    let text = match read_first_splice_text(context, &mut reader) {
         Ok(text) => text,
         Err(code) => return context.close(&socket, code, "first frame"),
     };

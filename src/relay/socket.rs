@@ -67,8 +67,9 @@ fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Buffer sizes per endpoint: idle control sockets are many and small, splice legs are few and
-/// carry bulk traffic (large reads are what keep the splice as fast as nginx).
+/// Buffer sizes of a tungstenite reader. Idle control sockets are many and small: a 1 KiB read
+/// buffer (it grows for the rare large frame) keeps one near 20 KiB resident. Splice legs do not
+/// use tungstenite's reader at all (see `relay/frames.rs`).
 #[derive(Debug, Clone, Copy)]
 pub struct Sizing {
     pub read_buffer: usize,
@@ -77,12 +78,8 @@ pub struct Sizing {
 
 impl Sizing {
     pub const CONTROL: Sizing = Sizing {
-        read_buffer: 4 * 1024,
+        read_buffer: 1024,
         max_frame: crate::protocol::CONTROL_MAX_FRAME_BYTES,
-    };
-    pub const SPLICE: Sizing = Sizing {
-        read_buffer: 64 * 1024,
-        max_frame: crate::protocol::SPLICE_MAX_FRAME_BYTES,
     };
 
     fn reader_config(self) -> WebSocketConfig {
@@ -123,8 +120,74 @@ impl Socket {
         (socket, reader)
     }
 
+    /// Wraps an upgraded splice leg (phone or host data): its reader is a
+    /// [`SpliceReader`](super::frames::SpliceReader) that forwards frames as they are.
+    pub fn new_splice(
+        id: u64,
+        stream: TcpStream,
+        tail: Vec<u8>,
+    ) -> (Arc<Socket>, super::frames::SpliceReader) {
+        let socket = Arc::new(Socket {
+            id,
+            stream,
+            writer: Mutex::new(Writer {
+                context: WebSocketContext::new(Role::Server, Some(writer_config())),
+                broken: false,
+            }),
+            closing: AtomicBool::new(false),
+            bytes_out: AtomicU64::new(0),
+        });
+        let reader = super::frames::SpliceReader::new(
+            socket.clone(),
+            tail,
+            crate::protocol::SPLICE_MAX_FRAME_BYTES,
+        );
+        (socket, reader)
+    }
+
     pub fn stream(&self) -> &TcpStream {
         &self.stream
+    }
+
+    /// Sends one data frame as it came from the other leg (opcode, FIN bit and payload kept).
+    pub fn send_frame(&self, data: Data, fin: bool, payload: &[u8]) -> Result<(), SendError> {
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
+        let mut writer = lock_writer(&self.writer);
+        if writer.broken {
+            return Err(SendError::Wedged);
+        }
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
+        match write_data_frame(&self.stream, data, fin, payload) {
+            Ok(()) => {
+                self.bytes_out
+                    .fetch_add(payload.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(()) => {
+                writer.broken = true;
+                Err(SendError::Wedged)
+            }
+        }
+    }
+
+    /// The peer sent a close frame: answer it (once) and stop sending.
+    pub fn acknowledge_close(&self) {
+        if self.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut writer = lock_writer(&self.writer);
+        if !writer.broken {
+            let mut stream = &self.stream;
+            let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
+            let _ = writer
+                .context
+                .close(&mut stream, None)
+                .and_then(|()| writer.context.flush(&mut stream));
+        }
     }
 
     pub fn is_closing(&self) -> bool {
@@ -174,8 +237,10 @@ impl Socket {
             // message: tungstenite would first copy the payload into its out buffer, one more
             // pass over every spliced byte. Server frames are unmasked, so the payload is sent
             // as it is.
-            Message::Binary(payload) => write_data_frame(&self.stream, Data::Binary, payload),
-            Message::Text(text) => write_data_frame(&self.stream, Data::Text, text.as_bytes()),
+            Message::Binary(payload) => write_data_frame(&self.stream, Data::Binary, true, payload),
+            Message::Text(text) => {
+                write_data_frame(&self.stream, Data::Text, true, text.as_bytes())
+            }
             _ => writer
                 .context
                 .write(&mut stream, message)
@@ -230,11 +295,12 @@ impl Socket {
     }
 }
 
-/// Writes one final, unmasked data frame (RFC 6455 §5.2) with the header and the payload in
+/// Writes one unmasked data frame (RFC 6455 §5.2) with the header and the payload in
 /// one vectored write, finishing partial writes. Any error (the send timeout included) leaves
 /// the stream mid-frame: the caller marks the writer broken.
-fn write_data_frame(stream: &TcpStream, data: Data, payload: &[u8]) -> Result<(), ()> {
+fn write_data_frame(stream: &TcpStream, data: Data, fin: bool, payload: &[u8]) -> Result<(), ()> {
     let header = FrameHeader {
+        is_final: fin,
         opcode: OpCode::Data(data),
         ..FrameHeader::default()
     };
