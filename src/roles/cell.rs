@@ -524,13 +524,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let shutdown = Shutdown::new();
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
-    match crate::lifecycle::raise_fd_limit() {
-        Ok((old, new)) if old != new => {
-            log::info!("orca_relay_fd_limit_raised from={old} to={new}")
-        }
-        Ok(_) => {}
-        Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
-    }
+    super::raise_fd_limit();
     let verifier = super::verifier(&config, &clock)?;
     let store = super::open_store(&config)?;
     let (migrated, migrator) = super::migrate_in_background(&store, || Ok(()))?;

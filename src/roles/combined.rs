@@ -61,6 +61,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
+    super::raise_fd_limit();
     if config.service_token.is_none() {
         config.service_token = Some(in_process_token()?);
     }

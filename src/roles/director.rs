@@ -52,6 +52,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
+    super::raise_fd_limit();
     let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
 
     let readiness = Readiness::from_config(&config);

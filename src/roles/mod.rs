@@ -271,3 +271,15 @@ pub fn process_route(
         _ => None,
     }
 }
+
+/// Raises the soft descriptor limit to the hard one (one descriptor per WebSocket; the unit's
+/// `LimitNOFILE=` sets the hard limit), logging what changed.
+pub fn raise_fd_limit() {
+    match crate::lifecycle::raise_fd_limit() {
+        Ok((old, new)) if old != new => {
+            log::info!("orca_relay_fd_limit_raised from={old} to={new}")
+        }
+        Ok(_) => {}
+        Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
+    }
+}
