@@ -335,6 +335,19 @@ fn sql_outage_degrades_then_expires_and_a_process_born_during_it_waits_without_c
     wait_ready(&cold, 200, &healthy());
     let mut after = Desktop::connect(&running);
     expect_ping(&mut after.control);
+    // Readiness answers from the prober; the in-process director places on the cell once the
+    // cell's ready heartbeat has reached the store, a moment later.
+    let probe_host = host_id();
+    let probe_token = token("placeable-probe", &probe_host);
+    let body = serde_json::json!({"v":1,"relayHostId":probe_host}).to_string();
+    assert!(
+        wait_until(Duration::from_secs(10), || cold
+            .post("/v1/assign", Some(&probe_token), &body)
+            .0
+            == 200),
+        "the cell born during the outage never became placeable; log:\n{}",
+        cold.log_text()
+    );
     let mut first_on_cold = Desktop::connect(&cold);
     expect_ping(&mut first_on_cold.control);
     expect_ping(&mut before.control);
