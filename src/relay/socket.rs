@@ -99,9 +99,9 @@ fn writer_config() -> WebSocketConfig {
 }
 
 impl Socket {
-    /// Wraps an upgraded stream. `tail` holds bytes that arrived after the request head.
-    pub fn new(id: u64, stream: TcpStream, tail: Vec<u8>, sizing: Sizing) -> (Arc<Socket>, Reader) {
-        let socket = Arc::new(Socket {
+    /// The shared side of an upgraded stream: the descriptor and its one writer.
+    fn wrap(id: u64, stream: TcpStream) -> Arc<Socket> {
+        Arc::new(Socket {
             id,
             stream,
             writer: Mutex::new(Writer {
@@ -110,7 +110,12 @@ impl Socket {
             }),
             closing: AtomicBool::new(false),
             bytes_out: AtomicU64::new(0),
-        });
+        })
+    }
+
+    /// Wraps an upgraded stream. `tail` holds bytes that arrived after the request head.
+    pub fn new(id: u64, stream: TcpStream, tail: Vec<u8>, sizing: Sizing) -> (Arc<Socket>, Reader) {
+        let socket = Socket::wrap(id, stream);
         let context =
             WebSocketContext::from_partially_read(tail, Role::Server, Some(sizing.reader_config()));
         let reader = Reader {
@@ -127,16 +132,7 @@ impl Socket {
         stream: TcpStream,
         tail: Vec<u8>,
     ) -> (Arc<Socket>, super::frames::SpliceReader) {
-        let socket = Arc::new(Socket {
-            id,
-            stream,
-            writer: Mutex::new(Writer {
-                context: WebSocketContext::new(Role::Server, Some(writer_config())),
-                broken: false,
-            }),
-            closing: AtomicBool::new(false),
-            bytes_out: AtomicU64::new(0),
-        });
+        let socket = Socket::wrap(id, stream);
         let reader = super::frames::SpliceReader::new(
             socket.clone(),
             tail,

@@ -440,30 +440,7 @@ fn heartbeat_sampler(
 /// Metrics of the cell's shared state (SPEC §5.6).
 pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &RelayContext) {
     claim_loop::register_metrics(registry);
-    let pool = store.clone();
-    registry.sampled_gauge(
-        "orca_relay_db_pool",
-        "Database pool connections and waiters.",
-        move || {
-            let stats = pool.pool_stats();
-            let row = |state: &str, value: u32| {
-                (vec![("state".to_string(), state.to_string())], value as f64)
-            };
-            vec![
-                row("open", stats.open),
-                row("idle", stats.idle),
-                row("waiters", stats.waiters),
-                row("max", stats.max),
-                row("ceiling", stats.ceiling),
-            ]
-        },
-    );
-    let statements = store.clone();
-    registry.sampled_gauge(
-        "orca_relay_db_statements",
-        "SQL statements this process has sent to the database.",
-        move || vec![(vec![], statements.statements_executed() as f64)],
-    );
+    super::register_store_metrics(registry, store);
     let slots = context.slots.clone();
     registry.sampled_gauge(
         "orca_relay_connection_units",

@@ -57,7 +57,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
-    register_pool_metrics(&registry, &store);
+    super::register_store_metrics(&registry, &store);
 
     // Migrations in the background: until they are applied `/ready` says starting and the
     // store-backed routes answer 503.
@@ -184,27 +184,6 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
         }
         wait = (wait * 2).min(MIGRATE_RETRY_MAX);
     }
-}
-
-fn register_pool_metrics(registry: &Registry, store: &Store) {
-    let pool = store.clone();
-    registry.sampled_gauge(
-        "orca_relay_db_pool",
-        "Database pool connections and waiters.",
-        move || {
-            let stats = pool.pool_stats();
-            let row = |state: &str, value: u32| {
-                (vec![("state".to_string(), state.to_string())], value as f64)
-            };
-            vec![
-                row("open", stats.open),
-                row("idle", stats.idle),
-                row("waiters", stats.waiters),
-                row("max", stats.max),
-                row("ceiling", stats.ceiling),
-            ]
-        },
-    );
 }
 
 /// The director's HTTP routes.

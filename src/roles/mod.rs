@@ -283,3 +283,32 @@ pub fn raise_fd_limit() {
         Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
     }
 }
+
+/// The store's metrics, on every role: pool connections, ceiling and waiters, and the SQL
+/// statements this process has sent.
+pub fn register_store_metrics(registry: &crate::metrics::Registry, store: &Store) {
+    let pool = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_pool",
+        "Database pool connections and waiters.",
+        move || {
+            let stats = pool.pool_stats();
+            let row = |state: &str, value: u32| {
+                (vec![("state".to_string(), state.to_string())], value as f64)
+            };
+            vec![
+                row("open", stats.open),
+                row("idle", stats.idle),
+                row("waiters", stats.waiters),
+                row("max", stats.max),
+                row("ceiling", stats.ceiling),
+            ]
+        },
+    );
+    let statements = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_statements",
+        "SQL statements this process has sent to the database.",
+        move || vec![(vec![], statements.statements_executed() as f64)],
+    );
+}
