@@ -189,7 +189,7 @@ fn host_options(config: &Config, flags: &[(String, String)]) -> Result<HostOptio
             let secret = match &config.self_hosted_key {
                 Some(secret) => secret.clone(),
                 None => {
-                    let path = crate::roles::self_hosted_key_path(&config.data_dir);
+                    let path = config.data_dir.join(crate::auth::SELF_HOSTED_KEY_FILE);
                     std::fs::read_to_string(&path)
                         .map(|s| s.trim().to_string())
                         .map_err(|e| {

@@ -168,6 +168,16 @@ impl Bookings {
         book.remove(&key).is_some()
     }
 
+    /// Does this user hold a live booking for this host (any epoch)? Known at upgrade time,
+    /// before the hello names its epoch: such a hello can be admitted without the database.
+    pub fn holds(&self, user_id: &str, relay_host_id: &str, now_ms: u64) -> bool {
+        self.lock().iter().any(|(key, booking)| {
+            key.user_id == user_id
+                && key.relay_host_id == relay_host_id
+                && booking.expires_at_ms > now_ms
+        })
+    }
+
     /// Drops every booking whose TTL has passed, returning its unit. Returns how many.
     pub fn expire(&self, now_ms: u64) -> usize {
         drop_expired(&mut self.lock(), now_ms)
@@ -406,5 +416,26 @@ mod tests {
         assert_eq!(Outcome::Draining.as_str(), "draining");
         assert_eq!(Outcome::Off.as_str(), "off");
         assert_eq!(Outcome::SeatedNewer { epoch: 1 }.as_str(), "seated-newer");
+    }
+
+    #[test]
+    fn holds_sees_a_live_booking_of_any_epoch_for_that_user_and_host() {
+        let slots = ConnectionSlots::new(10);
+        let bookings = Bookings::new(slots);
+        let item = ReserveItem {
+            user_id: "u".into(),
+            relay_host_id: "h".into(),
+            epoch: 4,
+            ttl_ms: 1_000,
+        };
+        let context = ReserveContext {
+            reserve_mode_effective: true,
+            draining: false,
+            seated_epoch: None,
+        };
+        assert!(bookings.reserve(item, context, 0).is_ok());
+        assert!(bookings.holds("u", "h", 999));
+        assert!(!bookings.holds("other", "h", 999));
+        assert!(!bookings.holds("u", "h", 1_000), "expired");
     }
 }

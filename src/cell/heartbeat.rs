@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::clock::SharedClock;
 use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
@@ -40,7 +41,8 @@ pub enum Sink {
         urls: Vec<String>,
         service_token: String,
     },
-    Store(Store),
+    /// The combined role: the director is in-process, the beat is recorded with `clock`.
+    Store { store: Store, clock: SharedClock },
 }
 
 /// The thread body: `sample` builds the current heartbeat; returns when `stop` fires. A beat
@@ -87,13 +89,13 @@ fn deliver(sink: &Sink, agent: &ureq::Agent, beat: &Heartbeat) -> bool {
                 .count();
             failures == 0
         }
-        Sink::Store(store) => match store.heartbeat(
+        Sink::Store { store, clock } => match store.heartbeat(
             &beat.cell_id,
             beat.incarnation,
             beat.started_at,
             beat.ready,
             beat.connections,
-            crate::clock::system().now_ms() as i64,
+            clock.now_ms() as i64,
         ) {
             Ok(HeartbeatOutcome::Accepted) => true,
             Ok(HeartbeatOutcome::StaleIncarnation) => {

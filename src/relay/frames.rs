@@ -21,8 +21,7 @@ use tungstenite::protocol::frame::coding::{Control, Data, OpCode};
 use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::Message;
 
-use super::socket::{Socket, CLOSE_LINGER};
-use crate::clock;
+use super::socket::{drain_for_linger, Socket};
 
 /// The buffer every splice leg starts with; it grows for larger frames and shrinks back when
 /// it is empty again. 256 KiB lets one read take several 64 KiB frames (measured: 0.99-1.04x
@@ -227,22 +226,10 @@ impl SpliceReader {
         }
     }
 
-    /// After closing on an oversized frame, discards what the peer is still sending (for at
-    /// most [`CLOSE_LINGER`]) so that it can finish its write and read our close frame instead
-    /// of seeing its connection reset.
+    /// After closing on an oversized frame, lets the peer finish its write (see
+    /// [`drain_for_linger`]).
     pub fn drain_after_close(&mut self) {
-        let started = clock::instant();
-        let mut scratch = [0u8; 16 * 1024];
-        while let Some(left) = CLOSE_LINGER.checked_sub(started.elapsed()) {
-            let mut stream = self.socket.stream();
-            if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
-                return;
-            }
-            match stream.read(&mut scratch) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
+        drain_for_linger(self.socket.stream());
     }
 
     /// Sets how long one read may wait (`None`: forever).

@@ -343,12 +343,19 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
         None
     };
     if let Some(claims) = &claims {
-        // Under pool pressure, a hello the cell cannot admit from memory is shed rather than
-        // queued behind the database (SPEC §5.3).
+        // Under pool pressure, a hello the cell cannot admit without the database (memory or
+        // a booking) is shed rather than queued behind the pool (SPEC §5.3).
         let shed = shed_under_pool_pressure(
             context.store.has_waiters(),
             context.mode.raw_is_reserve(),
-            context.cell.remembers(&claims.relay_host_id),
+            || {
+                context.cell.remembers(&claims.relay_host_id)
+                    || context.bookings.holds(
+                        &claims.user_id,
+                        &claims.relay_host_id,
+                        context.clock.now_ms(),
+                    )
+            },
         );
         if shed {
             context.metrics.upgrade_refused(503, "pool_pressure");
@@ -364,7 +371,7 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
     // are through their own reader (relay/frames.rs).
     let (socket, leg) = match &route {
         Route::Control => {
-            let (socket, reader) = Socket::new(id, stream, request.tail, socket::Sizing::CONTROL);
+            let (socket, reader) = Socket::new_control(id, stream, request.tail);
             (socket, Leg::Control(reader))
         }
         _ => {
@@ -405,18 +412,18 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
 }
 
 /// Whether a desktop's control upgrade is shed with 503 under database pool pressure (SPEC
-/// §5.3): only a hello the cell may admit from memory gets past waiters, and only a cell whose
-/// raw mode is `reserve` admits from memory. In `db` mode every hello needs the database, so a
-/// remembered desktop would only queue behind the pool like any other.
+/// §5.3): only a hello the cell may admit without the database (from memory or a booking) gets
+/// past waiters, and only a cell whose raw mode is `reserve` admits that way. In `db` mode every
+/// hello needs the database, so a remembered desktop would only queue behind the pool like any
+/// other. `admissible_without_sql` is asked only under pressure.
 pub fn shed_under_pool_pressure(
     pool_has_waiters: bool,
     raw_reserve: bool,
-    remembered: bool,
+    admissible_without_sql: impl FnOnce() -> bool,
 ) -> bool {
-    pool_has_waiters && !(raw_reserve && remembered)
+    pool_has_waiters && !(raw_reserve && admissible_without_sql())
 }
 
-/// Reads the first frame of a leg within the first-frame deadline: it must be a text frame.
 /// The reader a connection gets, by endpoint.
 enum Leg {
     Control(socket::Reader),
@@ -441,6 +448,8 @@ pub(crate) fn read_first_splice_text(
     }
 }
 
+/// Reads the first frame of a control socket within the first-frame deadline: it must be a
+/// text frame.
 pub(crate) fn read_first_text(
     context: &RelayContext,
     reader: &mut socket::Reader,
@@ -473,7 +482,7 @@ mod tests {
         ];
         for ((waiters, reserve, remembered), shed) in cases {
             assert_eq!(
-                shed_under_pool_pressure(waiters, reserve, remembered),
+                shed_under_pool_pressure(waiters, reserve, || remembered),
                 shed,
                 "waiters={waiters} reserve={reserve} remembered={remembered}"
             );

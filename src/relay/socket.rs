@@ -67,28 +67,15 @@ fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Buffer sizes of a tungstenite reader. Idle control sockets are many and small: a 1 KiB read
-/// buffer (it grows for the rare large frame) keeps one near 20 KiB resident. Splice legs do not
-/// use tungstenite's reader at all (see `relay/frames.rs`).
-#[derive(Debug, Clone, Copy)]
-pub struct Sizing {
-    pub read_buffer: usize,
-    pub max_frame: usize,
-}
-
-impl Sizing {
-    pub const CONTROL: Sizing = Sizing {
-        read_buffer: 1024,
-        max_frame: crate::protocol::CONTROL_MAX_FRAME_BYTES,
-    };
-
-    fn reader_config(self) -> WebSocketConfig {
-        WebSocketConfig::default()
-            .read_buffer_size(self.read_buffer)
-            .write_buffer_size(0)
-            .max_frame_size(Some(self.max_frame))
-            .max_message_size(Some(self.max_frame))
-    }
+/// The tungstenite reader of a control socket. Idle control sockets are many and small: a
+/// 1 KiB read buffer (it grows for the rare large frame) keeps one near 20 KiB resident. Splice
+/// legs do not use tungstenite's reader at all (see `relay/frames.rs`).
+fn control_reader_config() -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(1024)
+        .write_buffer_size(0)
+        .max_frame_size(Some(crate::protocol::CONTROL_MAX_FRAME_BYTES))
+        .max_message_size(Some(crate::protocol::CONTROL_MAX_FRAME_BYTES))
 }
 
 fn writer_config() -> WebSocketConfig {
@@ -114,10 +101,13 @@ impl Socket {
     }
 
     /// Wraps an upgraded stream. `tail` holds bytes that arrived after the request head.
-    pub fn new(id: u64, stream: TcpStream, tail: Vec<u8>, sizing: Sizing) -> (Arc<Socket>, Reader) {
+    pub fn new_control(id: u64, stream: TcpStream, tail: Vec<u8>) -> (Arc<Socket>, Reader) {
         let socket = Socket::wrap(id, stream);
-        let context =
-            WebSocketContext::from_partially_read(tail, Role::Server, Some(sizing.reader_config()));
+        let context = WebSocketContext::from_partially_read(
+            tail,
+            Role::Server,
+            Some(control_reader_config()),
+        );
         let reader = Reader {
             context,
             half: ReadHalf(socket.clone()),
@@ -406,16 +396,24 @@ impl Reader {
     /// most [`CLOSE_LINGER`]) so that it can finish its write and read our close frame instead
     /// of seeing its connection reset.
     pub fn drain_after_close(&mut self) {
-        let started = clock::instant();
-        let mut scratch = vec![0u8; 64 * 1024];
-        while let Some(left) = CLOSE_LINGER.checked_sub(started.elapsed()) {
-            if left.is_zero() || self.half.0.stream.set_read_timeout(Some(left)).is_err() {
-                return;
-            }
-            match (&self.half.0.stream).read(&mut scratch) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
+        drain_for_linger(&self.half.0.stream);
+    }
+}
+
+/// Reads and discards what the peer still sends, for at most [`CLOSE_LINGER`]: after a 1009
+/// close, a client mid-way through an oversized frame can finish its write and read the close
+/// frame instead of seeing its connection reset.
+pub fn drain_for_linger(stream: &TcpStream) {
+    let started = clock::instant();
+    let mut scratch = [0u8; 16 * 1024];
+    let mut stream = stream;
+    while let Some(left) = CLOSE_LINGER.checked_sub(started.elapsed()) {
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match stream.read(&mut scratch) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
         }
     }
 }

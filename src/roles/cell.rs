@@ -514,16 +514,8 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let internal_url =
         super::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
-    let readiness = Readiness::from_config(&config);
-    readiness.register_metrics(&registry, clock.clone());
-    let (prober_stop, prober) = super::start_prober(
-        &readiness,
-        &verifier,
-        &store,
-        &migrated,
-        &clock,
-        config.timings.readiness_probe_ms,
-    )?;
+    let prober = super::start_prober(&config, &registry, &verifier, &store, &migrated, &clock)?;
+    let readiness = prober.readiness.clone();
     let cell = Arc::new(CellRuntime::start(CellSetup {
         config: &config,
         clock: clock.clone(),
@@ -615,13 +607,6 @@ pub fn run(config: Config) -> Result<(), RunError> {
     }
     cell.drain(&shutdown);
     http.stop();
-    drop(prober_stop);
-    threads::join_logged("readiness", prober);
-    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
-        threads::join_logged("migrator", migrator);
-    }
-    shutdown.close_signal_listener();
-    threads::join_logged("signals", signals);
-    log::info!("orca_relay_shutdown_finished role=cell");
+    super::finish_process("cell", prober, migrator, signals, &shutdown);
     Ok(())
 }

@@ -35,7 +35,6 @@ use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
 use crate::http::{HttpServer, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
-use crate::readiness::Readiness;
 use crate::store::Store;
 use crate::threads;
 
@@ -97,16 +96,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         })?
     };
 
-    let readiness = Readiness::from_config(&config);
-    readiness.register_metrics(&registry, clock.clone());
-    let (prober_stop, prober) = start_prober(
-        &readiness,
-        &verifier,
-        &store,
-        &migrated,
-        &clock,
-        config.timings.readiness_probe_ms,
-    )?;
+    let prober = start_prober(&config, &registry, &verifier, &store, &migrated, &clock)?;
+    let readiness = prober.readiness.clone();
 
     let cell = Arc::new(CellRuntime::start(CellSetup {
         config: &config,
@@ -118,7 +109,10 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         ws_listener,
         cell_url: cell_url.clone(),
         incarnation,
-        heartbeat: Sink::Store(store.clone()),
+        heartbeat: Sink::Store {
+            store: store.clone(),
+            clock: clock.clone(),
+        },
     })?);
 
     let board = FeedBoard::new();
@@ -208,7 +202,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     drop(record_stop);
     threads::join_logged("self-record", record_thread);
     http.stop();
-    finish(prober_stop, prober, migrator, signals, &shutdown)
+    super::finish_process("combined", prober, migrator, signals, &shutdown);
+    Ok(())
 }
 
 /// A random service token for a combined process started without one: 32 bytes from the OS,
@@ -348,24 +343,6 @@ impl SelfRecord {
             }
         }
     }
-}
-
-fn finish(
-    prober_stop: std::sync::mpsc::Sender<()>,
-    prober: std::thread::JoinHandle<()>,
-    migrator: Option<std::thread::JoinHandle<()>>,
-    signals: std::thread::JoinHandle<()>,
-    shutdown: &Shutdown,
-) -> Result<(), RunError> {
-    drop(prober_stop);
-    threads::join_logged("readiness", prober);
-    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
-        threads::join_logged("migrator", migrator);
-    }
-    shutdown.close_signal_listener();
-    threads::join_logged("signals", signals);
-    log::info!("orca_relay_shutdown_finished role=combined");
-    Ok(())
 }
 
 #[cfg(test)]

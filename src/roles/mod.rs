@@ -7,7 +7,6 @@ pub mod director;
 
 use std::fmt;
 use std::net::TcpListener;
-use std::path::PathBuf;
 
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
@@ -99,22 +98,27 @@ pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, R
     TcpListener::bind(addr).map_err(|e| RunError(format!("cannot bind {variable}={addr}: {e}")))
 }
 
-/// Where the self-hosted key lives for a data directory.
-pub fn self_hosted_key_path(data_dir: &std::path::Path) -> PathBuf {
-    data_dir.join("self-hosted.key")
+/// The readiness of a cell process and its running prober.
+pub struct Prober {
+    pub readiness: crate::readiness::Readiness,
+    pub stop: std::sync::mpsc::Sender<()>,
+    pub handle: std::thread::JoinHandle<()>,
 }
 
-/// Starts the `readiness` prober thread: JWKS (when configured) and SQL, every
-/// `READINESS_PROBE_MS`; SQL counts as failing until `migrated` is set. Returns the stop
-/// sender and the handle.
+/// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
+/// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
+/// counts as failing until `migrated` is set.
 pub fn start_prober(
-    readiness: &crate::readiness::Readiness,
+    config: &Config,
+    registry: &crate::metrics::Registry,
     verifier: &Verifier,
     store: &Store,
     migrated: &Migrated,
     clock: &SharedClock,
-    period_ms: u64,
-) -> Result<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>), RunError> {
+) -> Result<Prober, RunError> {
+    let readiness = crate::readiness::Readiness::from_config(config);
+    readiness.register_metrics(registry, clock.clone());
+    let period_ms = config.timings.readiness_probe_ms;
     let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
         let verifier = verifier.clone();
         Some(Box::new(move || verifier.probe()))
@@ -135,11 +139,11 @@ pub fn start_prober(
         }),
     };
     let (stop, receiver) = std::sync::mpsc::channel();
-    let readiness = readiness.clone();
+    let prober_readiness = readiness.clone();
     let clock = clock.clone();
     let handle = crate::threads::spawn("readiness", move || {
         crate::readiness::run_prober(
-            readiness,
+            prober_readiness,
             probes,
             clock,
             std::time::Duration::from_millis(period_ms),
@@ -147,7 +151,11 @@ pub fn start_prober(
         )
     })
     .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
-    Ok((stop, handle))
+    Ok(Prober {
+        readiness,
+        stop,
+        handle,
+    })
 }
 
 /// Set once this process's migrations (and the step that has to follow them) are done. Until
@@ -311,4 +319,24 @@ pub fn register_store_metrics(registry: &crate::metrics::Registry, store: &Store
         "SQL statements this process has sent to the database.",
         move || vec![(vec![], statements.statements_executed() as f64)],
     );
+}
+
+/// The end of a cell process's shutdown order, after the cell drained and HTTP stopped: stop
+/// the prober, join what has finished, close the signal listener.
+pub fn finish_process(
+    role: &str,
+    prober: Prober,
+    migrator: Option<std::thread::JoinHandle<()>>,
+    signals: std::thread::JoinHandle<()>,
+    shutdown: &crate::lifecycle::Shutdown,
+) {
+    drop(prober.stop);
+    crate::threads::join_logged("readiness", prober.handle);
+    // A migrator still retrying against a dead database is left to end with the process.
+    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
+        crate::threads::join_logged("migrator", migrator);
+    }
+    shutdown.close_signal_listener();
+    crate::threads::join_logged("signals", signals);
+    log::info!("orca_relay_shutdown_finished role={role}");
 }
