@@ -100,9 +100,21 @@ pub fn execute(command: Command) -> i32 {
         }
         Command::CheckConfig => match Config::from_env() {
             Ok(config) => {
+                // The CA file is read as a start would read it, before anything is printed.
+                let database_tls = match &config.database_tls {
+                    Some(tls) => match crate::store::tls::effective_setting(tls) {
+                        Ok(line) => line,
+                        Err(e) => {
+                            eprintln!("orca-relay: {e}");
+                            return 1;
+                        }
+                    },
+                    None => "none (SQLite)".to_string(),
+                };
                 for (name, value) in config.describe() {
                     println!("{name}={value}");
                 }
+                println!("effective database_tls: {database_tls}");
                 0
             }
             Err(e) => {

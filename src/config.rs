@@ -13,6 +13,9 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::database_tls::{self, DatabaseTls};
+use crate::service_token::ServiceTokens;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Combined,
@@ -125,14 +128,22 @@ pub struct Config {
     pub internal_url: String,
     pub director_urls: Vec<String>,
     pub database_url: Option<String>,
+    /// `DATABASE_URL`'s `sslmode` and `sslrootcert`, or `ORCA_RELAY_DATABASE_CA_FILE`
+    /// (validated here; the store reads the same URL again to connect). `None` on SQLite.
+    pub database_tls: Option<DatabaseTls>,
+    /// `ORCA_RELAY_DATABASE_CA_FILE`: the CA bundle when the URL names none.
+    pub database_ca_file: Option<PathBuf>,
     pub data_dir: PathBuf,
     pub pool_max: u32,
     pub pool_reserve_max: u32,
     pub jwks_url: Option<String>,
+    /// `ORCA_RELAY_JWKS_ALLOW_HTTP=1`: a `http://` JWKS URL is accepted (tests, local use).
+    pub jwks_allow_http: bool,
     pub auth_issuer: Option<String>,
     pub auth_audience: String,
     pub self_hosted_key: Option<String>,
-    pub service_token: Option<String>,
+    /// The comma list: the first is sent, any is accepted.
+    pub service_token: Option<ServiceTokens>,
     pub switch_file: PathBuf,
     pub connection_cap: u32,
     pub readiness_jwks_grace_ms: u64,
@@ -154,10 +165,12 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_INTERNAL_URL",
     "ORCA_RELAY_DIRECTOR_URLS",
     "DATABASE_URL",
+    "ORCA_RELAY_DATABASE_CA_FILE",
     "ORCA_RELAY_DATA_DIR",
     "ORCA_RELAY_DATABASE_POOL_MAX",
     "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX",
     "ORCA_RELAY_JWKS_URL",
+    "ORCA_RELAY_JWKS_ALLOW_HTTP",
     "ORCA_RELAY_AUTH_ISSUER",
     "ORCA_RELAY_AUTH_AUDIENCE",
     "ORCA_RELAY_SELF_HOSTED_KEY",
@@ -276,6 +289,63 @@ pub fn is_id(value: &str, max_len: usize) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A `0`/`1` switch; unset is `0`.
+fn parse_flag(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<bool, ConfigError> {
+    match get(lookup, name).as_deref() {
+        None | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(error(name, other, "0 or 1")),
+    }
+}
+
+/// The JWKS URL: `https://`, or `http://` only with `ORCA_RELAY_JWKS_ALLOW_HTTP=1` (desktop
+/// tokens are only as good as the keys they are checked against).
+fn parse_jwks_url(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    allow_http: bool,
+) -> Result<Option<String>, ConfigError> {
+    let name = "ORCA_RELAY_JWKS_URL";
+    if allow_http {
+        return parse_url(lookup, name, &["https", "http"]);
+    }
+    match parse_url(lookup, name, &["https"]) {
+        Ok(url) => Ok(url),
+        Err(mut refused) => {
+            if is_url_with_scheme(&refused.value, &["http"]) {
+                refused.expected = "an https:// URL (http:// only with \
+                                    ORCA_RELAY_JWKS_ALLOW_HTTP=1, for tests and local use)"
+                    .to_string();
+            }
+            Err(refused)
+        }
+    }
+}
+
+/// `DATABASE_URL`'s TLS parameters (see [`database_tls::parse`]), and the rest of the URL as the
+/// driver will read it. A refusal names the parameter, never the whole URL (it carries the
+/// password).
+fn parse_database_tls(
+    url: &str,
+    ca_file: Option<&std::path::Path>,
+) -> Result<DatabaseTls, ConfigError> {
+    let ca_file = ca_file.map(|path| path.display().to_string());
+    let (driver_url, tls) = database_tls::parse(url, ca_file.as_deref())
+        .map_err(|refused| error(refused.variable, &refused.value, refused.expected))?;
+    if let Err(refused) = driver_url.parse::<postgres::Config>() {
+        // The driver's own words name the option ("unknown option `x`"), never the password.
+        let says = match std::error::Error::source(&refused) {
+            Some(cause) => format!("{refused}: {cause}"),
+            None => refused.to_string(),
+        };
+        return Err(error(
+            "DATABASE_URL",
+            "<masked>",
+            format!("a postgres:// URL the driver accepts (it says: {says})"),
+        ));
+    }
+    Ok(tls)
+}
+
 impl Config {
     /// Reads the configuration from the process environment.
     pub fn from_env() -> Result<Config, ConfigError> {
@@ -328,7 +398,18 @@ impl Config {
                 urls
             }
         };
-        let database_url = parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"])?;
+        let database_url = parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"]).map_err(
+            |mut refused| {
+                // The URL carries the password: the error shows it masked.
+                refused.value = mask("DATABASE_URL", &refused.value);
+                refused
+            },
+        )?;
+        let database_ca_file = get(lookup, database_tls::CA_FILE_VARIABLE).map(PathBuf::from);
+        let database_tls = match &database_url {
+            Some(url) => Some(parse_database_tls(url, database_ca_file.as_deref())?),
+            None => None,
+        };
         let data_dir =
             PathBuf::from(get(lookup, "ORCA_RELAY_DATA_DIR").unwrap_or_else(|| "./data".into()));
         let default_pool = if role == Role::Director { 3 } else { 10 };
@@ -341,7 +422,8 @@ impl Config {
             1,
             pool_max as u64,
         )? as u32;
-        let jwks_url = parse_url(lookup, "ORCA_RELAY_JWKS_URL", &["http", "https"])?;
+        let jwks_allow_http = parse_flag(lookup, "ORCA_RELAY_JWKS_ALLOW_HTTP")?;
+        let jwks_url = parse_jwks_url(lookup, jwks_allow_http)?;
         let auth_issuer = get(lookup, "ORCA_RELAY_AUTH_ISSUER");
         if jwks_url.is_some() && auth_issuer.is_none() {
             return Err(error(
@@ -369,7 +451,13 @@ impl Config {
                 ));
             }
         }
-        let service_token = get(lookup, "ORCA_RELAY_SERVICE_TOKEN");
+        let service_token = match get(lookup, "ORCA_RELAY_SERVICE_TOKEN") {
+            None => None,
+            Some(raw) => Some(
+                ServiceTokens::parse(&raw)
+                    .map_err(|expected| error("ORCA_RELAY_SERVICE_TOKEN", "<masked>", expected))?,
+            ),
+        };
         if role != Role::Combined && service_token.is_none() {
             return Err(error(
                 "ORCA_RELAY_SERVICE_TOKEN",
@@ -461,10 +549,13 @@ impl Config {
             internal_url,
             director_urls,
             database_url,
+            database_tls,
+            database_ca_file,
             data_dir,
             pool_max,
             pool_reserve_max,
             jwks_url,
+            jwks_allow_http,
             auth_issuer,
             auth_audience,
             self_hosted_key,
@@ -502,6 +593,13 @@ impl Config {
         out.insert("ORCA_RELAY_INTERNAL_URL", self.internal_url.clone());
         out.insert("ORCA_RELAY_DIRECTOR_URLS", self.director_urls.join(","));
         out.insert("DATABASE_URL", opt(&self.database_url));
+        out.insert(
+            database_tls::CA_FILE_VARIABLE,
+            opt(&self
+                .database_ca_file
+                .as_ref()
+                .map(|path| path.display().to_string())),
+        );
         out.insert("ORCA_RELAY_DATA_DIR", self.data_dir.display().to_string());
         out.insert("ORCA_RELAY_DATABASE_POOL_MAX", self.pool_max.to_string());
         out.insert(
@@ -509,10 +607,21 @@ impl Config {
             self.pool_reserve_max.to_string(),
         );
         out.insert("ORCA_RELAY_JWKS_URL", opt(&self.jwks_url));
+        out.insert(
+            "ORCA_RELAY_JWKS_ALLOW_HTTP",
+            if self.jwks_allow_http { "1" } else { "0" }.to_string(),
+        );
         out.insert("ORCA_RELAY_AUTH_ISSUER", opt(&self.auth_issuer));
         out.insert("ORCA_RELAY_AUTH_AUDIENCE", self.auth_audience.clone());
         out.insert("ORCA_RELAY_SELF_HOSTED_KEY", opt(&self.self_hosted_key));
-        out.insert("ORCA_RELAY_SERVICE_TOKEN", opt(&self.service_token));
+        out.insert(
+            "ORCA_RELAY_SERVICE_TOKEN",
+            // One `***` per token, so a rotation in progress shows as `***,***`.
+            opt(&self
+                .service_token
+                .as_ref()
+                .map(|tokens| vec!["***"; tokens.len()].join(","))),
+        );
         out.insert(
             "ORCA_RELAY_SWITCH_FILE",
             self.switch_file.display().to_string(),
@@ -566,7 +675,7 @@ impl Config {
         }
         for secret in SECRET_VARIABLES {
             if let Some(value) = out.get_mut(secret) {
-                if value != "(unset)" {
+                if value != "(unset)" && !value.starts_with("***") {
                     *value = mask(secret, value);
                 }
             }
@@ -724,11 +833,115 @@ mod tests {
         let config = parse(&[
             ("ORCA_RELAY_ROLE", "director"),
             ("ORCA_RELAY_SERVICE_TOKEN", "s"),
-            ("ORCA_RELAY_JWKS_URL", "http://127.0.0.1:9/jwks"),
+            ("ORCA_RELAY_JWKS_URL", "https://127.0.0.1:9/jwks"),
             ("ORCA_RELAY_AUTH_ISSUER", "https://auth"),
         ])
         .unwrap();
         assert_eq!(config.pool_max, 3, "directors default to a pool of 3");
+    }
+
+    #[test]
+    fn a_plain_http_jwks_url_needs_the_explicit_allowance() {
+        let jwks = [
+            ("ORCA_RELAY_JWKS_URL", "http://auth.internal/jwks.json"),
+            ("ORCA_RELAY_AUTH_ISSUER", "https://auth"),
+        ];
+        let err = parse(&jwks).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_JWKS_URL");
+        let line = err.to_string();
+        assert!(line.contains("https://"), "{line}");
+        assert!(line.contains("ORCA_RELAY_JWKS_ALLOW_HTTP=1"), "{line}");
+        let mut pairs = jwks.to_vec();
+        pairs.push(("ORCA_RELAY_JWKS_ALLOW_HTTP", "1"));
+        let config = parse(&pairs).unwrap();
+        assert_eq!(
+            config.jwks_url.as_deref(),
+            Some("http://auth.internal/jwks.json")
+        );
+        assert!(config.jwks_allow_http);
+        for refused in ["0", ""] {
+            let mut pairs = jwks.to_vec();
+            pairs.push(("ORCA_RELAY_JWKS_ALLOW_HTTP", refused));
+            assert_eq!(
+                parse(&pairs).unwrap_err().variable,
+                "ORCA_RELAY_JWKS_URL",
+                "ALLOW_HTTP={refused:?}"
+            );
+        }
+        let err = parse(&[("ORCA_RELAY_JWKS_ALLOW_HTTP", "yes")]).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_JWKS_ALLOW_HTTP");
+        assert!(err.to_string().contains("0 or 1"));
+        // https needs nothing, and another scheme is refused as before.
+        let config = parse(&[
+            ("ORCA_RELAY_JWKS_URL", "https://auth/jwks.json"),
+            ("ORCA_RELAY_AUTH_ISSUER", "https://auth"),
+        ])
+        .unwrap();
+        assert!(!config.jwks_allow_http);
+        let err = parse(&[("ORCA_RELAY_JWKS_URL", "ftp://auth/jwks.json")]).unwrap_err();
+        assert!(err.to_string().contains("https"), "{err}");
+    }
+
+    #[test]
+    fn database_tls_is_validated_with_one_line_that_hides_the_password() {
+        let config = parse(&[(
+            "DATABASE_URL",
+            "postgres://relay:hunter2@db:5432/relay?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+        )])
+        .unwrap();
+        let tls = config
+            .database_tls
+            .expect("a PostgreSQL URL has a TLS setting");
+        assert_eq!(tls.mode, crate::database_tls::SslMode::VerifyFull);
+        let config = parse(&[("DATABASE_URL", "postgres://db/relay")]).unwrap();
+        assert_eq!(
+            config.database_tls.map(|tls| tls.mode),
+            Some(crate::database_tls::SslMode::Prefer),
+            "prefer by default, as libpq"
+        );
+        assert_eq!(parse(&[]).unwrap().database_tls, None, "SQLite has none");
+        let config = parse(&[
+            ("DATABASE_URL", "postgres://db/relay?sslmode=verify-ca"),
+            ("ORCA_RELAY_DATABASE_CA_FILE", "/etc/orca-relay/db-ca.pem"),
+        ])
+        .unwrap();
+        assert_eq!(
+            config.database_ca_file,
+            Some(PathBuf::from("/etc/orca-relay/db-ca.pem"))
+        );
+        for (url, needle) in [
+            (
+                "postgres://relay:hunter2@db/relay?sslmode=verify",
+                "DATABASE_URL=\"sslmode=verify\": expected sslmode to be one of disable, prefer, require, verify-ca, verify-full",
+            ),
+            (
+                "postgres://relay:hunter2@db/relay?sslmode=verify-full",
+                "ORCA_RELAY_DATABASE_CA_FILE",
+            ),
+            ("postgres://relay:hunter2@db/relay?frobnicate=1", "frobnicate"),
+            ("mysql://relay:hunter2@db/relay", "postgres"),
+        ] {
+            let err = parse(&[("DATABASE_URL", url)]).unwrap_err();
+            assert_eq!(err.variable, "DATABASE_URL", "{url}");
+            let line = err.to_string();
+            assert!(line.contains(needle), "{url}: {line}");
+            assert!(!line.contains("hunter2"), "{url}: {line}");
+            assert!(!line.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn the_service_token_is_a_comma_list() {
+        let config = parse(&[("ORCA_RELAY_SERVICE_TOKEN", "new-token, old-token")]).unwrap();
+        let tokens = config.service_token.clone().unwrap();
+        assert_eq!(tokens.sent(), "new-token");
+        assert!(tokens.accepts(Some("Bearer old-token")));
+        assert_eq!(config.describe()["ORCA_RELAY_SERVICE_TOKEN"], "***,***");
+        let config = parse(&[("ORCA_RELAY_SERVICE_TOKEN", "only")]).unwrap();
+        assert_eq!(config.describe()["ORCA_RELAY_SERVICE_TOKEN"], "***");
+        let err = parse(&[("ORCA_RELAY_SERVICE_TOKEN", "new-token,,old-token")]).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_SERVICE_TOKEN");
+        assert!(!err.to_string().contains("new-token"), "{err}");
     }
 
     #[test]

@@ -7,9 +7,11 @@
 pub mod budget;
 pub mod clock;
 pub mod config;
+pub mod database_tls;
 pub mod logging;
 pub mod metrics;
 pub mod protocol;
+pub mod service_token;
 pub mod threads;
 
 // Floor 2: the only SQL, token checks, HTTP plumbing, process lifecycle.

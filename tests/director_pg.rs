@@ -397,6 +397,8 @@ impl Director {
             .env("DATABASE_URL", database_url)
             .env("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN)
             .env("ORCA_RELAY_JWKS_URL", &jwks.url)
+            // The test JWKS server speaks plain HTTP on loopback.
+            .env("ORCA_RELAY_JWKS_ALLOW_HTTP", "1")
             .env("ORCA_RELAY_AUTH_ISSUER", ISSUER)
             .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
             .env("ORCA_RELAY_DATA_DIR", &data_dir.0)

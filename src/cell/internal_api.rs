@@ -26,6 +26,7 @@ use crate::clock::SharedClock;
 use crate::config::is_id;
 use crate::http::{self, BodyError, Reply};
 use crate::metrics::{Counter, Registry};
+use crate::service_token::ServiceTokens;
 
 /// Largest reserve body (SPEC §5.4).
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -62,7 +63,8 @@ pub type StatusFn = Arc<dyn Fn() -> CellStatus + Send + Sync>;
 
 /// Everything the internal API is built from.
 pub struct InternalApiParts {
-    pub service_token: String,
+    /// `ORCA_RELAY_SERVICE_TOKEN`: any token of the list is accepted.
+    pub service_tokens: ServiceTokens,
     pub cell_id: String,
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
@@ -153,7 +155,7 @@ impl InternalApi {
         if path != RESERVE_PATH && path != SEATS_PATH {
             return None;
         }
-        if !http::bearer_matches(request.authorization, &self.parts.service_token) {
+        if !self.parts.service_tokens.accepts(request.authorization) {
             self.metrics.unauthorized.inc();
             log::warn!(
                 "orca_relay_cell_internal_unauthorized path={path} token={}",
@@ -394,7 +396,7 @@ mod tests {
             };
             let api = Arc::new(InternalApi::new(
                 InternalApiParts {
-                    service_token: TOKEN.into(),
+                    service_tokens: ServiceTokens::single(TOKEN),
                     cell_id: "c7".into(),
                     bookings: bookings.clone(),
                     seats: seats.clone(),

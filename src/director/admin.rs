@@ -25,8 +25,9 @@ use serde_json::json;
 
 use crate::clock::SharedClock;
 use crate::config::is_id;
-use crate::http::{self, BodyError, Reply, Request};
+use crate::http::{BodyError, Reply, Request};
 use crate::metrics::Registry;
+use crate::service_token::ServiceTokens;
 use crate::store::{HeartbeatOutcome, Store, StoreError, MODE_DB, MODE_RESERVE};
 
 /// Largest admin body (SPEC §5.4, the same limit as the cell's internal API).
@@ -76,7 +77,8 @@ struct AdmitModeBody {
 pub struct AdminContext {
     store: Store,
     clock: SharedClock,
-    service_token: String,
+    /// `ORCA_RELAY_SERVICE_TOKEN`: any token of the list is accepted.
+    service_tokens: ServiceTokens,
     registry: Registry,
     /// Cells known to be registered, with the incarnation seen: spares a heartbeat the
     /// existence check. Filled by registrations and by the first heartbeat of each cell.
@@ -146,13 +148,13 @@ impl AdminContext {
     pub fn new(
         store: Store,
         clock: SharedClock,
-        service_token: String,
+        service_tokens: ServiceTokens,
         registry: &Registry,
     ) -> AdminContext {
         AdminContext {
             store,
             clock,
-            service_token,
+            service_tokens,
             registry: registry.clone(),
             known: Mutex::new(HashMap::new()),
         }
@@ -186,7 +188,7 @@ impl AdminContext {
     }
 
     fn route(&self, request: &mut Request<'_>) -> Reply {
-        if !http::bearer_matches(request.authorization, &self.service_token) {
+        if !self.service_tokens.accepts(request.authorization) {
             log::warn!(
                 "orca_relay_director_admin_unauthorized path={} token={}",
                 request.path,

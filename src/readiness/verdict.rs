@@ -36,6 +36,8 @@ pub mod reason {
     pub const SQL_FAILED: &str = "sql_failed";
     /// `SELECT 1` did not finish within its timeout.
     pub const SQL_TIMED_OUT: &str = "sql_timed_out";
+    /// The database refused the connection at the TLS layer (`orca_relay_store_tls_failed`).
+    pub const SQL_TLS_FAILED: &str = "sql_tls_failed";
     /// `SELECT 1` answers but this process's migrations have not been applied yet.
     pub const SQL_MIGRATIONS_PENDING: &str = "sql_migrations_pending";
     /// The JWKS probe closure panicked; the prober caught it and kept running.

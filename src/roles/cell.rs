@@ -36,7 +36,7 @@ use crate::relay::{self, Phase, RelayContext};
 use crate::store::Store;
 use crate::threads;
 
-use super::RunError;
+use super::{sent_token, RunError};
 
 /// Everything a cell needs from its role.
 pub struct CellSetup<'a> {
@@ -232,10 +232,10 @@ impl CellRuntime {
             })
         };
 
-        let internal = config.service_token.clone().map(|service_token| {
+        let internal = config.service_token.clone().map(|service_tokens| {
             InternalApi::new(
                 InternalApiParts {
-                    service_token,
+                    service_tokens,
                     cell_id: config.cell_id.clone(),
                     bookings: context.bookings.clone(),
                     seats: context.seats.clone(),
@@ -528,7 +528,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         incarnation,
         heartbeat: Sink::Directors {
             urls: config.director_urls.clone(),
-            service_token: config.service_token.clone().unwrap_or_default(),
+            service_token: sent_token(&config),
         },
     })?);
     let handler = {
@@ -570,7 +570,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let report = register_with_directors_observed(
         &config.director_urls,
         &request,
-        config.service_token.as_deref().unwrap_or_default(),
+        &sent_token(&config),
         &budget,
         clock.as_ref(),
         &crate::clock::sleep,

@@ -35,6 +35,7 @@ use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
 use crate::http::{HttpServer, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
+use crate::service_token::ServiceTokens;
 use crate::store::Store;
 use crate::threads;
 
@@ -62,9 +63,10 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::raise_fd_limit();
     if config.service_token.is_none() {
-        config.service_token = Some(in_process_token()?);
+        config.service_token = Some(ServiceTokens::single(in_process_token()?));
     }
-    let service_token = config.service_token.clone().unwrap_or_default();
+    // The token this process sends (its own internal API accepts the whole list).
+    let service_token = super::sent_token(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
 

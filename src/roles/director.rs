@@ -43,11 +43,16 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let incarnation = clock.now_ms() as i64;
     let director_id = format!("director-{incarnation}");
     let registry = Registry::new();
-    let service_token = config.service_token.clone().ok_or_else(|| {
+    let service_tokens = config.service_token.clone().ok_or_else(|| {
         RunError("ORCA_RELAY_SERVICE_TOKEN is required for the director role".into())
     })?;
+    // Calls to cells carry the first token; the admin API accepts any of them.
+    let service_token = service_tokens.sent().to_string();
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
+    // One connection now, so a database that refuses our TLS stops start-up with the cause
+    // (`super::stop_on_tls_failure`); a database that is down is left to the migrator.
+    super::stop_on_tls_failure(&store.ping())?;
 
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
@@ -115,7 +120,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
             Placement::Fleet(fleet),
             &registry,
         ),
-        admin: AdminContext::new(store.clone(), clock.clone(), service_token, &registry),
+        admin: AdminContext::new(store.clone(), clock.clone(), service_tokens, &registry),
         readiness: readiness.clone(),
         registry: registry.clone(),
         clock: clock.clone(),

@@ -52,9 +52,27 @@ pub fn open_store(config: &Config) -> Result<Store, RunError> {
 /// Applies migrations: `orca-relay migrate`.
 pub fn migrate(config: &Config) -> Result<(), RunError> {
     let store = open_store(config)?;
-    store
-        .migrate()
-        .map_err(|e| RunError(format!("migration failed: {e}")))
+    let migrated = store.migrate();
+    stop_on_tls_failure(&migrated)?;
+    migrated.map_err(|e| RunError(format!("migration failed: {e}")))
+}
+
+/// Ends start-up when the database refused the connection at the TLS layer: an unknown CA, a
+/// certificate for another host, a server without TLS under `require`, TLS required under
+/// `disable`. Those are configuration mistakes, not an outage, so the error line
+/// (`orca_relay_store_tls_failed cause=…`) goes to `systemctl status` instead of a process that
+/// waits unready forever. Any other failure passes: a database that is down at boot is
+/// retried in the background (SPEC §7).
+pub fn stop_on_tls_failure<T>(
+    result: &Result<T, crate::store::StoreError>,
+) -> Result<(), RunError> {
+    match result {
+        Err(error) => match error.tls_failure() {
+            Some(line) => Err(RunError(format!("cannot connect to the database: {line}"))),
+            None => Ok(()),
+        },
+        Ok(_) => Ok(()),
+    }
 }
 
 /// The desktop-token verifier of a role: JWKS when configured; otherwise (combined only) the
@@ -91,6 +109,17 @@ pub fn verifier(config: &Config, clock: &SharedClock) -> Result<Verifier, RunErr
         config.auth_audience.clone(),
         clock.clone(),
     ))
+}
+
+/// The service token this process sends on director↔cell calls: the first of
+/// `ORCA_RELAY_SERVICE_TOKEN`'s list (`""` when unset; config refuses that for cells and
+/// directors, and the combined role generates one).
+pub fn sent_token(config: &Config) -> String {
+    config
+        .service_token
+        .as_ref()
+        .map(|tokens| tokens.sent().to_string())
+        .unwrap_or_default()
 }
 
 /// Binds a listener, naming the variable on failure.
@@ -173,7 +202,9 @@ pub fn migrate_in_background(
 ) -> Result<(Migrated, Option<std::thread::JoinHandle<()>>), RunError> {
     use std::sync::atomic::Ordering;
     let migrated = Migrated::default();
-    let first = match store.migrate() {
+    let first = store.migrate();
+    stop_on_tls_failure(&first)?;
+    let first = match first {
         Ok(()) => after(),
         Err(e) if !e.is_unavailable() => {
             return Err(RunError(format!("migration failed: {e}")));

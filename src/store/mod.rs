@@ -16,6 +16,7 @@ pub mod claim;
 pub mod pool;
 mod postgres;
 mod sqlite;
+pub mod tls;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -28,8 +29,11 @@ use crate::config::{Config, Role};
 /// How to reach the database and how to size the pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreConfig {
-    /// `postgres://…`; `None` means SQLite at `sqlite_path`.
+    /// `postgres://…`; `None` means SQLite at `sqlite_path`. Its `sslmode` and `sslrootcert`
+    /// choose the TLS setting (`crate::database_tls`).
     pub database_url: Option<String>,
+    /// `ORCA_RELAY_DATABASE_CA_FILE`: the CA bundle when the URL names none.
+    pub database_ca_file: Option<PathBuf>,
     pub sqlite_path: PathBuf,
     pub pool_max: u32,
     /// The initial ceiling (see [`Store::set_pool_ceiling`]); clamped to `1..=pool_max`.
@@ -48,6 +52,7 @@ impl StoreConfig {
     pub fn new(database_url: Option<String>, sqlite_path: PathBuf) -> Self {
         StoreConfig {
             database_url,
+            database_ca_file: None,
             sqlite_path,
             pool_max: 10,
             pool_ceiling: 10,
@@ -70,6 +75,7 @@ impl StoreConfig {
             pool_max: config.pool_max,
             pool_ceiling: ceiling,
             application_name: config.application_name(),
+            database_ca_file: config.database_ca_file.clone(),
             ..StoreConfig::new(
                 config.database_url.clone(),
                 config.data_dir.join("relay.db"),
@@ -99,15 +105,19 @@ pub enum StoreError {
 /// them, so the two stay in step.
 const POOL_EXHAUSTED: &str = "database pool exhausted";
 const TIMED_OUT: &str = "database statement timed out";
+/// The event name of a TLS failure (`store::tls`); the message is the whole log line.
+const TLS_FAILED: &str = "orca_relay_store_tls_failed ";
 
 impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable(_))
     }
 
-    /// `sql_pool_exhausted`, `sql_timed_out` or `sql_failed`, for logs, metrics and `/ready`.
+    /// `sql_pool_exhausted`, `sql_timed_out`, `sql_tls_failed` or `sql_failed`, for logs,
+    /// metrics and `/ready`.
     pub fn reason_code(&self) -> &'static str {
         match self {
+            StoreError::Unavailable(message) if message.starts_with(TLS_FAILED) => "sql_tls_failed",
             StoreError::Unavailable(message) if message.starts_with(POOL_EXHAUSTED) => {
                 "sql_pool_exhausted"
             }
@@ -121,6 +131,24 @@ impl StoreError {
             "{POOL_EXHAUSTED}: no connection free within {} ms ({open} open)",
             waited.as_millis()
         ))
+    }
+
+    /// The `orca_relay_store_tls_failed cause=…` line when the connection failed at the TLS
+    /// layer (unknown CA, host name mismatch, a server without TLS under `require`, …): a
+    /// configuration problem, which start-up reports and stops on (`roles`).
+    pub fn tls_failure(&self) -> Option<&str> {
+        match self {
+            StoreError::Unavailable(message) if message.starts_with(TLS_FAILED) => Some(message),
+            _ => None,
+        }
+    }
+
+    /// A connection refused at the TLS layer; `line` is the whole `orca_relay_store_tls_failed`
+    /// event. Unavailable: a running process retries it like an outage (the server's
+    /// certificate may be rotated back), and `/ready` rides it out within the SQL grace.
+    pub(crate) fn tls_failed(line: String) -> Self {
+        debug_assert!(line.starts_with(TLS_FAILED));
+        StoreError::Unavailable(line)
     }
 
     pub(crate) fn timed_out(context: &str) -> Self {
@@ -528,6 +556,16 @@ mod tests {
         assert!(timed_out.is_unavailable());
         let refused = StoreError::Unavailable("connect refused".into());
         assert_eq!(refused.reason_code(), "sql_failed");
+        let tls = StoreError::tls_failed(
+            "orca_relay_store_tls_failed cause=unknown_ca sslmode=verify-full".into(),
+        );
+        assert_eq!(tls.reason_code(), "sql_tls_failed");
+        assert!(tls.is_unavailable(), "a running process retries it");
+        assert_eq!(
+            tls.tls_failure(),
+            Some("orca_relay_store_tls_failed cause=unknown_ca sslmode=verify-full")
+        );
+        assert_eq!(refused.tls_failure(), None);
         let query = StoreError::Query("syntax".into());
         assert_eq!(query.reason_code(), "sql_failed");
         assert!(!query.is_unavailable());

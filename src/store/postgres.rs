@@ -4,7 +4,9 @@
 //! Runs on the calling thread with a pooled `postgres::Client`. Each connection carries the
 //! configured `application_name` (so an operator can count a process's share of
 //! `max_connections` in `pg_stat_activity`), a connect timeout, and a server-side
-//! `statement_timeout` set through the startup `options`.
+//! `statement_timeout` set through the startup `options`. TLS follows `DATABASE_URL`'s
+//! `sslmode` and `sslrootcert` (or `ORCA_RELAY_DATABASE_CA_FILE`) through [`super::tls`]; a
+//! connection refused at the TLS layer is the `orca_relay_store_tls_failed` error.
 //!
 //! Must never: keep a connection that errored (it is discarded, and after a connection-level
 //! failure every idle one is too, since they most likely point at the same dead server), or put
@@ -19,11 +21,13 @@ use postgres::{Client, GenericClient, NoTls, Row};
 
 use super::claim::{self, ClaimRequest};
 use super::pool::{Connector, Pool, PoolCounts};
+use super::tls::DatabaseTlsConnector;
 use super::{
     AdmitEffective, Assignment, CellRow, CellRuntime, ClaimOutcome, Heartbeat, HeartbeatOutcome,
     LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError,
 };
 use crate::clock;
+use crate::database_tls::SslMode;
 
 /// The migrations, in order, embedded at build time.
 const MIGRATIONS: &[(i64, &str)] = &[
@@ -80,18 +84,30 @@ fn query(
     client.query(sql, params)
 }
 
-/// Opens connections with the relay's session settings.
+/// Opens connections with the relay's session settings, over TLS as `sslmode` says.
 pub(super) struct PgConnector {
     config: postgres::Config,
+    tls: DatabaseTlsConnector,
 }
 
 impl Connector for PgConnector {
     type Conn = Client;
 
     fn connect(&self) -> Result<Client, StoreError> {
-        self.config
-            .connect(NoTls)
-            .map_err(|error| StoreError::Unavailable(format!("connect failed: {error}")))
+        let connected = match &self.tls.make {
+            Some(make) => self.config.connect(make.clone()),
+            None => self.config.connect(NoTls),
+        };
+        match connected {
+            Ok(client) => {
+                self.tls.connected();
+                Ok(client)
+            }
+            Err(error) => Err(self
+                .tls
+                .failure(&error)
+                .unwrap_or_else(|| StoreError::Unavailable(format!("connect failed: {error}")))),
+        }
     }
 
     fn is_usable(&self, conn: &Client) -> bool {
@@ -138,7 +154,20 @@ pub(super) fn store_error(error: &postgres::Error, context: &str) -> StoreError 
 
 impl PgStore {
     pub(super) fn open(url: &str, config: &StoreConfig) -> Result<PgStore, StoreError> {
-        let mut pg: postgres::Config = url.parse().map_err(|_| {
+        // `sslmode` and `sslrootcert` are ours (the driver knows neither verify-* nor the root
+        // certificate); the rest of the URL is the driver's. Config validated both already.
+        let ca_file = config
+            .database_ca_file
+            .as_ref()
+            .map(|path| path.display().to_string());
+        let (driver_url, tls) =
+            crate::database_tls::parse(url, ca_file.as_deref()).map_err(|refused| {
+                StoreError::Query(format!(
+                    "invalid {} {}: expected {}",
+                    refused.variable, refused.value, refused.expected
+                ))
+            })?;
+        let mut pg: postgres::Config = driver_url.parse().map_err(|_| {
             StoreError::Query("DATABASE_URL is not a valid postgres connection string".into())
         })?;
         // Every statement runs under a server-side timeout (SPEC §6.1); keep any options the
@@ -159,8 +188,26 @@ impl PgStore {
         pg.options(&options)
             .application_name(&config.application_name)
             .connect_timeout(Duration::from_millis(config.connect_timeout_ms.max(1)))
-            .tcp_user_timeout(Duration::from_millis(tcp_user_timeout.max(1)));
-        let pool = Pool::new(PgConnector { config: pg }, config.pool_max);
+            .tcp_user_timeout(Duration::from_millis(tcp_user_timeout.max(1)))
+            .ssl_mode(match tls.mode {
+                SslMode::Disable => postgres::config::SslMode::Disable,
+                SslMode::Prefer => postgres::config::SslMode::Prefer,
+                SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                    postgres::config::SslMode::Require
+                }
+            });
+        let host = match pg.get_hosts().first() {
+            Some(postgres::config::Host::Tcp(host)) => host.clone(),
+            Some(postgres::config::Host::Unix(path)) => path.display().to_string(),
+            None => "localhost".to_string(),
+        };
+        let tls_connector = DatabaseTlsConnector::new(&tls, host)?;
+        log::info!("orca_relay_store_tls {}", tls.summary());
+        let connector = PgConnector {
+            config: pg,
+            tls: tls_connector,
+        };
+        let pool = Pool::new(connector, config.pool_max);
         pool.set_ceiling(config.pool_ceiling);
         Ok(PgStore {
             pool,

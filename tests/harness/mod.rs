@@ -114,7 +114,9 @@ impl Relay {
             .env("RUST_LOG", "info")
             .env("ORCA_RELAY_WS_ADDR", "127.0.0.1:0")
             .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
-            .env("ORCA_RELAY_DATA_DIR", &data_dir.0);
+            .env("ORCA_RELAY_DATA_DIR", &data_dir.0)
+            // The test JWKS servers speak plain HTTP on loopback.
+            .env("ORCA_RELAY_JWKS_ALLOW_HTTP", "1");
         let combined = env
             .iter()
             .all(|(name, value)| *name != "ORCA_RELAY_ROLE" || *value == "combined");
