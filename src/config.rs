@@ -616,11 +616,7 @@ impl Config {
         out.insert("ORCA_RELAY_SELF_HOSTED_KEY", opt(&self.self_hosted_key));
         out.insert(
             "ORCA_RELAY_SERVICE_TOKEN",
-            // One `***` per token, so a rotation in progress shows as `***,***`.
-            opt(&self
-                .service_token
-                .as_ref()
-                .map(|tokens| vec!["***"; tokens.len()].join(","))),
+            opt(&self.service_token.as_ref().map(|_| "***".to_string())),
         );
         out.insert(
             "ORCA_RELAY_SWITCH_FILE",
@@ -675,10 +671,18 @@ impl Config {
         }
         for secret in SECRET_VARIABLES {
             if let Some(value) = out.get_mut(secret) {
-                if value != "(unset)" && !value.starts_with("***") {
+                if value != "(unset)" {
                     *value = mask(secret, value);
                 }
             }
+        }
+        // Masked above; shown once more as one `***` per token, so a rotation in progress
+        // reads `***,***`.
+        if let Some(tokens) = &self.service_token {
+            out.insert(
+                "ORCA_RELAY_SERVICE_TOKEN",
+                vec!["***"; tokens.len()].join(","),
+            );
         }
         out
     }
