@@ -7,6 +7,7 @@
 pub mod budget;
 pub mod clock;
 pub mod config;
+pub mod local_file;
 pub mod logging;
 pub mod metrics;
 pub mod protocol;
