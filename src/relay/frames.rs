@@ -232,9 +232,6 @@ impl FrameParser {
                 if !fin {
                     return Err(Violation::FragmentedControl);
                 }
-                if usize::from(short_length) > MAX_CONTROL_PAYLOAD {
-                    return Err(Violation::ControlTooLong);
-                }
             }
         }
         let (extended, length) = match short_length {
@@ -256,7 +253,13 @@ impl FrameParser {
             },
             short => (0, u64::from(short)),
         };
-        // Both checks before any payload is read: an oversized frame is refused from its header.
+        // The decoded length counts, not the 7-bit field: a small control payload may be
+        // encoded in 16 or 64 bits (not the shortest form, accepted as for data frames).
+        let control = !matches!(kind, FrameKind::Data(_));
+        if control && length > MAX_CONTROL_PAYLOAD as u64 {
+            return Err(Violation::ControlTooLong);
+        }
+        // Size checks before any payload is read: an oversized frame is refused from its header.
         let length = match usize::try_from(length) {
             Ok(length) if length <= self.max_message => length,
             _ => return Err(Violation::FrameTooLarge),
@@ -422,6 +425,8 @@ mod tests {
         stream.extend(frame(0x82, &[1, 2, 3]));
         stream.extend(frame(0x01, b"frag"));
         stream.extend(frame(0x89, b"ping between fragments"));
+        // A 2-byte ping with its length in 16 bits: not the shortest form, still legal.
+        stream.extend([0x89, 0xfe, 0, 2, 0, 0, 0, 0, b'h', b'i']);
         stream.extend(frame(0x00, b"men"));
         stream.extend(frame(0x8a, b""));
         stream.extend(frame(0x80, b"ted"));
@@ -434,6 +439,7 @@ mod tests {
             (FrameKind::Data(Data::Binary), true, vec![1, 2, 3]),
             (FrameKind::Data(Data::Text), false, b"frag".to_vec()),
             (FrameKind::Ping, true, b"ping between fragments".to_vec()),
+            (FrameKind::Ping, true, b"hi".to_vec()),
             (FrameKind::Data(Data::Continue), false, b"men".to_vec()),
             (FrameKind::Pong, true, Vec::new()),
             (FrameKind::Data(Data::Continue), true, b"ted".to_vec()),
