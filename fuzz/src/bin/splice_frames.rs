@@ -22,7 +22,12 @@ fn parse(stream: &[u8], step: usize) -> (Vec<String>, Option<String>) {
                     break;
                 }
                 Parsed::Frame(frame) => {
-                    frames.push(format!("{:?} {} {:?}", frame.kind, frame.fin, &buffer[frame.payload()]));
+                    frames.push(format!(
+                        "{:?} {} {:?}",
+                        frame.kind,
+                        frame.fin,
+                        &buffer[frame.payload()]
+                    ));
                     buffer.drain(..frame.wire_len());
                 }
                 Parsed::Violation(violation) => return (frames, Some(format!("{violation:?}"))),
