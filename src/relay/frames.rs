@@ -398,7 +398,13 @@ mod tests {
     fn refused(stream: &[u8]) -> Violation {
         match check(stream) {
             (_, Some(violation)) => violation,
-            (frames, None) => panic!("accepted: {frames:?}"),
+            (frames, None) => panic!(
+                "accepted: {:?}",
+                frames
+                    .iter()
+                    .map(|(kind, fin, payload)| (*kind, *fin, payload.len()))
+                    .collect::<Vec<_>>()
+            ),
         }
     }
 
@@ -514,6 +520,16 @@ mod tests {
             (
                 "message over the limit in fragments",
                 [frame(0x02, &[0; MAX / 2]), frame(0x80, &[0; MAX / 2 + 1])].concat(),
+                Violation::MessageTooLarge,
+            ),
+            (
+                "message over the limit in three fragments",
+                [
+                    frame(0x01, &[b'a'; 400]),
+                    frame(0x00, &[b'b'; 400]),
+                    frame(0x80, &[b'c'; 201]),
+                ]
+                .concat(),
                 Violation::MessageTooLarge,
             ),
             (
