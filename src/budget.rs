@@ -237,10 +237,14 @@ pub struct Plan {
 
 /// What `orca-relay budget FILE` prints: reads, parses, plans and renders one fleet file.
 pub fn run_file(path: &Path) -> Result<String, BudgetError> {
-    let text = std::fs::read_to_string(path).map_err(|e| BudgetError::Read {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    // A regular file of at most 64 KiB: a fleet is a few dozen lines, and a FIFO or a device
+    // named by mistake must not hang or exhaust the tool.
+    let text =
+        crate::local_file::read_bounded_to_string(path, crate::local_file::MAX_LOCAL_FILE_BYTES)
+            .map_err(|e| BudgetError::Read {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
     let format = match path.extension().and_then(|e| e.to_str()) {
         Some(ext) if ext.eq_ignore_ascii_case("json") => Some(Format::Json),
         Some(ext) if ext.eq_ignore_ascii_case("toml") => Some(Format::Toml),

@@ -202,8 +202,7 @@ fn host_options(config: &Config, flags: &[(String, String)]) -> Result<HostOptio
                 Some(secret) => secret.clone(),
                 None => {
                     let path = config.data_dir.join(crate::auth::SELF_HOSTED_KEY_FILE);
-                    std::fs::read_to_string(&path)
-                        .map(|s| s.trim().to_string())
+                    crate::auth::read_self_hosted_key(&path)
                         .map_err(|e| {
                             format!(
                                 "no --token and cannot read the self-hosted key {}: {e} (start the combined role first)",

@@ -8,6 +8,7 @@ pub mod budget;
 pub mod clock;
 pub mod config;
 pub mod database_tls;
+pub mod local_file;
 pub mod logging;
 pub mod metrics;
 pub mod protocol;

@@ -413,7 +413,7 @@ pub fn raise_fd_limit() -> io::Result<(u64, u64)> {
 }
 
 fn kernel_nr_open() -> Option<u64> {
-    std::fs::read_to_string("/proc/sys/fs/nr_open")
+    crate::local_file::read_bounded_to_string(std::path::Path::new("/proc/sys/fs/nr_open"), 64)
         .ok()?
         .trim()
         .parse()

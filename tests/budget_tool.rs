@@ -406,6 +406,33 @@ fn unreadable_and_malformed_files_name_the_file() {
     let _ = std::fs::remove_file(path);
 }
 
+#[test]
+fn a_fleet_path_that_is_no_small_regular_file_is_refused_without_reading_it() {
+    let dir = temp_file("dir", "");
+    std::fs::remove_file(&dir).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    let zero = dir.join("zero.json");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let fifo = dir.join("fifo.json");
+    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates a node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let big = dir.join("big.json");
+    std::fs::write(&big, vec![b' '; 65 * 1024]).unwrap();
+    // Before: /dev/zero grew the tool without end, the FIFO blocked it for good.
+    for (path, says) in [
+        (&zero, "not a regular file but a character_device"),
+        (&fifo, "not a regular file but a fifo"),
+        (&dir, "not a regular file but a directory"),
+        (&big, "too large (66560 bytes, at most 65536)"),
+    ] {
+        let err = budget::run_file(path).unwrap_err();
+        assert!(matches!(err, BudgetError::Read { .. }), "{err:?}");
+        assert!(err.to_string().ends_with(says), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn temp_file(extension: &str, text: &str) -> PathBuf {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let path = std::env::temp_dir().join(format!(

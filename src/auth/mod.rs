@@ -25,6 +25,7 @@ use base64::Engine;
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header};
 
 use crate::clock::{Clock, SharedClock};
+use crate::local_file::{self, LocalFileError, MAX_LOCAL_FILE_BYTES};
 
 pub use jwks::{
     JWKS_BAD_BODY, JWKS_HTTP_FAILED, JWKS_TIMED_OUT, JWKS_TIMEOUT, JWKS_UNREACHABLE,
@@ -284,6 +285,13 @@ pub fn parse_bearer(authorization_header: Option<&str>) -> Result<&str, AuthErro
     Ok(token)
 }
 
+/// Reads a self-hosted key file: a regular file of at most 64 KiB (never a FIFO or a device),
+/// trimmed. The length rule (32–256 characters) is the caller's.
+pub fn read_self_hosted_key(path: &Path) -> Result<String, LocalFileError> {
+    local_file::read_bounded_to_string(path, MAX_LOCAL_FILE_BYTES)
+        .map(|text| text.trim().to_string())
+}
+
 /// Reads `$DATA_DIR/self-hosted.key`, or creates it (48 random bytes, base64url, mode 0600,
 /// creating the directory if missing). Returns the secret, the file's path, and whether it was
 /// created just now. A file that exists but does not hold a 32–256 character secret is an
@@ -323,8 +331,12 @@ pub fn load_or_create_self_hosted_key(data_dir: &Path) -> io::Result<(String, Pa
             Ok((secret, path, true))
         }
         Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
-            let text = fs::read_to_string(&path).map_err(|e| with_path(e, "read"))?;
-            let existing = text.trim().to_string();
+            let existing = read_self_hosted_key(&path).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("read self-hosted key {}: {e}", path.display()),
+                )
+            })?;
             let chars = existing.chars().count();
             if !(SELF_HOSTED_KEY_MIN_CHARS..=SELF_HOSTED_KEY_MAX_CHARS).contains(&chars) {
                 return Err(io::Error::new(
@@ -612,6 +624,37 @@ mod tests {
         let error = load_or_create_self_hosted_key(&dir).expect_err("refused");
         assert_eq!(error.kind(), io::ErrorKind::InvalidData);
         assert!(error.to_string().contains(SELF_HOSTED_KEY_FILE), "{error}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_key_path_that_is_no_small_regular_file_is_an_error_without_reading_it() {
+        let dir = temp_dir("hostile");
+        fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join(SELF_HOSTED_KEY_FILE);
+        // Before: /dev/zero grew the process without end, a FIFO blocked the start for good.
+        std::os::unix::fs::symlink("/dev/zero", &path).expect("symlink");
+        let error = load_or_create_self_hosted_key(&dir).expect_err("refused");
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            error
+                .to_string()
+                .ends_with("not a regular file but a character_device"),
+            "{error}"
+        );
+        fs::remove_file(&path).expect("remove");
+        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates a node.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let error = load_or_create_self_hosted_key(&dir).expect_err("refused");
+        assert!(
+            error.to_string().ends_with("not a regular file but a fifo"),
+            "{error}"
+        );
+        fs::remove_file(&path).expect("remove");
+        fs::write(&path, vec![b'k'; 65 * 1024]).expect("write");
+        let error = load_or_create_self_hosted_key(&dir).expect_err("refused");
+        assert!(error.to_string().contains("too large"), "{error}");
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -21,12 +21,13 @@
 //! starts with no file runs on the defaults, which is the documented meaning of "missing".
 
 use std::fmt;
-use std::io;
 use std::path::Path;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
 use serde_json::Value;
+
+use crate::local_file::{self, LocalFileError, MAX_LOCAL_FILE_BYTES};
 
 /// The largest `deadManTripSlots` an operator may set.
 pub const MAX_TRIP_SLOTS: u32 = 64;
@@ -84,8 +85,6 @@ impl Switch {
 /// Why a switch object is void. Each has a short cause code for the log line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SwitchError {
-    /// The file exists but could not be read (permissions, I/O error).
-    Unreadable(String),
     /// Not JSON, not an object, or `flags` not an object.
     BadJson,
     /// `v` missing or not 1.
@@ -103,7 +102,6 @@ pub enum SwitchError {
 impl SwitchError {
     pub fn cause(&self) -> &'static str {
         match self {
-            SwitchError::Unreadable(_) => "unreadable",
             SwitchError::BadJson => "bad_json",
             SwitchError::BadVersion => "bad_version",
             SwitchError::WrongCellId => "wrong_cell_id",
@@ -116,10 +114,7 @@ impl SwitchError {
 
 impl fmt::Display for SwitchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SwitchError::Unreadable(detail) => write!(f, "switch file unreadable: {detail}"),
-            other => write!(f, "switch file void: {}", other.cause()),
-        }
+        write!(f, "switch file void: {}", self.cause())
     }
 }
 
@@ -190,6 +185,8 @@ pub struct SwitchEvent {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 struct Complaint {
     cause: Option<&'static str>,
+    /// What goes with a local-file cause: the file's kind, its size, the OS error.
+    detail: String,
     unknown: Vec<String>,
 }
 
@@ -216,31 +213,42 @@ impl SwitchWatcher {
         self.applied
     }
 
-    /// Feeds one read of the file (`Err(NotFound)` = missing). Pure apart from logging.
-    pub fn poll(&mut self, read: io::Result<Vec<u8>>) -> SwitchEvent {
+    /// Feeds one read of the file ([`read_switch_file`]; `Missing` = no file). Pure apart from
+    /// logging.
+    pub fn poll(&mut self, read: Result<Vec<u8>, LocalFileError>) -> SwitchEvent {
         let mut event = SwitchEvent::default();
         let parsed = match read {
             Ok(bytes) => parse(&bytes, &self.cell_id).map_err(|error| {
                 // Unknown flags are still worth reporting next to a void object.
-                (error, unknown_flags_of(&bytes))
+                (error.cause(), unknown_flags_of(&bytes))
             }),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            Err(LocalFileError::Missing) => {
                 // Missing = defaults (generation 0). Never higher than an applied generation,
                 // so it changes nothing once something was applied; say so once.
                 let complaint = Complaint {
                     cause: (self.applied.generation > 0).then_some("missing"),
+                    ..Complaint::default()
+                };
+                self.complain(complaint, &mut event);
+                return event;
+            }
+            Err(error) => {
+                // Not a regular file, over 64 KiB, or unreadable: void, whatever it holds.
+                let complaint = Complaint {
+                    cause: Some(error.cause()),
+                    detail: error.detail(),
                     unknown: Vec::new(),
                 };
                 self.complain(complaint, &mut event);
                 return event;
             }
-            Err(error) => Err((SwitchError::Unreadable(error.to_string()), Vec::new())),
         };
 
         match parsed {
-            Err((error, unknown)) => {
+            Err((cause, unknown)) => {
                 let complaint = Complaint {
-                    cause: Some(error.cause()),
+                    cause: Some(cause),
+                    detail: String::new(),
                     unknown,
                 };
                 self.complain(complaint, &mut event);
@@ -260,7 +268,11 @@ impl SwitchWatcher {
                 } else {
                     None
                 };
-                let complaint = Complaint { cause, unknown };
+                let complaint = Complaint {
+                    cause,
+                    detail: String::new(),
+                    unknown,
+                };
                 self.complain(complaint, &mut event);
                 if switch.generation > self.applied.generation {
                     self.applied = switch;
@@ -291,10 +303,13 @@ impl SwitchWatcher {
             } else {
                 complaint.unknown.join(",")
             };
-            let line = format!(
+            let mut line = format!(
                 "orca_relay_control_flags_unreadable cell_id={} cause={cause} unknown={unknown} applied_generation={}",
                 self.cell_id, self.applied.generation
             );
+            if !complaint.detail.is_empty() {
+                line.push_str(&format!(" detail={}", complaint.detail));
+            }
             log::warn!("{line}");
             event.log_lines.push(line);
         }
@@ -323,6 +338,12 @@ fn unknown_flags_of(bytes: &[u8]) -> Vec<String> {
     unknown
 }
 
+/// Reads the switch file: only a regular file of at most 64 KiB, opened without blocking (a
+/// FIFO, a device, a directory or a huge file is refused before anything is read).
+pub fn read_switch_file(path: &Path) -> Result<Vec<u8>, LocalFileError> {
+    local_file::read_bounded(path, MAX_LOCAL_FILE_BYTES)
+}
+
 /// The body of the `switch-watcher` thread: reads `path` every `period`, publishes each newly
 /// applied switch, and returns when `stop` receives or its sender is dropped. Nothing is
 /// published for the starting defaults; consumers start on `Switch::default()` too.
@@ -335,7 +356,7 @@ pub fn run_switch_watcher(
 ) {
     let mut watcher = SwitchWatcher::new(cell_id);
     loop {
-        let event = watcher.poll(std::fs::read(path));
+        let event = watcher.poll(read_switch_file(path));
         if let Some(switch) = event.applied {
             publish(switch);
         }
@@ -352,15 +373,17 @@ mod tests {
     use std::sync::mpsc;
     use std::sync::{Arc, Mutex};
 
-    fn file(generation: i64, flags: &str) -> io::Result<Vec<u8>> {
+    type Read = Result<Vec<u8>, LocalFileError>;
+
+    fn file(generation: i64, flags: &str) -> Read {
         Ok(
             format!(r#"{{"v":1,"cellId":"c7","generation":{generation},"flags":{flags}}}"#)
                 .into_bytes(),
         )
     }
 
-    fn missing() -> io::Result<Vec<u8>> {
-        Err(io::Error::from(io::ErrorKind::NotFound))
+    fn missing() -> Read {
+        Err(LocalFileError::Missing)
     }
 
     fn reserve(generation: u64, slots: Option<u32>) -> Switch {
@@ -507,12 +530,19 @@ mod tests {
         let mut watcher = SwitchWatcher::new("c7");
         watcher.poll(file(5, r#"{"admitMode":"reserve","deadManTripSlots":2}"#));
         let before = watcher.applied();
-        let void_reads: Vec<io::Result<Vec<u8>>> = vec![
+        let void_reads: Vec<Read> = vec![
             file(9, r#"{"admitMode":"maybe","deadManTripSlots":1}"#),
             Ok(br#"{"v":1,"cellId":"c8","generation":9,"flags":{"admitMode":"db"}}"#.to_vec()),
             Ok(br#"{"v":1,"cellId":"c7","generation":9,"flags":{"admitMode":"db""#.to_vec()),
             file(9, r#"{"admitMode":"db","deadManTripSlots":99}"#),
-            Err(io::Error::from(io::ErrorKind::PermissionDenied)),
+            Err(LocalFileError::Unreadable(std::io::Error::from(
+                std::io::ErrorKind::PermissionDenied,
+            ))),
+            Err(LocalFileError::NotRegular("fifo")),
+            Err(LocalFileError::TooLarge {
+                size: 70_000,
+                limit: MAX_LOCAL_FILE_BYTES,
+            }),
         ];
         for read in void_reads {
             let event = watcher.poll(read);
@@ -609,6 +639,121 @@ mod tests {
         // Unknown flags next to a void value are reported in that line too.
         let event = watcher.poll(file(3, r#"{"admitMode":"x","beta":1}"#));
         assert!(event.log_lines[0].contains("cause=bad_admit_mode unknown=beta"));
+    }
+
+    /// Replaces whatever is at `path` with what `make` creates at a fresh name, atomically where
+    /// the kind allows (a directory cannot be renamed over a file).
+    fn replace_with(path: &Path, make: impl FnOnce(&Path)) {
+        let tmp = path.with_extension("next");
+        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_file(&tmp);
+        make(&tmp);
+        if std::fs::rename(&tmp, path).is_err() {
+            let _ = std::fs::remove_dir_all(path);
+            let _ = std::fs::remove_file(path);
+            std::fs::rename(&tmp, path).unwrap();
+        }
+    }
+
+    #[test]
+    fn hostile_switch_paths_are_said_once_keep_the_applied_state_and_a_later_write_applies() {
+        let dir =
+            std::env::temp_dir().join(format!("orca-relay-switch-hostile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("switch.json");
+        let write = |generation: u64| {
+            let body = format!(
+                r#"{{"v":1,"cellId":"c7","generation":{generation},"flags":{{"admitMode":"reserve","deadManTripSlots":{generation}}}}}"#
+            );
+            replace_with(&path, |tmp| std::fs::write(tmp, body).unwrap());
+        };
+        let mut watcher = SwitchWatcher::new("c7");
+        write(1);
+        assert_eq!(
+            watcher.poll(read_switch_file(&path)).applied,
+            Some(reserve(1, Some(1)))
+        );
+
+        type Make = Box<dyn Fn(&Path)>;
+        let hostile: Vec<(&str, &str, Make)> = vec![
+            (
+                "not_regular_file",
+                "character_device",
+                Box::new(|tmp| std::os::unix::fs::symlink("/dev/zero", tmp).unwrap()),
+            ),
+            (
+                "not_regular_file",
+                "fifo",
+                Box::new(|tmp| {
+                    let c_path =
+                        std::ffi::CString::new(tmp.as_os_str().as_encoded_bytes()).unwrap();
+                    // SAFETY: a valid NUL-terminated path; mkfifo only creates a node.
+                    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+                }),
+            ),
+            (
+                "not_regular_file",
+                "directory",
+                Box::new(|tmp| std::fs::create_dir(tmp).unwrap()),
+            ),
+            (
+                "too_large",
+                "66560>65536",
+                Box::new(|tmp| {
+                    // Valid JSON, only too long: the size alone voids it.
+                    let mut body = br#"{"v":1,"cellId":"c7","generation":99,"pad":""#.to_vec();
+                    body.resize(65 * 1024 - 2, b'x');
+                    body.extend_from_slice(b"\"}");
+                    std::fs::write(tmp, body).unwrap()
+                }),
+            ),
+            // The tests run as root, for whom no permission bit makes a file unreadable: a
+            // symlink to itself cannot be opened (ELOOP) by anyone.
+            (
+                "unreadable",
+                "errno_40",
+                Box::new(|tmp| {
+                    let target = tmp.with_file_name("switch.json");
+                    std::os::unix::fs::symlink(target, tmp).unwrap()
+                }),
+            ),
+        ];
+        let mut generation = 1;
+        for (cause, detail, make) in hostile {
+            replace_with(&path, make);
+            let mut lines = Vec::new();
+            for _ in 0..3 {
+                let event = watcher.poll(read_switch_file(&path));
+                assert_eq!(event.applied, None, "{detail}");
+                lines.extend(event.log_lines);
+            }
+            assert_eq!(
+                lines.len(),
+                1,
+                "{detail}: one line for three polls: {lines:?}"
+            );
+            assert!(
+                lines[0].starts_with(&format!(
+                    "orca_relay_control_flags_unreadable cell_id=c7 cause={cause} unknown=- applied_generation={generation} detail={detail}"
+                )),
+                "{}",
+                lines[0]
+            );
+            assert_eq!(
+                watcher.applied(),
+                reserve(generation, Some(generation as u32))
+            );
+            generation += 1;
+            write(generation);
+            let event = watcher.poll(read_switch_file(&path));
+            assert_eq!(
+                event.applied,
+                Some(reserve(generation, Some(generation as u32))),
+                "a valid write after {detail} is applied"
+            );
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -160,6 +160,10 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                 reader.drain_after_close();
                 break;
             }
+            ReadEvent::Protocol => {
+                context.close(&socket, CloseCode::ProtocolError, "protocol error");
+                break;
+            }
             ReadEvent::Gone => break,
         }
         if socket.is_closing() {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use tungstenite::Message;
 
-use super::frames::{SpliceEvent, SpliceReader};
 use super::socket::{SendError, Socket};
+use super::splice_reader::{violation_close_code, SpliceEvent, SpliceReader};
 use super::{read_first_splice_text, RelayContext};
 use crate::protocol::{self, CloseCode, DataLegFirst};
 
@@ -98,15 +98,18 @@ pub fn pump(
                 }
             },
             SpliceEvent::TimedOut => {}
-            SpliceEvent::TooBig => {
-                context.close(from, CloseCode::TooBig, "frame too large");
+            SpliceEvent::Violation(violation) => {
+                log::info!(
+                    "orca_relay_splice_protocol_violation conn={} rule={} direction={direction:?}",
+                    from.id,
+                    violation.name()
+                );
+                let code = violation_close_code(violation);
+                context.close(from, code, violation.name());
                 context.close(to, CloseCode::PeerDropped, "peer left");
-                reader.drain_after_close();
-                return;
-            }
-            SpliceEvent::Protocol => {
-                context.close(from, CloseCode::ProtocolError, "protocol error");
-                context.close(to, CloseCode::PeerDropped, "peer left");
+                if code == CloseCode::TooBig {
+                    reader.drain_after_close();
+                }
                 return;
             }
             SpliceEvent::Gone => {

@@ -1,63 +1,320 @@
-//! The reader of splice legs (phone and host data): WebSocket frames forwarded as they are.
+//! The frame parser of splice legs (phone and host data): RFC 6455 §5 for a server endpoint,
+//! pure and incremental, with no I/O and no buffer of its own.
 //!
-//! A splice leg carries bulk traffic that the relay never interprets, so it does not need
-//! tungstenite's message assembly. [`SpliceReader`] parses frame headers with tungstenite's
-//! [`FrameHeader`], unmasks each payload in place in its own buffer and hands out the frame
-//! (opcode, FIN bit, payload) for the other leg's writer to send unchanged: text stays text,
-//! binary stays binary, fragmentation is kept. Compared with tungstenite's reader this saves
-//! two passes over every spliced byte (it zero-fills its read buffer before each read and copies
-//! each payload out), which is what keeps the splice as fast as nginx.
+//! A splice leg carries traffic the relay never interprets, so it needs no message assembly:
+//! [`FrameParser::parse`] looks at the bytes at the front of the caller's buffer and answers
+//! with one whole frame (its payload unmasked in place), "not yet" with the number of bytes the
+//! frame needs, or a [`Violation`] with its close code. The caller keeps the unconsumed bytes
+//! (at most one partial frame) and calls again when more arrive, however the stream was split.
+//! The parser's own state is a few words: the fragmented message in progress (its opcode and
+//! length so far) and a violation once one was found. The blocking reader of today's relay
+//! threads (`relay/splice_reader.rs`) is a thin shell over it; an event-loop worker can own
+//! one read buffer and keep only each leg's partial frame.
 //!
-//! Control frames are handled here: a ping is answered with a pong through the socket's writer,
-//! a pong is dropped, a close is acknowledged and ends the leg. Client frames must be masked and
-//! carry no reserved bits; anything else is a protocol error. Frames, and the fragments of one
-//! message together, are limited to the leg's maximum (8 MiB).
+//! Rules, each checked as soon as the bytes that decide it have arrived (so an oversized frame
+//! is refused from its header, before its payload is read):
+//! - every client frame is masked; no RSV bit is set (no extension is ever negotiated);
+//! - opcodes 3–7 and 11–15 are reserved;
+//! - control frames (close, ping, pong) carry at most 125 bytes and have FIN set; they may
+//!   arrive between the fragments of a message;
+//! - a continuation frame only inside an open message; no text or binary frame while one is
+//!   open;
+//! - a 64-bit length has its most significant bit clear;
+//! - a frame, and all fragments of one message together, are at most the leg's maximum (8 MiB,
+//!   SPEC §5.2): 1009;
+//! - a close frame's payload is empty or a valid close code followed by UTF-8.
+//!
+//! Everything else is 1002. Text frames' payloads are **not** checked for UTF-8: the relay
+//! forwards messages opaquely (text stays text), validating would cost a pass over every byte
+//! and could only ever refuse what the receiving endpoint, which must check anyway, refuses.
+//! Lengths are accepted in any encoding width (RFC 6455 asks senders for the shortest; the
+//! relay re-encodes every header it forwards, and tungstenite accepts them too).
 
-use std::io::{self, Cursor, Read};
-use std::sync::Arc;
-use std::time::Duration;
+use std::ops::Range;
 
-use tungstenite::protocol::frame::coding::{Control, Data, OpCode};
-use tungstenite::protocol::frame::FrameHeader;
-use tungstenite::Message;
+use tungstenite::protocol::frame::coding::Data;
 
-use super::socket::{drain_for_linger, Socket};
+/// The longest frame header: two bytes, an 8-byte extended length and a 4-byte mask.
+pub const MAX_HEADER_BYTES: usize = 14;
+/// RFC 6455 §5.5: control frames carry at most 125 payload bytes.
+pub const MAX_CONTROL_PAYLOAD: usize = 125;
 
-/// The buffer every splice leg starts with; it grows for larger frames and shrinks back when
-/// it is empty again. 256 KiB lets one read take several 64 KiB frames (measured: 0.99-1.04x
-/// nginx's throughput against 0.82-0.90x with 64 KiB, `cargo bench --bench relay`); nginx's
-/// tuned proxy holds up to 8 x 64 KiB per connection for the same job.
-const INITIAL_BUFFER: usize = 256 * 1024;
-/// The longest frame header (8-byte length and a mask).
-const MAX_HEADER: usize = 14;
-
-/// What one read produced.
-#[derive(Debug, PartialEq, Eq)]
-pub enum SpliceEvent<'a> {
-    /// A data frame: `Text`, `Binary` or `Continue`, with its FIN bit and unmasked payload.
-    Frame {
-        data: Data,
-        fin: bool,
-        payload: &'a [u8],
-    },
-    /// No frame within the socket's read timeout.
-    TimedOut,
-    /// A frame or message larger than the leg allows.
-    TooBig,
-    /// A frame no client may send (unmasked, reserved bits or opcodes, a bad control frame).
-    Protocol,
-    /// The peer closed or the connection failed.
-    Gone,
+/// A rule a client broke. The leg is failed with [`Violation::close_code`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Violation {
+    /// RSV1, RSV2 or RSV3 set: no extension was negotiated.
+    ReservedBits,
+    /// Opcode 3–7 or 11–15.
+    ReservedOpcode(u8),
+    /// A client frame without a mask.
+    Unmasked,
+    /// A close, ping or pong without FIN.
+    FragmentedControl,
+    /// A control frame longer than 125 bytes.
+    ControlTooLong,
+    /// A 64-bit length with its most significant bit set.
+    LengthHighBit,
+    /// A continuation frame with no message open.
+    ContinuationWithoutMessage,
+    /// A text or binary frame while a fragmented message is still open.
+    DataInsideMessage,
+    /// One frame longer than the leg's maximum.
+    FrameTooLarge,
+    /// The fragments of one message together longer than the leg's maximum.
+    MessageTooLarge,
+    /// A close frame with a 1-byte payload.
+    CloseOneByte,
+    /// A close code no endpoint may send (RFC 6455 §7.4).
+    CloseCodeInvalid(u16),
+    /// A close reason that is not UTF-8.
+    CloseReasonNotUtf8,
 }
 
-pub struct SpliceReader {
-    socket: Arc<Socket>,
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
+impl Violation {
+    /// The close code the leg is failed with: 1009 for size, 1002 for everything else.
+    pub fn close_code(self) -> u16 {
+        match self {
+            Violation::FrameTooLarge | Violation::MessageTooLarge => 1009,
+            _ => 1002,
+        }
+    }
+
+    /// A short stable name for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Violation::ReservedBits => "reserved_bits",
+            Violation::ReservedOpcode(_) => "reserved_opcode",
+            Violation::Unmasked => "unmasked",
+            Violation::FragmentedControl => "fragmented_control",
+            Violation::ControlTooLong => "control_too_long",
+            Violation::LengthHighBit => "length_high_bit",
+            Violation::ContinuationWithoutMessage => "continuation_without_message",
+            Violation::DataInsideMessage => "data_inside_message",
+            Violation::FrameTooLarge => "frame_too_large",
+            Violation::MessageTooLarge => "message_too_large",
+            Violation::CloseOneByte => "close_one_byte",
+            Violation::CloseCodeInvalid(_) => "close_code_invalid",
+            Violation::CloseReasonNotUtf8 => "close_reason_not_utf8",
+        }
+    }
+}
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    /// `Text`, `Binary` or `Continue`: forwarded as it is.
+    Data(Data),
+    Ping,
+    Pong,
+    /// A valid close frame, with its code if it carried one.
+    Close {
+        code: Option<u16>,
+    },
+}
+
+/// One whole frame at the front of the parsed bytes; its payload is unmasked in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameKind,
+    pub fin: bool,
+    pub header_len: usize,
+    pub payload_len: usize,
+}
+
+impl Frame {
+    /// The frame's size in the input: header and payload (never zero).
+    pub fn wire_len(&self) -> usize {
+        self.header_len + self.payload_len
+    }
+
+    /// Where the (unmasked) payload sits in the parsed bytes.
+    pub fn payload(&self) -> Range<usize> {
+        self.header_len..self.wire_len()
+    }
+}
+
+/// The answer to one [`FrameParser::parse`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parsed {
+    /// No whole frame yet: the next frame needs at least `needed` bytes from the start of the
+    /// input (the whole frame once its header is known, so a caller can size its buffer once).
+    Incomplete { needed: usize },
+    /// A whole frame: consume `frame.wire_len()` bytes.
+    Frame(Frame),
+    /// The stream is refused; every later call answers the same.
+    Violation(Violation),
+}
+
+/// Per-leg parser state: which data message is open, and a violation once found.
+#[derive(Debug, Clone)]
+pub struct FrameParser {
     max_message: usize,
-    /// Bytes of the message being received in fragments so far.
-    message_len: usize,
+    /// The fragmented data message in progress: its opcode and its bytes so far.
+    open: Option<(Data, usize)>,
+    failed: Option<Violation>,
+}
+
+/// RFC 6455 §7.4: the codes an endpoint may put in a close frame. 1004–1006 and 1015 are
+/// reserved or must never be sent; 1012–1014 are registered with IANA; 3000–4999 belong to
+/// libraries and applications (the relay's own 44xx codes among them).
+pub fn close_code_is_valid(code: u16) -> bool {
+    matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999)
+}
+
+impl FrameParser {
+    /// A parser for a leg whose frames and messages are at most `max_message` bytes.
+    pub fn new(max_message: usize) -> FrameParser {
+        FrameParser {
+            max_message,
+            open: None,
+            failed: None,
+        }
+    }
+
+    /// The opcode of the fragmented message in progress, if one is open.
+    pub fn open_message(&self) -> Option<Data> {
+        self.open.map(|(data, _)| data)
+    }
+
+    /// Parses the frame at the front of `input`. On [`Parsed::Frame`] the payload has been
+    /// unmasked in place and the caller consumes `frame.wire_len()` bytes; on
+    /// [`Parsed::Incomplete`] nothing was changed and the caller calls again with more.
+    pub fn parse(&mut self, input: &mut [u8]) -> Parsed {
+        if let Some(violation) = self.failed {
+            return Parsed::Violation(violation);
+        }
+        match self.parse_frame(input) {
+            Err(violation) => {
+                self.failed = Some(violation);
+                Parsed::Violation(violation)
+            }
+            Ok(parsed) => parsed,
+        }
+    }
+
+    fn parse_frame(&mut self, input: &mut [u8]) -> Result<Parsed, Violation> {
+        let incomplete = |needed| Ok(Parsed::Incomplete { needed });
+        let (first, second) = match input {
+            [first, second, ..] => (*first, *second),
+            _ => return incomplete(2),
+        };
+        if first & 0x70 != 0 {
+            return Err(Violation::ReservedBits);
+        }
+        let fin = first & 0x80 != 0;
+        let opcode = first & 0x0f;
+        let kind = match opcode {
+            0 => FrameKind::Data(Data::Continue),
+            1 => FrameKind::Data(Data::Text),
+            2 => FrameKind::Data(Data::Binary),
+            8 => FrameKind::Close { code: None },
+            9 => FrameKind::Ping,
+            10 => FrameKind::Pong,
+            reserved => return Err(Violation::ReservedOpcode(reserved)),
+        };
+        if second & 0x80 == 0 {
+            return Err(Violation::Unmasked);
+        }
+        let short_length = second & 0x7f;
+        // Bytes of the message this frame belongs to, before it.
+        let mut message_before = 0;
+        match kind {
+            FrameKind::Data(Data::Continue) => match self.open {
+                Some((_, so_far)) => message_before = so_far,
+                None => return Err(Violation::ContinuationWithoutMessage),
+            },
+            FrameKind::Data(_) => {
+                if self.open.is_some() {
+                    return Err(Violation::DataInsideMessage);
+                }
+            }
+            _ => {
+                if !fin {
+                    return Err(Violation::FragmentedControl);
+                }
+            }
+        }
+        let (extended, length) = match short_length {
+            126 => match input.get(2..4) {
+                Some(bytes) => (2, u64::from(u16::from_be_bytes([bytes[0], bytes[1]]))),
+                None => return incomplete(4),
+            },
+            127 => match input.get(2..10) {
+                Some(bytes) => {
+                    let mut be = [0u8; 8];
+                    be.copy_from_slice(bytes);
+                    let length = u64::from_be_bytes(be);
+                    if length >> 63 != 0 {
+                        return Err(Violation::LengthHighBit);
+                    }
+                    (8, length)
+                }
+                None => return incomplete(10),
+            },
+            short => (0, u64::from(short)),
+        };
+        // The decoded length counts, not the 7-bit field: a small control payload may be
+        // encoded in 16 or 64 bits (not the shortest form, accepted as for data frames).
+        let control = !matches!(kind, FrameKind::Data(_));
+        if control && length > MAX_CONTROL_PAYLOAD as u64 {
+            return Err(Violation::ControlTooLong);
+        }
+        // Size checks before any payload is read: an oversized frame is refused from its header.
+        let length = match usize::try_from(length) {
+            Ok(length) if length <= self.max_message => length,
+            _ => return Err(Violation::FrameTooLarge),
+        };
+        if message_before + length > self.max_message {
+            return Err(Violation::MessageTooLarge);
+        }
+        let header_len = 2 + extended + 4;
+        let total = header_len + length;
+        if input.len() < total {
+            return incomplete(total);
+        }
+        let mut mask = [0u8; 4];
+        mask.copy_from_slice(&input[header_len - 4..header_len]);
+        let payload = &mut input[header_len..total];
+        unmask(payload, mask);
+        let kind = match kind {
+            FrameKind::Close { .. } => FrameKind::Close {
+                code: close_code(payload)?,
+            },
+            FrameKind::Data(data) => {
+                let message_data = match (data, self.open) {
+                    (Data::Continue, Some((open, _))) => open,
+                    _ => data,
+                };
+                self.open = (!fin).then_some((message_data, message_before + length));
+                kind
+            }
+            other => other,
+        };
+        Ok(Parsed::Frame(Frame {
+            kind,
+            fin,
+            header_len,
+            payload_len: length,
+        }))
+    }
+}
+
+/// The code of a close frame's (unmasked) payload: none, or a valid code and a UTF-8 reason.
+fn close_code(payload: &[u8]) -> Result<Option<u16>, Violation> {
+    match payload {
+        [] => Ok(None),
+        [_] => Err(Violation::CloseOneByte),
+        [high, low, reason @ ..] => {
+            let code = u16::from_be_bytes([*high, *low]);
+            if !close_code_is_valid(code) {
+                return Err(Violation::CloseCodeInvalid(code));
+            }
+            if std::str::from_utf8(reason).is_err() {
+                return Err(Violation::CloseReasonNotUtf8);
+            }
+            Ok(Some(code))
+        }
+    }
 }
 
 /// XORs `payload` with the 4-byte mask, 8 bytes at a time (RFC 6455 §5.3).
@@ -76,199 +333,310 @@ pub fn unmask(payload: &mut [u8], mask: [u8; 4]) {
     }
 }
 
-impl SpliceReader {
-    /// A reader over `socket`, starting with `tail` (bytes that arrived after the upgrade head).
-    pub fn new(socket: Arc<Socket>, tail: Vec<u8>, max_message: usize) -> SpliceReader {
-        let mut buf = tail;
-        let end = buf.len();
-        buf.resize(INITIAL_BUFFER.max(end), 0);
-        SpliceReader {
-            socket,
-            buf,
-            start: 0,
-            end,
-            max_message,
-            message_len: 0,
-        }
+/// Writes one masked client frame (header, mask and masked payload) to `out`: what a
+/// well-behaved client sends. For tests and fuzz drivers; `first` is the first header byte
+/// (FIN, RSV bits and opcode) as the caller wants it, right or wrong.
+pub fn encode_client_frame(first: u8, payload: &[u8], mask: [u8; 4], out: &mut Vec<u8>) {
+    out.push(first);
+    let length = payload.len();
+    if length < 126 {
+        out.push(0x80 | length as u8);
+    } else if let Ok(short) = u16::try_from(length) {
+        out.push(0x80 | 126);
+        out.extend_from_slice(&short.to_be_bytes());
+    } else {
+        out.push(0x80 | 127);
+        out.extend_from_slice(&(length as u64).to_be_bytes());
     }
-
-    pub fn socket(&self) -> &Arc<Socket> {
-        &self.socket
-    }
-
-    /// The next data frame (control frames are dealt with on the way).
-    pub fn read(&mut self) -> SpliceEvent<'_> {
-        loop {
-            match self.parse() {
-                Parsed::Data {
-                    data,
-                    fin,
-                    from,
-                    to,
-                } => {
-                    return SpliceEvent::Frame {
-                        data,
-                        fin,
-                        payload: &self.buf[from..to],
-                    }
-                }
-                Parsed::Handled => continue,
-                Parsed::Event(event) => return event,
-                Parsed::NeedMore(total) => {
-                    if let Some(event) = self.fill(total) {
-                        return event;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Parses one complete frame at the front of the buffer, if there is one.
-    fn parse(&mut self) -> Parsed {
-        let mut cursor = Cursor::new(&self.buf[self.start..self.end]);
-        let (header, length) = match FrameHeader::parse(&mut cursor) {
-            Ok(Some(parsed)) => parsed,
-            Ok(None) => return Parsed::NeedMore(MAX_HEADER),
-            Err(_) => return Parsed::Event(SpliceEvent::Protocol),
-        };
-        let header_len = cursor.position() as usize;
-        if length > self.max_message as u64 {
-            return Parsed::Event(SpliceEvent::TooBig);
-        }
-        let length = length as usize;
-        let Some(mask) = header.mask else {
-            return Parsed::Event(SpliceEvent::Protocol);
-        };
-        if header.rsv1 || header.rsv2 || header.rsv3 {
-            return Parsed::Event(SpliceEvent::Protocol);
-        }
-        let total = header_len + length;
-        if self.end - self.start < total {
-            return Parsed::NeedMore(total);
-        }
-        let from = self.start + header_len;
-        let to = from + length;
-        unmask(&mut self.buf[from..to], mask);
-        self.start += total;
-        match header.opcode {
-            OpCode::Data(data @ (Data::Text | Data::Binary | Data::Continue)) => {
-                self.message_len = if data == Data::Continue {
-                    self.message_len + length
-                } else {
-                    length
-                };
-                if self.message_len > self.max_message {
-                    return Parsed::Event(SpliceEvent::TooBig);
-                }
-                Parsed::Data {
-                    data,
-                    fin: header.is_final,
-                    from,
-                    to,
-                }
-            }
-            OpCode::Control(control) => {
-                if !header.is_final || length > 125 {
-                    return Parsed::Event(SpliceEvent::Protocol);
-                }
-                match control {
-                    Control::Ping => {
-                        let payload = self.buf[from..to].to_vec();
-                        let _ = self.socket.send(Message::Pong(payload.into()));
-                        Parsed::Handled
-                    }
-                    Control::Pong => Parsed::Handled,
-                    Control::Close => {
-                        self.socket.acknowledge_close();
-                        Parsed::Event(SpliceEvent::Gone)
-                    }
-                    Control::Reserved(_) => Parsed::Event(SpliceEvent::Protocol),
-                }
-            }
-            OpCode::Data(Data::Reserved(_)) => Parsed::Event(SpliceEvent::Protocol),
-        }
-    }
-
-    /// Makes room for a frame of `total` bytes and reads more; an event ends the read.
-    fn fill(&mut self, total: usize) -> Option<SpliceEvent<'static>> {
-        if self.start == self.end {
-            self.start = 0;
-            self.end = 0;
-            if self.buf.len() > INITIAL_BUFFER {
-                // A large frame has passed: give its memory back.
-                self.buf = vec![0; INITIAL_BUFFER];
-            }
-        } else if self.start + total > self.buf.len() {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-        }
-        if total > self.buf.len() {
-            self.buf.resize(total, 0);
-        }
-        let mut stream = self.socket.stream();
-        match stream.read(&mut self.buf[self.end..]) {
-            Ok(0) => Some(SpliceEvent::Gone),
-            Ok(n) => {
-                self.end += n;
-                None
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                Some(SpliceEvent::TimedOut)
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => None,
-            Err(_) => Some(SpliceEvent::Gone),
-        }
-    }
-
-    /// After closing on an oversized frame, lets the peer finish its write (see
-    /// [`drain_for_linger`]).
-    pub fn drain_after_close(&mut self) {
-        drain_for_linger(self.socket.stream());
-    }
-
-    /// Sets how long one read may wait (`None`: forever).
-    pub fn set_read_timeout(&self, timeout: Option<Duration>) {
-        let _ = self.socket.stream().set_read_timeout(timeout);
-    }
-}
-
-enum Parsed {
-    Data {
-        data: Data,
-        fin: bool,
-        from: usize,
-        to: usize,
-    },
-    Handled,
-    Event(SpliceEvent<'static>),
-    NeedMore(usize),
+    out.extend_from_slice(&mask);
+    let start = out.len();
+    out.extend_from_slice(payload);
+    unmask(&mut out[start..], mask);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const MAX: usize = 1000;
+    const MASK: [u8; 4] = [0x12, 0x34, 0x56, 0x78];
+
+    fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_client_frame(first, payload, MASK, &mut out);
+        out
+    }
+
+    /// Feeds `stream` through a fresh parser one byte at a time (the hardest split) and returns
+    /// the frames (kind, FIN, payload) and the violation that ended it, if any.
+    type Seen = Vec<(FrameKind, bool, Vec<u8>)>;
+
+    fn check(stream: &[u8]) -> (Seen, Option<Violation>) {
+        let mut parser = FrameParser::new(MAX);
+        let mut buffer = Vec::new();
+        let mut frames = Vec::new();
+        for byte in stream {
+            buffer.push(*byte);
+            loop {
+                match parser.parse(&mut buffer) {
+                    Parsed::Incomplete { needed } => {
+                        assert!(needed > buffer.len(), "needed {needed} <= {}", buffer.len());
+                        break;
+                    }
+                    Parsed::Frame(frame) => {
+                        frames.push((frame.kind, frame.fin, buffer[frame.payload()].to_vec()));
+                        buffer.drain(..frame.wire_len());
+                    }
+                    Parsed::Violation(violation) => return (frames, Some(violation)),
+                }
+            }
+        }
+        assert!(buffer.is_empty(), "a partial frame was left over");
+        (frames, None)
+    }
+
+    fn refused(stream: &[u8]) -> Violation {
+        match check(stream) {
+            (_, Some(violation)) => violation,
+            (frames, None) => panic!(
+                "accepted: {:?}",
+                frames
+                    .iter()
+                    .map(|(kind, fin, payload)| (*kind, *fin, payload.len()))
+                    .collect::<Vec<_>>()
+            ),
+        }
+    }
+
     #[test]
     fn unmask_matches_the_bytewise_definition() {
-        let mask = [0x12, 0x34, 0x56, 0x78];
         for len in [0usize, 1, 3, 7, 8, 9, 15, 16, 17, 1000] {
             let original: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
             let mut fast = original.clone();
-            unmask(&mut fast, mask);
+            unmask(&mut fast, MASK);
             let slow: Vec<u8> = original
                 .iter()
                 .enumerate()
-                .map(|(i, b)| b ^ mask[i & 3])
+                .map(|(i, b)| b ^ MASK[i & 3])
                 .collect();
             assert_eq!(fast, slow, "len {len}");
-            unmask(&mut fast, mask);
+            unmask(&mut fast, MASK);
             assert_eq!(fast, original, "unmasking twice restores the payload");
         }
+    }
+
+    #[test]
+    fn legal_frames_pass_unchanged_with_fragments_and_controls_between_them() {
+        let mut stream = Vec::new();
+        stream.extend(frame(0x82, &[1, 2, 3]));
+        stream.extend(frame(0x01, b"frag"));
+        stream.extend(frame(0x89, b"ping between fragments"));
+        // A 2-byte ping with its length in 16 bits: not the shortest form, still legal.
+        stream.extend([0x89, 0xfe, 0, 2, 0, 0, 0, 0, b'h', b'i']);
+        stream.extend(frame(0x00, b"men"));
+        stream.extend(frame(0x8a, b""));
+        stream.extend(frame(0x80, b"ted"));
+        stream.extend(frame(0x81, &[0xff, 0xfe])); // not UTF-8: forwarded opaquely
+        stream.extend(frame(0x82, &vec![9; 300])); // 16-bit length
+        stream.extend(frame(0x88, &[0x03, 0xe8, b'o', b'k']));
+        let (frames, violation) = check(&stream);
+        assert_eq!(violation, None);
+        let expected: Seen = vec![
+            (FrameKind::Data(Data::Binary), true, vec![1, 2, 3]),
+            (FrameKind::Data(Data::Text), false, b"frag".to_vec()),
+            (FrameKind::Ping, true, b"ping between fragments".to_vec()),
+            (FrameKind::Ping, true, b"hi".to_vec()),
+            (FrameKind::Data(Data::Continue), false, b"men".to_vec()),
+            (FrameKind::Pong, true, Vec::new()),
+            (FrameKind::Data(Data::Continue), true, b"ted".to_vec()),
+            (FrameKind::Data(Data::Text), true, vec![0xff, 0xfe]),
+            (FrameKind::Data(Data::Binary), true, vec![9; 300]),
+            (
+                FrameKind::Close { code: Some(1000) },
+                true,
+                b"\x03\xe8ok".to_vec(),
+            ),
+        ];
+        assert_eq!(frames, expected);
+    }
+
+    #[test]
+    fn each_rfc_6455_rule_is_a_violation_with_its_code() {
+        let open = frame(0x01, b"a"); // a text message left open
+        let cases: Vec<(&str, Vec<u8>, Violation)> = vec![
+            ("unmasked", vec![0x82, 0x01, 0x00], Violation::Unmasked),
+            ("rsv1", frame(0xc2, b"x"), Violation::ReservedBits),
+            ("rsv2", frame(0xa2, b"x"), Violation::ReservedBits),
+            ("rsv3", frame(0x92, b"x"), Violation::ReservedBits),
+            ("opcode 3", frame(0x83, b"x"), Violation::ReservedOpcode(3)),
+            ("opcode 7", frame(0x87, b"x"), Violation::ReservedOpcode(7)),
+            ("opcode 11", frame(0x8b, b""), Violation::ReservedOpcode(11)),
+            ("opcode 15", frame(0x8f, b""), Violation::ReservedOpcode(15)),
+            (
+                "ping 126 bytes",
+                frame(0x89, &[0; 126]),
+                Violation::ControlTooLong,
+            ),
+            (
+                "pong without FIN",
+                frame(0x0a, b""),
+                Violation::FragmentedControl,
+            ),
+            (
+                "close without FIN",
+                frame(0x08, b""),
+                Violation::FragmentedControl,
+            ),
+            (
+                "continuation first",
+                frame(0x80, b"x"),
+                Violation::ContinuationWithoutMessage,
+            ),
+            (
+                "continuation after a finished message",
+                [frame(0x81, b"a"), frame(0x80, b"b")].concat(),
+                Violation::ContinuationWithoutMessage,
+            ),
+            (
+                "text inside an open message",
+                [open.clone(), frame(0x81, b"b")].concat(),
+                Violation::DataInsideMessage,
+            ),
+            (
+                "binary inside an open message",
+                [open.clone(), frame(0x02, b"b")].concat(),
+                Violation::DataInsideMessage,
+            ),
+            (
+                "64-bit length with the high bit set",
+                vec![0x82, 0xff, 0x80, 0, 0, 0, 0, 0, 0, 0],
+                Violation::LengthHighBit,
+            ),
+            (
+                "frame over the limit",
+                frame(0x82, &[0; MAX + 1]),
+                Violation::FrameTooLarge,
+            ),
+            (
+                "message over the limit in fragments",
+                [frame(0x02, &[0; MAX / 2]), frame(0x80, &[0; MAX / 2 + 1])].concat(),
+                Violation::MessageTooLarge,
+            ),
+            (
+                "message over the limit in three fragments",
+                [
+                    frame(0x01, &[b'a'; 400]),
+                    frame(0x00, &[b'b'; 400]),
+                    frame(0x80, &[b'c'; 201]),
+                ]
+                .concat(),
+                Violation::MessageTooLarge,
+            ),
+            (
+                "close with one byte",
+                frame(0x88, &[3]),
+                Violation::CloseOneByte,
+            ),
+            (
+                "close code 1005",
+                frame(0x88, &[0x03, 0xed]),
+                Violation::CloseCodeInvalid(1005),
+            ),
+            (
+                "close code 999",
+                frame(0x88, &999u16.to_be_bytes()),
+                Violation::CloseCodeInvalid(999),
+            ),
+            (
+                "close code 5000",
+                frame(0x88, &5000u16.to_be_bytes()),
+                Violation::CloseCodeInvalid(5000),
+            ),
+            (
+                "close reason not UTF-8",
+                frame(0x88, &[0x03, 0xe8, 0xff]),
+                Violation::CloseReasonNotUtf8,
+            ),
+        ];
+        for (name, stream, expected) in cases {
+            let violation = refused(&stream);
+            assert_eq!(violation, expected, "{name}");
+            let code = if matches!(
+                expected,
+                Violation::FrameTooLarge | Violation::MessageTooLarge
+            ) {
+                1009
+            } else {
+                1002
+            };
+            assert_eq!(violation.close_code(), code, "{name}");
+        }
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_from_the_header_alone() {
+        let mut parser = FrameParser::new(crate::protocol::SPLICE_MAX_FRAME_BYTES);
+        // 8 MiB + 1 declared, no payload sent.
+        let mut header = vec![0x82, 0xff];
+        header.extend_from_slice(&(8u64 * 1024 * 1024 + 1).to_be_bytes());
+        assert_eq!(
+            parser.parse(&mut header.clone()),
+            Parsed::Violation(Violation::FrameTooLarge)
+        );
+        // Exactly 8 MiB is fine: the parser asks for the whole frame.
+        let mut parser = FrameParser::new(crate::protocol::SPLICE_MAX_FRAME_BYTES);
+        let mut header = vec![0x82, 0xff];
+        header.extend_from_slice(&(8u64 * 1024 * 1024).to_be_bytes());
+        header.extend_from_slice(&MASK);
+        assert_eq!(
+            parser.parse(&mut header),
+            Parsed::Incomplete {
+                needed: 14 + 8 * 1024 * 1024
+            }
+        );
+    }
+
+    #[test]
+    fn a_violation_is_final() {
+        let mut parser = FrameParser::new(MAX);
+        let mut bad = vec![0x82, 0x01, 0x00];
+        assert_eq!(
+            parser.parse(&mut bad),
+            Parsed::Violation(Violation::Unmasked)
+        );
+        let mut good = frame(0x82, b"x");
+        assert_eq!(
+            parser.parse(&mut good),
+            Parsed::Violation(Violation::Unmasked)
+        );
+    }
+
+    #[test]
+    fn valid_close_codes() {
+        for code in [
+            1000, 1001, 1002, 1003, 1007, 1011, 1012, 1013, 1014, 3000, 4408, 4999,
+        ] {
+            assert!(close_code_is_valid(code), "{code}");
+        }
+        for code in [
+            0,
+            999,
+            1004,
+            1005,
+            1006,
+            1015,
+            1016,
+            2000,
+            2999,
+            5000,
+            u16::MAX,
+        ] {
+            assert!(!close_code_is_valid(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn the_idle_parser_is_small() {
+        assert!(std::mem::size_of::<FrameParser>() <= 48);
     }
 }

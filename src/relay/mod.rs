@@ -14,6 +14,7 @@ pub mod data;
 pub mod frames;
 pub mod phone;
 pub mod socket;
+pub mod splice_reader;
 pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
@@ -33,6 +34,7 @@ use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
 use socket::{Reaper, Socket};
+use splice_reader::{SpliceEvent, SpliceReader};
 use upgrade::Route;
 
 impl Peer for Socket {
@@ -368,14 +370,19 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
     }
     let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
     // Control sockets read small JSON through tungstenite; splice legs forward frames as they
-    // are through their own reader (relay/frames.rs).
+    // are through their own reader (relay/splice_reader.rs over relay/frames.rs).
     let (socket, leg) = match &route {
         Route::Control => {
             let (socket, reader) = Socket::new_control(id, stream, request.tail);
             (socket, Leg::Control(reader))
         }
         _ => {
-            let (socket, reader) = Socket::new_splice(id, stream, request.tail);
+            let socket = Socket::new_splice(id, stream);
+            let reader = SpliceReader::new(
+                socket.clone(),
+                request.tail,
+                crate::protocol::SPLICE_MAX_FRAME_BYTES,
+            );
             (socket, Leg::Splice(reader))
         }
     };
@@ -427,23 +434,23 @@ pub fn shed_under_pool_pressure(
 /// The reader a connection gets, by endpoint.
 enum Leg {
     Control(socket::Reader),
-    Splice(frames::SpliceReader),
+    Splice(SpliceReader),
 }
 
 /// Reads the first frame of a splice leg within the first-frame deadline: it must be one
 /// whole text frame.
 pub(crate) fn read_first_splice_text(
     context: &RelayContext,
-    reader: &mut frames::SpliceReader,
+    reader: &mut SpliceReader,
 ) -> Result<String, CloseCode> {
     reader.set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
     match reader.read() {
-        frames::SpliceEvent::Frame {
+        SpliceEvent::Frame {
             data: tungstenite::protocol::frame::coding::Data::Text,
             fin: true,
             payload,
         } => String::from_utf8(payload.to_vec()).map_err(|_| CloseCode::BadOuterCredential),
-        frames::SpliceEvent::TooBig => Err(CloseCode::TooBig),
+        SpliceEvent::Violation(violation) => Err(splice_reader::violation_close_code(violation)),
         _ => Err(CloseCode::BadOuterCredential),
     }
 }
@@ -461,6 +468,7 @@ pub(crate) fn read_first_text(
     match reader.read() {
         socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
         socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
+        socket::ReadEvent::Protocol => Err(CloseCode::ProtocolError),
         _ => Err(CloseCode::BadOuterCredential),
     }
 }

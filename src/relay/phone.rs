@@ -11,8 +11,8 @@ use std::time::Duration;
 use tungstenite::Message;
 
 use super::data::pump;
-use super::frames::SpliceReader;
 use super::socket::Socket;
+use super::splice_reader::SpliceReader;
 use super::{read_first_splice_text, RelayContext};
 use crate::cell::state::{random_token, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};

@@ -26,6 +26,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
+use tungstenite::error::ProtocolError;
 use tungstenite::protocol::frame::coding::{CloseCode as WsCloseCode, Data, OpCode};
 use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
@@ -69,7 +70,7 @@ fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
 
 /// The tungstenite reader of a control socket. Idle control sockets are many and small: a
 /// 1 KiB read buffer (it grows for the rare large frame) keeps one near 20 KiB resident. Splice
-/// legs do not use tungstenite's reader at all (see `relay/frames.rs`).
+/// legs do not use tungstenite's reader at all (see `relay/splice_reader.rs`).
 fn control_reader_config() -> WebSocketConfig {
     WebSocketConfig::default()
         .read_buffer_size(1024)
@@ -115,20 +116,10 @@ impl Socket {
         (socket, reader)
     }
 
-    /// Wraps an upgraded splice leg (phone or host data): its reader is a
-    /// [`SpliceReader`](super::frames::SpliceReader) that forwards frames as they are.
-    pub fn new_splice(
-        id: u64,
-        stream: TcpStream,
-        tail: Vec<u8>,
-    ) -> (Arc<Socket>, super::frames::SpliceReader) {
-        let socket = Socket::wrap(id, stream);
-        let reader = super::frames::SpliceReader::new(
-            socket.clone(),
-            tail,
-            crate::protocol::SPLICE_MAX_FRAME_BYTES,
-        );
-        (socket, reader)
+    /// Wraps an upgraded splice leg (phone or host data). Its reader is built by the caller
+    /// (`relay/splice_reader.rs`), which forwards frames as they are.
+    pub fn new_splice(id: u64, stream: TcpStream) -> Arc<Socket> {
+        Socket::wrap(id, stream)
     }
 
     pub fn stream(&self) -> &TcpStream {
@@ -361,6 +352,9 @@ pub enum ReadEvent {
     TimedOut,
     /// A frame larger than the endpoint allows.
     TooBig,
+    /// The peer broke a rule of RFC 6455 (tungstenite's checks: masking, reserved bits and
+    /// opcodes, control frames, fragmentation, UTF-8 of text): fail it with 1002.
+    Protocol,
     /// The peer closed or the connection failed; nothing more will be read.
     Gone,
 }
@@ -384,6 +378,12 @@ impl Reader {
                 ReadEvent::TimedOut
             }
             Err(tungstenite::Error::Capacity(_)) => ReadEvent::TooBig,
+            Err(tungstenite::Error::Protocol(
+                ProtocolError::ResetWithoutClosingHandshake | ProtocolError::ReceivedAfterClosing,
+            )) => ReadEvent::Gone,
+            Err(tungstenite::Error::Protocol(_) | tungstenite::Error::Utf8(_)) => {
+                ReadEvent::Protocol
+            }
             Err(_) => ReadEvent::Gone,
         }
     }
@@ -488,5 +488,145 @@ fn run_reaper(receiver: Receiver<(u64, Arc<Socket>)>) {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::CONTROL_MAX_FRAME_BYTES;
+    use crate::relay::frames::encode_client_frame;
+
+    /// A byte stream for a reader context: reads from the frames, swallows its replies.
+    struct Wire(io::Cursor<Vec<u8>>, Vec<u8>);
+
+    impl Read for Wire {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+
+    impl Write for Wire {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.1.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_client_frame(first, payload, [1, 2, 3, 4], &mut out);
+        out
+    }
+
+    /// What the control reader (configured as in production) makes of `stream`: the messages
+    /// it returned and the error that ended it.
+    fn control_reads(stream: Vec<u8>) -> (Vec<Message>, Option<tungstenite::Error>) {
+        let mut context = WebSocketContext::new(Role::Server, Some(control_reader_config()));
+        let mut wire = Wire(io::Cursor::new(stream), Vec::new());
+        let mut messages = Vec::new();
+        loop {
+            match context.read(&mut wire) {
+                Ok(Message::Close(frame)) => {
+                    messages.push(Message::Close(frame));
+                    return (messages, None);
+                }
+                Ok(message) => messages.push(message),
+                Err(error) => return (messages, Some(error)),
+            }
+        }
+    }
+
+    #[test]
+    fn the_control_reader_enforces_the_rfc_6455_rules_of_the_splice_parser() {
+        use tungstenite::error::CapacityError;
+        let protocol = |e: &tungstenite::Error| {
+            matches!(
+                e,
+                tungstenite::Error::Protocol(p) if !matches!(p, ProtocolError::ResetWithoutClosingHandshake)
+            )
+        };
+        let capacity = |e: &tungstenite::Error| {
+            matches!(
+                e,
+                tungstenite::Error::Capacity(CapacityError::MessageTooLong { .. })
+            )
+        };
+        let mut high_bit = vec![0x82, 0xff, 0x80, 0, 0, 0, 0, 0, 0, 0];
+        high_bit.extend_from_slice(&[1, 2, 3, 4]);
+        let half = CONTROL_MAX_FRAME_BYTES / 2;
+        type Check = fn(&tungstenite::Error) -> bool;
+        let cases: Vec<(&str, Vec<u8>, Check)> = vec![
+            ("unmasked", vec![0x81, 0x01, b'x'], protocol),
+            ("rsv1", frame(0xc1, b"x"), protocol),
+            ("rsv3", frame(0x91, b"x"), protocol),
+            ("opcode 3", frame(0x83, b"x"), protocol),
+            ("opcode 11", frame(0x8b, b""), protocol),
+            ("ping 126 bytes", frame(0x89, &[0; 126]), protocol),
+            ("ping without FIN", frame(0x09, b""), protocol),
+            ("continuation first", frame(0x80, b"x"), protocol),
+            (
+                "text inside an open message",
+                [frame(0x01, b"a"), frame(0x81, b"b")].concat(),
+                protocol,
+            ),
+            ("64-bit length with the high bit set", high_bit, capacity),
+            (
+                "frame over 1 MiB",
+                frame(0x82, &vec![0; CONTROL_MAX_FRAME_BYTES + 1]),
+                capacity,
+            ),
+            (
+                "message over 1 MiB in fragments",
+                [frame(0x02, &vec![0; half]), frame(0x80, &vec![0; half + 1])].concat(),
+                capacity,
+            ),
+            ("close with one byte", frame(0x88, &[3]), protocol),
+            (
+                "close reason not UTF-8",
+                frame(0x88, &[0x03, 0xe8, 0xff]),
+                |e| matches!(e, tungstenite::Error::Utf8(_)),
+            ),
+            ("text not UTF-8", frame(0x81, &[0xff]), |e| {
+                matches!(e, tungstenite::Error::Utf8(_))
+            }),
+        ];
+        for (name, stream, expected) in cases {
+            let (messages, error) = control_reads(stream);
+            assert!(messages.is_empty(), "{name}: {messages:?}");
+            let error = error.unwrap_or_else(|| panic!("{name}: accepted"));
+            assert!(expected(&error), "{name}: {error:?}");
+        }
+        // An invalid close code is answered with a 1002 close rather than an error.
+        let (messages, _) = control_reads(frame(0x88, &1005u16.to_be_bytes()));
+        match messages.as_slice() {
+            [Message::Close(Some(close))] => assert_eq!(u16::from(close.code), 1002),
+            other => panic!("close 1005: {other:?}"),
+        }
+        // Legal traffic: fragments with a ping between them.
+        let (messages, error) = control_reads(
+            [
+                frame(0x01, b"{\"ty"),
+                frame(0x89, b"p"),
+                frame(0x80, b"pe\":1}"),
+            ]
+            .concat(),
+        );
+        assert!(matches!(
+            error,
+            Some(tungstenite::Error::Protocol(
+                ProtocolError::ResetWithoutClosingHandshake
+            ))
+        ));
+        assert_eq!(
+            messages,
+            vec![
+                Message::Ping(b"p".to_vec().into()),
+                Message::text("{\"type\":1}")
+            ]
+        );
     }
 }

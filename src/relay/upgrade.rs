@@ -14,7 +14,7 @@ use crate::clock;
 /// The whole upgrade request must arrive within this (SPEC §5.2: 5 s).
 pub const UPGRADE_DEADLINE: Duration = Duration::from_secs(5);
 /// A request head larger than this is refused.
-const MAX_HEAD_BYTES: usize = 8 * 1024;
+pub const MAX_HEAD_BYTES: usize = 8 * 1024;
 
 /// The endpoints of the public listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,39 +87,48 @@ pub fn read_head(stream: &TcpStream, deadline: Duration) -> Result<UpgradeReques
             Err(_) => return Err(HeadError::Closed),
         };
         filled += n;
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut request = httparse::Request::new(&mut headers);
-        match request.parse(&buf[..filled]) {
-            Ok(httparse::Status::Complete(head_len)) => {
-                if request.method != Some("GET") {
-                    return Err(HeadError::Malformed);
-                }
-                let header = |name: &str| {
-                    request
-                        .headers
-                        .iter()
-                        .find(|h| h.name.eq_ignore_ascii_case(name))
-                        .and_then(|h| std::str::from_utf8(h.value).ok())
-                        .map(|v| v.trim().to_string())
-                };
-                let upgrade = header("upgrade").unwrap_or_default();
-                let connection = header("connection").unwrap_or_default();
-                let is_websocket = upgrade.eq_ignore_ascii_case("websocket")
-                    && connection
-                        .split(',')
-                        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
-                    && header("sec-websocket-version").as_deref() == Some("13");
-                return Ok(UpgradeRequest {
-                    path: request.path.unwrap_or("/").to_string(),
-                    authorization: header("authorization"),
-                    key: header("sec-websocket-key"),
-                    is_websocket,
-                    tail: buf[head_len..filled].to_vec(),
-                });
-            }
-            Ok(httparse::Status::Partial) => {}
-            Err(_) => return Err(HeadError::Malformed),
+        if let Some(request) = parse_head(&buf[..filled])? {
+            return Ok(request);
         }
+    }
+}
+
+/// Parses a request head from the bytes received so far: `Ok(None)` while it is incomplete.
+/// Pure (no I/O), so it is fuzzed on its own (`tests/fuzz`); [`read_head`] bounds the bytes it
+/// is given to `MAX_HEAD_BYTES`.
+pub fn parse_head(received: &[u8]) -> Result<Option<UpgradeRequest>, HeadError> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut request = httparse::Request::new(&mut headers);
+    match request.parse(received) {
+        Ok(httparse::Status::Complete(head_len)) => {
+            if request.method != Some("GET") {
+                return Err(HeadError::Malformed);
+            }
+            let header = |name: &str| {
+                request
+                    .headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case(name))
+                    .and_then(|h| std::str::from_utf8(h.value).ok())
+                    .map(|v| v.trim().to_string())
+            };
+            let upgrade = header("upgrade").unwrap_or_default();
+            let connection = header("connection").unwrap_or_default();
+            let is_websocket = upgrade.eq_ignore_ascii_case("websocket")
+                && connection
+                    .split(',')
+                    .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+                && header("sec-websocket-version").as_deref() == Some("13");
+            Ok(Some(UpgradeRequest {
+                path: request.path.unwrap_or("/").to_string(),
+                authorization: header("authorization"),
+                key: header("sec-websocket-key"),
+                is_websocket,
+                tail: received[head_len..].to_vec(),
+            }))
+        }
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(_) => Err(HeadError::Malformed),
     }
 }
 

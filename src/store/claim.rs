@@ -18,7 +18,7 @@
 
 use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
 
-use super::postgres::{execute, query_one};
+use super::pg_statements::{execute, query_one};
 use super::{ClaimOutcome, StatementCounter, MODE_DB, MODE_RESERVE};
 
 /// The PostgreSQL advisory-lock key every claim takes with `pg_try_advisory_xact_lock`: the

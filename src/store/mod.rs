@@ -13,6 +13,7 @@
 //! connection that errored back into the pool.
 
 pub mod claim;
+mod pg_statements;
 pub mod pool;
 mod postgres;
 mod sqlite;

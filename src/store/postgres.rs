@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postgres::error::SqlState;
-use postgres::types::ToSql;
-use postgres::{Client, GenericClient, NoTls, Row};
+use postgres::{Client, NoTls, Row};
 
 use super::claim::{self, ClaimRequest};
+use super::pg_statements::{execute, query, query_one, query_opt};
 use super::pool::{Connector, Pool, PoolCounts};
 use super::tls::DatabaseTlsConnector;
 use super::{
@@ -38,51 +38,6 @@ const MIGRATIONS: &[(i64, &str)] = &[
 /// The advisory-lock key that serialises migrations across processes: the ASCII bytes of
 /// "orcamigr". Distinct from the trip-slot key in `claim.rs`.
 const MIGRATION_LOCK_KEY: i64 = 0x6f72_6361_6d69_6772;
-
-type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
-
-/// Runs one statement that returns no rows we read; counts it.
-pub(super) fn execute(
-    client: &mut impl GenericClient,
-    statements: &StatementCounter,
-    sql: &str,
-    params: Params<'_>,
-) -> Result<u64, postgres::Error> {
-    statements.bump();
-    client.execute(sql, params)
-}
-
-/// Runs one statement and returns exactly one row; counts it.
-pub(super) fn query_one(
-    client: &mut impl GenericClient,
-    statements: &StatementCounter,
-    sql: &str,
-    params: Params<'_>,
-) -> Result<Row, postgres::Error> {
-    statements.bump();
-    client.query_one(sql, params)
-}
-
-/// Runs one statement and returns zero or one row; counts it.
-pub(super) fn query_opt(
-    client: &mut impl GenericClient,
-    statements: &StatementCounter,
-    sql: &str,
-    params: Params<'_>,
-) -> Result<Option<Row>, postgres::Error> {
-    statements.bump();
-    client.query_opt(sql, params)
-}
-
-fn query(
-    client: &mut impl GenericClient,
-    statements: &StatementCounter,
-    sql: &str,
-    params: Params<'_>,
-) -> Result<Vec<Row>, postgres::Error> {
-    statements.bump();
-    client.query(sql, params)
-}
 
 /// Opens connections with the relay's session settings, over TLS as `sslmode` says.
 pub(super) struct PgConnector {

@@ -16,8 +16,6 @@
 //! Must never: read a CA file without a bound, or log a cause more than once while it lasts.
 
 use std::fmt;
-use std::io::Read;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -186,7 +184,8 @@ fn load_roots(ca: &CaFile) -> Result<RootCertStore, String> {
             ca.source.as_str()
         )
     };
-    let pem = read_bounded(&ca.path, MAX_CA_FILE_BYTES).map_err(refuse)?;
+    let pem = crate::local_file::read_bounded(&ca.path, MAX_CA_FILE_BYTES)
+        .map_err(|e| refuse(format!("cannot be read: {e}")))?;
     let mut roots = RootCertStore::empty();
     for cert in CertificateDer::pem_slice_iter(&pem) {
         let cert = cert.map_err(|e| refuse(format!("is not valid PEM: {e}")))?;
@@ -198,26 +197,6 @@ fn load_roots(ca: &CaFile) -> Result<RootCertStore, String> {
         return Err(refuse("holds no PEM certificate".into()));
     }
     Ok(roots)
-}
-
-/// Reads a regular file of at most `limit` bytes. Kept local to the store: the CA bundle's
-/// bound differs from the relay's other local files.
-fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
-    let metadata = file
-        .metadata()
-        .map_err(|e| format!("cannot be read: {e}"))?;
-    if !metadata.is_file() {
-        return Err("is not a regular file".into());
-    }
-    let mut bytes = Vec::new();
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot be read: {e}"))?;
-    if bytes.len() as u64 > limit {
-        return Err(format!("is larger than {limit} bytes"));
-    }
-    Ok(bytes)
 }
 
 /// Names the TLS failure in a driver error, if it is one.
@@ -407,7 +386,7 @@ mod tests {
 
         let big = temp_file("big.pem", &vec![b'x'; MAX_CA_FILE_BYTES as usize + 1]);
         let error = load_roots(&ca(big)).unwrap_err();
-        assert!(error.contains("larger than 1048576 bytes"), "{error}");
+        assert!(error.contains("at most 1048576"), "{error}");
 
         let directory = std::env::temp_dir();
         let error = load_roots(&ca(directory)).unwrap_err();
@@ -415,7 +394,7 @@ mod tests {
 
         let missing = std::env::temp_dir().join("orca-relay-no-such-ca.pem");
         let error = load_roots(&ca(missing)).unwrap_err();
-        assert!(error.contains("cannot be opened"), "{error}");
+        assert!(error.contains("no such file"), "{error}");
 
         let garbage = temp_file(
             "garbage.pem",
