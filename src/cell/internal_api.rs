@@ -408,11 +408,12 @@ mod tests {
             let base = format!("http://{}", listener.local_addr().unwrap());
             let server = HttpServer::start(
                 listener,
-                2,
+                crate::http::HttpSettings::default(),
                 Arc::new(move |request| {
                     api.handle(request)
                         .unwrap_or_else(|| Reply::error(404, "not_found"))
                 }),
+                &registry,
             )
             .unwrap();
             let agent = ureq::AgentBuilder::new()

@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
-use crate::http::{HttpServer, Reply, Request};
+use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
 use crate::readiness::{self, Phase, Probes, Readiness};
@@ -32,8 +32,6 @@ use crate::threads;
 
 use super::{bind_with_addr, open_store, verifier, RunError};
 
-/// HTTP worker threads: an assign may wait up to 2 s on a cell's `/internal/reserve`.
-const HTTP_WORKERS: usize = 8;
 /// Migration retry backoff: first wait, and the cap it doubles up to.
 const MIGRATE_RETRY_FIRST: Duration = Duration::from_millis(500);
 const MIGRATE_RETRY_MAX: Duration = Duration::from_secs(10);
@@ -125,8 +123,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let routes = routes.clone();
         Arc::new(move |request: &mut Request<'_>| routes.route(request))
     };
-    let http = HttpServer::start(http_listener, HTTP_WORKERS, handler)
-        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    let http = HttpServer::start(
+        http_listener,
+        HttpSettings::from_config(&config),
+        handler,
+        &registry,
+    )
+    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
 
     log::info!(
         "orca_relay_started role=director director_id={director_id} http={http_addr} backend={} incarnation={incarnation}",
