@@ -46,12 +46,20 @@ pub struct Conn {
 
 impl Conn {
     pub fn connect(addr: &str) -> Conn {
-        let stream = TcpStream::connect(addr).expect("connect");
+        Conn::try_connect(addr, Duration::from_secs(10)).expect("connect")
+    }
+
+    /// Connects within `timeout` (benches count a failure instead of panicking).
+    pub fn try_connect(addr: &str, timeout: Duration) -> io::Result<Conn> {
+        let addr: std::net::SocketAddr = addr
+            .parse()
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
         let _ = stream.set_nodelay(true);
-        Conn {
+        Ok(Conn {
             stream,
             buf: Vec::new(),
-        }
+        })
     }
 
     pub fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
