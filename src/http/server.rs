@@ -1072,6 +1072,33 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_whose_connection_ended_serves_the_next_one_and_stop_ends_it() {
+        let mut fixture = Fixture::start(HttpSettings::default());
+        let shared = fixture.server.as_ref().unwrap().shared.clone();
+        let spare_waiting = || {
+            let until = crate::clock::instant() + Duration::from_secs(5);
+            while shared.spares.lock().idle != 1 && crate::clock::instant() < until {
+                crate::clock::sleep(Duration::from_millis(5));
+            }
+            shared.spares.lock().idle == 1
+        };
+        for n in 0..3 {
+            let text = exchange(&fixture, b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n");
+            assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+            assert!(spare_waiting(), "connection {n}");
+            assert_eq!(
+                *shared.live.lock().unwrap(),
+                1,
+                "one thread served them all"
+            );
+        }
+        let started = crate::clock::instant();
+        fixture.server.take().unwrap().stop();
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(*shared.live.lock().unwrap(), 0);
+    }
+
+    #[test]
     fn stop_closes_idle_connections_and_joins() {
         let mut fixture = Fixture::start(HttpSettings::default());
         let mut idle = fixture.connect();
