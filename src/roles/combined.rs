@@ -16,9 +16,9 @@
 //! API; the director side holds the same one.
 //!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `self-record`, `http-acceptor` and `http-<n>`, `signals`. The main thread waits
-//! for SIGTERM and runs the drain: the cell drains (the poller keeps polling meanwhile, so the
-//! dead-man stays armed), then the poller and `self-record` stop, then HTTP.
+//! `feed-poller` and its workers, `self-record`, `http-acceptor` and `http-<n>`, `signals`. The
+//! main thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
+//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
