@@ -146,6 +146,13 @@ pub struct Config {
     pub service_token: Option<ServiceTokens>,
     pub switch_file: PathBuf,
     pub connection_cap: u32,
+    /// Pre-authentication sockets on the WebSocket port at most, apart from the connection cap
+    /// (SPEC §11).
+    pub pending_upgrades_max: u32,
+    /// An idle keep-alive connection on the HTTP port is closed after this (SPEC §11).
+    pub http_idle_ms: u64,
+    /// Open connections on the HTTP port at most.
+    pub http_connections_max: u32,
     pub readiness_jwks_grace_ms: u64,
     pub readiness_sql_grace_ms: u64,
     pub handshake_timeout_ms: u64,
@@ -177,6 +184,9 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_SERVICE_TOKEN",
     "ORCA_RELAY_SWITCH_FILE",
     "ORCA_RELAY_CONNECTION_CAP",
+    "ORCA_RELAY_PENDING_UPGRADES_MAX",
+    "ORCA_RELAY_HTTP_IDLE_MS",
+    "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
     "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
     "ORCA_RELAY_READINESS_SQL_GRACE_MS",
     "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
@@ -477,7 +487,12 @@ impl Config {
             .unwrap_or_else(|| data_dir.join("switch.json"));
         let connection_cap =
             parse_int_in(lookup, "ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000)? as u32;
+        let pending_upgrades_max =
+            parse_int_in(lookup, "ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000)? as u32;
         let hour = 3_600_000;
+        let http_idle_ms = parse_int_in(lookup, "ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour)?;
+        let http_connections_max =
+            parse_int_in(lookup, "ORCA_RELAY_HTTP_CONNECTIONS_MAX", 1024, 1, 100_000)? as u32;
         let readiness_jwks_grace_ms = parse_int_in(
             lookup,
             "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
@@ -562,6 +577,9 @@ impl Config {
             service_token,
             switch_file,
             connection_cap,
+            pending_upgrades_max,
+            http_idle_ms,
+            http_connections_max,
             readiness_jwks_grace_ms,
             readiness_sql_grace_ms,
             handshake_timeout_ms,
@@ -623,6 +641,15 @@ impl Config {
             self.switch_file.display().to_string(),
         );
         out.insert("ORCA_RELAY_CONNECTION_CAP", self.connection_cap.to_string());
+        out.insert(
+            "ORCA_RELAY_PENDING_UPGRADES_MAX",
+            self.pending_upgrades_max.to_string(),
+        );
+        out.insert("ORCA_RELAY_HTTP_IDLE_MS", self.http_idle_ms.to_string());
+        out.insert(
+            "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
+            self.http_connections_max.to_string(),
+        );
         out.insert(
             "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
             self.readiness_jwks_grace_ms.to_string(),
@@ -730,6 +757,9 @@ mod tests {
         assert_eq!(config.internal_url, "http://127.0.0.1:8081");
         assert_eq!(config.switch_file, PathBuf::from("./data/switch.json"));
         assert_eq!(config.timings, Timings::default());
+        assert_eq!(config.pending_upgrades_max, 256);
+        assert_eq!(config.http_idle_ms, 30_000);
+        assert_eq!(config.http_connections_max, 1024);
     }
 
     #[test]
@@ -781,6 +811,9 @@ mod tests {
             ("DATABASE_URL", "mysql://x", "postgres"),
             ("ORCA_RELAY_INTERNAL_URL", "ws://10.0.0.7:8081", "http"),
             ("ORCA_RELAY_SELF_HOSTED_KEY", "short", "32 to 256"),
+            ("ORCA_RELAY_HTTP_IDLE_MS", "99", "100 to 3600000"),
+            ("ORCA_RELAY_HTTP_CONNECTIONS_MAX", "0", "1 to 100000"),
+            ("ORCA_RELAY_PENDING_UPGRADES_MAX", "100001", "1 to 100000"),
         ];
         for (name, value, expected) in cases {
             let err = parse(&[(name, value)]).unwrap_err();

@@ -17,6 +17,7 @@ pub mod threads;
 
 // Floor 2: the only SQL, token checks, HTTP plumbing, process lifecycle.
 pub mod auth;
+pub mod http;
 pub mod lifecycle;
 pub mod store;
 
@@ -27,7 +28,6 @@ pub mod readiness;
 // Floor 4: the seed's heart.
 pub mod dead_man;
 pub mod director;
-pub mod http;
 pub mod relay;
 
 // Floor 5-6: role wiring and the command line.

@@ -331,11 +331,12 @@ fn connection_cap_refuses_with_503_and_retry_after() {
     for _ in 0..3 {
         held.push(Desktop::connect(&relay));
     }
-    let (relay_host_id, _) = ("x", ());
-    let _ = relay_host_id;
+    // The cap counts admitted sockets: an upgrade meets it only once it is authenticated.
+    let fourth = host_id();
+    let bearer = token("user-fourth", &fourth);
     let mut stream = TcpStream::connect(&relay.ws).unwrap();
     stream
-        .write_all(b"GET /v1/host/control HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        .write_all(format!("GET /v1/host/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bearer}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n").as_bytes())
         .unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))

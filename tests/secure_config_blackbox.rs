@@ -194,7 +194,7 @@ fn database_tls_settings_are_checked_and_the_effective_mode_is_shown() {
             &[
                 &missing.display().to_string(),
                 "sslrootcert",
-                "cannot be opened",
+                "no such file",
             ],
             command,
         );

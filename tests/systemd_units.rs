@@ -167,25 +167,30 @@ fn start_timeout_is_45_seconds() {
 
 #[test]
 fn cell_limits_fit_thread_per_connection_at_the_cap() {
-    // One relay thread and one descriptor per WebSocket connection, sized for a cap of 10 000.
+    // One relay thread and one descriptor per WebSocket connection, sized for a cap of 10 000,
+    // plus the pending upgrades and the HTTP connections at their defaults.
     const SIZED_FOR_CAP: u64 = 10_000;
-    const ROLE_AND_HTTP_THREADS: u64 = 64;
+    const ROLE_THREADS: u64 = 64;
     const LISTENERS: u64 = 2;
     const LARGEST_POOL: u64 = 100;
     let unit = Unit::load(CELL_UNIT);
     let defaults = Config::from_lookup(&|_| None).expect("the defaults are valid");
     assert!(u64::from(defaults.connection_cap) <= SIZED_FOR_CAP);
-    assert!(unit.number("TasksMax") >= SIZED_FOR_CAP + ROLE_AND_HTTP_THREADS);
-    assert!(unit.number("LimitNOFILE") >= SIZED_FOR_CAP + LISTENERS + LARGEST_POOL + 64);
+    let per_connection = SIZED_FOR_CAP
+        + u64::from(defaults.pending_upgrades_max)
+        + u64::from(defaults.http_connections_max);
+    assert!(unit.number("TasksMax") >= per_connection + ROLE_THREADS);
+    assert!(unit.number("LimitNOFILE") >= per_connection + LISTENERS + LARGEST_POOL + 64);
     // The arithmetic is written down next to the numbers.
-    assert!(unit.text.contains("10 064"), "TasksMax comment");
+    assert!(unit.text.contains("11 344"), "TasksMax comment");
     assert!(unit.text.contains("descriptors:"), "LimitNOFILE comment");
 }
 
 #[test]
 fn director_limits_are_set() {
     let unit = Unit::load(DIRECTOR_UNIT);
-    assert!(unit.number("TasksMax") >= 1024);
+    let defaults = Config::from_lookup(&|_| None).expect("the defaults are valid");
+    assert!(unit.number("TasksMax") >= u64::from(defaults.http_connections_max) + 64);
     assert!(unit.number("LimitNOFILE") >= unit.number("TasksMax"));
 }
 

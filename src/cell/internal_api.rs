@@ -4,8 +4,8 @@
 //! Owns: nothing but handles. The bookings live in [`Bookings`], the seats in [`SeatLog`], the
 //! dead-man contact in [`Contact`]; the cell's mode and counts come from a status function the
 //! role wiring provides, read once per request.
-//! Runs on: the `http-<n>` workers; each request is a plain function call that takes a few
-//! short locks and returns.
+//! Runs on: the `http-<n>` connection threads; each request is a plain function call that takes
+//! a few short locks and returns.
 //! Must never: look at a body or a query before the service token matched (constant-time), read
 //! more than 16 KiB of a body, book anything from a request that is invalid as a whole, or
 //! block on a dependency.
@@ -410,11 +410,12 @@ mod tests {
             let base = format!("http://{}", listener.local_addr().unwrap());
             let server = HttpServer::start(
                 listener,
-                2,
+                crate::http::HttpSettings::default(),
                 Arc::new(move |request| {
                     api.handle(request)
                         .unwrap_or_else(|| Reply::error(404, "not_found"))
                 }),
+                &registry,
             )
             .unwrap();
             let agent = ureq::AgentBuilder::new()

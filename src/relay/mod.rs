@@ -1,10 +1,18 @@
 //! The data plane: the `acceptor` thread and one `relay-<id>` thread per WebSocket connection.
 //!
-//! The acceptor takes a connection unit against the cap, then hands the TCP stream to a new
-//! relay thread; the upgrade (head deadline, routing, token check at upgrade) and everything
-//! after it happen on that thread, so a slow client never delays the acceptor. Over the cap,
-//! a short-lived rejection thread answers 503 with `Retry-After: 2` (bounded: past that bound
-//! the connection is dropped at once).
+//! The acceptor only accepts: it admits each connection into the table of **pending upgrades**
+//! (`ORCA_RELAY_PENDING_UPGRADES_MAX`, apart from the connection cap) and hands it to a new relay
+//! thread. The upgrade happens on that thread: the head within 5 s of acceptance, the phase,
+//! the route, the token, pool pressure, and only then a unit of the **connection cap**, so the
+//! cap counts admitted sockets only. Every refusal (404, 426, 401, 503) goes through
+//! [`refuse_upgrade`]: counted, answered, handed to the reaper, and everything the connection
+//! held is released as the thread returns.
+//!
+//! When the pending table is full, the socket that has waited longest for its head is shed (closed
+//! without an answer, counted) to admit the new one: whoever holds pending entries without
+//! finishing a head cannot lock desktops out, and answering needs the head, which is the very
+//! thing the shed socket has not sent. When every pending socket is past its head (being
+//! authenticated), the newcomer is dropped at once, counted; desktops retry with backoff.
 //!
 //! A panic in a relay thread is caught at the top of the thread: it costs that connection a
 //! close (4429), never the process.
@@ -19,17 +27,18 @@ pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::auth::Verifier;
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
-use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
+use crate::cell::state::{CellState, ConnectionSlots, Peer};
 use crate::clock::SharedClock;
 use crate::config::Timings;
+use crate::http::table::{Admission, ConnectionTable, Ticket};
 use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
@@ -148,6 +157,27 @@ impl RelayMetrics {
         )
     }
 
+    /// A pending upgrade shed to admit a newer one, or a connection dropped at accept.
+    pub fn pending_shed(&self) {
+        self.registry
+            .counter(
+                "orca_relay_ws_pending_upgrades_shed_total",
+                "Pending upgrades (head not yet complete) closed to admit a newer connection.",
+                &[],
+            )
+            .inc();
+    }
+
+    pub fn dropped_at_accept(&self, reason: &str) {
+        self.registry
+            .counter(
+                "orca_relay_ws_connections_dropped_total",
+                "WebSocket connections closed at accept without an answer, by reason.",
+                &[("reason", reason)],
+            )
+            .inc();
+    }
+
     pub fn upgrade_refused(&self, status: u16, reason: &str) {
         self.registry
             .counter(
@@ -200,13 +230,10 @@ pub struct RelayContext {
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
     pub mode: Arc<CellMode>,
+    /// Sockets between accept and admission (or refusal).
+    pub pending: Arc<ConnectionTable>,
     next_id: Arc<AtomicU64>,
-    rejecting: Arc<AtomicU32>,
 }
-
-/// At most this many threads answer over-cap connections with 503 at once; past it the
-/// connection is dropped without an answer.
-const MAX_REJECTION_THREADS: u32 = 64;
 
 impl RelayContext {
     #[allow(clippy::too_many_arguments)]
@@ -215,6 +242,7 @@ impl RelayContext {
         incarnation: i64,
         timings: Timings,
         connection_cap: u32,
+        pending_upgrades_max: u32,
         verifier: Verifier,
         store: Store,
         clock: SharedClock,
@@ -223,6 +251,27 @@ impl RelayContext {
         registry: &Registry,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
+        for reason in ["pending_upgrades_full", "thread_spawn"] {
+            registry.counter(
+                "orca_relay_ws_connections_dropped_total",
+                "WebSocket connections closed at accept without an answer, by reason.",
+                &[("reason", reason)],
+            );
+        }
+        registry.counter(
+            "orca_relay_ws_pending_upgrades_shed_total",
+            "Pending upgrades (head not yet complete) closed to admit a newer connection.",
+            &[],
+        );
+        let pending = ConnectionTable::new(pending_upgrades_max as usize);
+        {
+            let pending = pending.clone();
+            registry.sampled_gauge(
+                "orca_relay_ws_pending_upgrades",
+                "WebSocket connections accepted and not yet admitted or refused.",
+                move || vec![(Vec::new(), pending.len() as f64)],
+            );
+        }
         RelayContext {
             cell_id: cell_id.into(),
             incarnation,
@@ -238,8 +287,8 @@ impl RelayContext {
             slots,
             phase,
             metrics: RelayMetrics::new(registry),
+            pending,
             next_id: Arc::new(AtomicU64::new(1)),
-            rejecting: Arc::new(AtomicU32::new(0)),
         }
     }
 
@@ -252,82 +301,153 @@ impl RelayContext {
 }
 
 /// The `acceptor` thread body: accepts until `stop` is set (the listener is unblocked by a
-/// connection from the shutdown path).
+/// connection from the shutdown path). It never reads from a connection.
 pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
-    for stream in listener.incoming() {
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
-        let stream = match stream {
-            Ok(stream) => stream,
+    let _ = crate::http::server::raise_backlog(&listener);
+    // Resource exhaustion is logged once per run of failures.
+    let mut accept_failing = false;
+    let mut spawn_failing = false;
+    loop {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
             Err(e) => {
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                if !accept_failing {
+                    log::warn!("orca_relay_accept_failed error={e}");
+                    accept_failing = true;
+                }
                 // EMFILE and friends: back off briefly instead of spinning.
-                log::warn!("orca_relay_accept_failed error={e}");
                 crate::clock::sleep(Duration::from_millis(50));
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        let id = context.next_id.fetch_add(1, Ordering::Relaxed);
-        if context.phase.get() != Phase::SERVING {
-            let reason = if context.phase.get() == Phase::STARTING {
-                "starting"
-            } else {
-                "draining"
-            };
-            reject_in_background(&context, stream, reason);
-            continue;
+        if stop.load(Ordering::Acquire) {
+            break;
         }
-        let Some(slot) = context.slots.try_take() else {
-            reject_in_background(&context, stream, "connection_cap");
-            continue;
+        if accept_failing {
+            log::info!("orca_relay_accept_recovered");
+            accept_failing = false;
+        }
+        let accepted = crate::clock::instant();
+        let _ = stream.set_nodelay(true);
+        let stream = Arc::new(stream);
+        let ticket = match context.pending.admit(&stream) {
+            Admission::Admitted { ticket, shed } => {
+                if shed {
+                    context.metrics.pending_shed();
+                }
+                ticket
+            }
+            Admission::Full => {
+                context.metrics.dropped_at_accept("pending_upgrades_full");
+                continue;
+            }
         };
+        let id = context.next_id.fetch_add(1, Ordering::Relaxed);
         let thread_context = context.clone();
         let spawned = crate::threads::spawn_with_stack(
             format!("relay-{id}"),
             crate::threads::RELAY_STACK_BYTES,
-            move || serve_connection(thread_context, stream, id, slot),
+            move || serve_connection(thread_context, stream, ticket, id, accepted),
         );
-        if let Err(e) = spawned {
-            // The slot and stream were moved into the closure and are dropped with it.
-            log::warn!("orca_relay_thread_spawn_failed error={e}");
+        match spawned {
+            Ok(_) => spawn_failing = false,
+            Err(e) => {
+                // The stream and its pending entry were moved into the closure and dropped.
+                context.metrics.dropped_at_accept("thread_spawn");
+                if !spawn_failing {
+                    log::warn!("orca_relay_thread_spawn_failed error={e}");
+                    spawn_failing = true;
+                }
+            }
         }
     }
 }
 
-fn reject_in_background(context: &RelayContext, stream: TcpStream, reason: &'static str) {
-    if context.rejecting.fetch_add(1, Ordering::AcqRel) >= MAX_REJECTION_THREADS {
-        context.rejecting.fetch_sub(1, Ordering::AcqRel);
-        return;
-    }
-    let rejecting = context.rejecting.clone();
-    let metrics = context.metrics.clone();
-    let spawned = crate::threads::spawn_with_stack("reject", 64 * 1024, move || {
-        let _ = upgrade::read_head(&stream, Duration::from_secs(1));
-        metrics.upgrade_refused(503, reason);
-        upgrade::refuse(&stream, 503, reason, Some(2));
-        rejecting.fetch_sub(1, Ordering::AcqRel);
-    });
-    if spawned.is_err() {
-        context.rejecting.fetch_sub(1, Ordering::AcqRel);
+/// One way an upgrade is refused: the status, the reason counted in
+/// `orca_relay_upgrades_refused_total`, the `error` of the answer, and `Retry-After`.
+struct Refusal<'a> {
+    status: u16,
+    reason: &'a str,
+    answer: &'a str,
+    retry_after_s: Option<u32>,
+}
+
+impl<'a> Refusal<'a> {
+    /// 503 with `Retry-After: 2`, the reason as the answer.
+    fn unavailable(reason: &'a str) -> Self {
+        Refusal {
+            status: 503,
+            reason,
+            answer: reason,
+            retry_after_s: Some(2),
+        }
     }
 }
 
-/// One connection, from upgrade to close. The slot is released when this returns.
-fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: SlotGuard) {
-    let request = match upgrade::read_head(&stream, upgrade::UPGRADE_DEADLINE) {
+/// Refuses an upgrade: counted, answered, our side closed, and the socket handed to the reaper,
+/// which drops it [`upgrade::REFUSAL_LINGER`] later whatever the client sends. The caller
+/// returns at once, releasing its pending entry (and any unit). Every refusal of the WebSocket
+/// port after accept goes through here.
+fn refuse_upgrade(context: &RelayContext, stream: Arc<TcpStream>, refusal: Refusal<'_>) {
+    context
+        .metrics
+        .upgrade_refused(refusal.status, refusal.reason);
+    upgrade::refuse(
+        &stream,
+        refusal.status,
+        refusal.answer,
+        refusal.retry_after_s,
+    );
+    context
+        .reaper
+        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
+}
+
+/// One connection, from upgrade to close. The pending entry is released once the connection is
+/// admitted or refused; the connection unit, taken only at admission, when this returns.
+fn serve_connection(
+    context: RelayContext,
+    stream: Arc<TcpStream>,
+    pending: Ticket,
+    id: u64,
+    accepted: Instant,
+) {
+    let request = match upgrade::read_head(&stream, accepted + upgrade::UPGRADE_DEADLINE) {
         Ok(request) => request,
         Err(_) => return,
     };
-    let Some(route) = upgrade::route(&request.path) else {
-        context.metrics.upgrade_refused(404, "unknown_path");
-        upgrade::refuse(&stream, 404, "not_found", None);
+    if !pending.hold() {
+        // Shed while its head arrived: already shut down.
         return;
+    }
+    match context.phase.get() {
+        Phase::SERVING => {}
+        Phase::STARTING => {
+            return refuse_upgrade(&context, stream, Refusal::unavailable("starting"))
+        }
+        _ => return refuse_upgrade(&context, stream, Refusal::unavailable("draining")),
+    }
+    let Some(route) = upgrade::route(&request.path) else {
+        let refusal = Refusal {
+            status: 404,
+            reason: "unknown_path",
+            answer: "not_found",
+            retry_after_s: None,
+        };
+        return refuse_upgrade(&context, stream, refusal);
     };
     let Some(key) = request.key.clone().filter(|_| request.is_websocket) else {
-        context.metrics.upgrade_refused(426, "not_websocket");
-        upgrade::refuse(&stream, 426, "websocket_upgrade_required", None);
-        return;
+        let refusal = Refusal {
+            status: 426,
+            reason: "not_websocket",
+            answer: "websocket_upgrade_required",
+            retry_after_s: None,
+        };
+        return refuse_upgrade(&context, stream, refusal);
     };
     // The desktop's token is checked before the upgrade: a bad token never gets a socket.
     let claims = if route == Route::Control {
@@ -336,9 +456,13 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
         match verified {
             Ok(claims) => Some(claims),
             Err(e) => {
-                context.metrics.upgrade_refused(401, e.reason_code());
-                upgrade::refuse(&stream, 401, "bad_outer_credential", None);
-                return;
+                let refusal = Refusal {
+                    status: 401,
+                    reason: e.reason_code(),
+                    answer: "bad_outer_credential",
+                    retry_after_s: None,
+                };
+                return refuse_upgrade(&context, stream, refusal);
             }
         }
     } else {
@@ -360,11 +484,18 @@ fn serve_connection(context: RelayContext, stream: TcpStream, id: u64, slot: Slo
             },
         );
         if shed {
-            context.metrics.upgrade_refused(503, "pool_pressure");
-            upgrade::refuse(&stream, 503, "pool_pressure", Some(2));
-            return;
+            return refuse_upgrade(&context, stream, Refusal::unavailable("pool_pressure"));
         }
     }
+    // Admitted: the connection cap counts from here on.
+    let Some(slot) = context.slots.try_take() else {
+        return refuse_upgrade(&context, stream, Refusal::unavailable("connection_cap"));
+    };
+    drop(pending);
+    let Ok(stream) = Arc::try_unwrap(stream) else {
+        // Only a shed entry keeps a second handle, and a shed socket never gets this far.
+        return;
+    };
     if upgrade::accept(&stream, &key).is_err() {
         return;
     }

@@ -418,13 +418,33 @@ pub fn drain_for_linger(stream: &TcpStream) {
     }
 }
 
-/// Drops TCP connections whose close handshake did not finish in time. One thread, `reaper`.
+/// Drops TCP connections whose close handshake did not finish in time, and refused upgrades
+/// once their answer has had time to arrive. One thread, `reaper`.
 #[derive(Clone)]
 pub struct Reaper {
-    sender: Sender<(u64, Arc<Socket>)>,
+    sender: Sender<(u64, Doomed)>,
 }
 
-struct Due(u64, Arc<Socket>);
+/// What the reaper drops.
+enum Doomed {
+    /// A WebSocket connection that sent its close frame.
+    Socket(Arc<Socket>),
+    /// A refused upgrade: our answer is written, our side shut down.
+    Stream(Arc<TcpStream>),
+}
+
+impl Doomed {
+    fn shutdown(&self) {
+        match self {
+            Doomed::Socket(socket) => socket.shutdown(),
+            Doomed::Stream(stream) => {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+struct Due(u64, Doomed);
 
 impl PartialEq for Due {
     fn eq(&self, other: &Self) -> bool {
@@ -453,9 +473,19 @@ impl Reaper {
     }
 
     pub fn schedule(&self, socket: Arc<Socket>, after: Duration) {
+        self.send(Doomed::Socket(socket), after);
+    }
+
+    /// Drops a refused connection `after` from now (the descriptor closes with the last
+    /// handle).
+    pub fn schedule_stream(&self, stream: Arc<TcpStream>, after: Duration) {
+        self.send(Doomed::Stream(stream), after);
+    }
+
+    fn send(&self, doomed: Doomed, after: Duration) {
         let due = monotonic_ms() + after.as_millis() as u64;
-        if self.sender.send((due, socket.clone())).is_err() {
-            socket.shutdown();
+        if let Err(mpsc::SendError((_, doomed))) = self.sender.send((due, doomed)) {
+            doomed.shutdown();
         }
     }
 }
@@ -465,13 +495,13 @@ fn monotonic_ms() -> u64 {
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Arc<Socket>)>) {
+fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
     loop {
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
-            if let Some(Due(_, socket)) = heap.pop() {
-                socket.shutdown();
+            if let Some(Due(_, doomed)) = heap.pop() {
+                doomed.shutdown();
             }
         }
         let wait = heap
@@ -479,11 +509,11 @@ fn run_reaper(receiver: Receiver<(u64, Arc<Socket>)>) {
             .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
             .unwrap_or(Duration::from_secs(3600));
         match receiver.recv_timeout(wait) {
-            Ok((due, socket)) => heap.push(Due(due, socket)),
+            Ok((due, doomed)) => heap.push(Due(due, doomed)),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => {
-                for Due(_, socket) in heap.drain() {
-                    socket.shutdown();
+                for Due(_, doomed) in heap.drain() {
+                    doomed.shutdown();
                 }
                 return;
             }

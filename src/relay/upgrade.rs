@@ -1,20 +1,29 @@
 //! The WebSocket upgrade: reading the request head under one deadline, routing, and the HTTP
-//! answers that refuse an upgrade (401, 404, 503).
+//! answers that refuse an upgrade (401, 404, 426, 503).
 //!
-//! We read the head ourselves (with `httparse`) rather than through tungstenite's handshake so
-//! that the whole head has one deadline (a client trickling a byte every few seconds cannot pin
-//! the thread) and so that each endpoint's reader gets its own buffer sizes.
+//! The head is read by the reader both listeners share (`http::head`) rather than through
+//! tungstenite's handshake, so the whole head has one deadline (a client trickling a byte every
+//! few seconds cannot pin the thread), `EINTR` is retried, and the bytes that follow the head
+//! (the start of the first frame) are kept.
+//!
+//! A refusal answers at once and hands the socket to the reaper, which drops it
+//! [`REFUSAL_LINGER`] later whatever the client keeps sending: the thread, its pending-upgrade
+//! entry and any connection unit are released when the answer is written.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::TcpStream;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::clock;
+use crate::http::head::{self, Head, HeadError, HeadReader};
 
-/// The whole upgrade request must arrive within this (SPEC §5.2: 5 s).
+/// The whole upgrade request must arrive within this (SPEC §5.2: 5 s; stricter than the HTTP
+/// port's 10 s).
 pub const UPGRADE_DEADLINE: Duration = Duration::from_secs(5);
-/// A request head larger than this is refused.
-pub const MAX_HEAD_BYTES: usize = 8 * 1024;
+/// How long a refused client has to read its answer before the TCP connection is dropped
+/// (SPEC §5.2 and §11: gone within 1 s whatever the client sends).
+pub const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// The endpoints of the public listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,91 +54,39 @@ pub struct UpgradeRequest {
     pub tail: Vec<u8>,
 }
 
-#[derive(Debug, PartialEq, Eq)]
-pub enum HeadError {
-    TimedOut,
-    Malformed,
-    TooLarge,
-    Closed,
+/// Reads one upgrade request head by `deadline` (counted from the connection's acceptance).
+pub fn read_head(stream: &TcpStream, deadline: Instant) -> Result<UpgradeRequest, HeadError> {
+    let mut reader = HeadReader::new();
+    let head = reader.read_head(stream, deadline)?;
+    upgrade_request(head, reader.into_buffered())
 }
 
-/// Reads one request head within `deadline`.
-pub fn read_head(stream: &TcpStream, deadline: Duration) -> Result<UpgradeRequest, HeadError> {
-    let started = clock::instant();
-    let mut buf = vec![0u8; 1024];
-    let mut filled = 0;
-    loop {
-        let remaining = deadline
-            .checked_sub(started.elapsed())
-            .filter(|d| !d.is_zero())
-            .ok_or(HeadError::TimedOut)?;
-        stream
-            .set_read_timeout(Some(remaining))
-            .map_err(|_| HeadError::Closed)?;
-        if filled == buf.len() {
-            if buf.len() >= MAX_HEAD_BYTES {
-                return Err(HeadError::TooLarge);
-            }
-            buf.resize((buf.len() * 2).min(MAX_HEAD_BYTES), 0);
-        }
-        let n = match (&*stream).read(&mut buf[filled..]) {
-            Ok(0) => return Err(HeadError::Closed),
-            Ok(n) => n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(HeadError::TimedOut)
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return Err(HeadError::Closed),
-        };
-        filled += n;
-        if let Some(request) = parse_head(&buf[..filled])? {
-            return Ok(request);
-        }
-    }
-}
-
-/// Parses a request head from the bytes received so far: `Ok(None)` while it is incomplete.
-/// Pure (no I/O), so it is fuzzed on its own (`tests/fuzz`); [`read_head`] bounds the bytes it
-/// is given to `MAX_HEAD_BYTES`.
+/// Parses an upgrade request from the bytes received so far: `Ok(None)` while the head is
+/// incomplete. Pure, the same steps as [`read_head`], so it is fuzzed on its own (`tests/fuzz`).
 pub fn parse_head(received: &[u8]) -> Result<Option<UpgradeRequest>, HeadError> {
-    let mut headers = [httparse::EMPTY_HEADER; 32];
-    let mut request = httparse::Request::new(&mut headers);
-    match request.parse(received) {
-        Ok(httparse::Status::Complete(head_len)) => {
-            if request.method != Some("GET") {
-                return Err(HeadError::Malformed);
-            }
-            let header = |name: &str| {
-                request
-                    .headers
-                    .iter()
-                    .find(|h| h.name.eq_ignore_ascii_case(name))
-                    .and_then(|h| std::str::from_utf8(h.value).ok())
-                    .map(|v| v.trim().to_string())
-            };
-            let upgrade = header("upgrade").unwrap_or_default();
-            let connection = header("connection").unwrap_or_default();
-            let is_websocket = upgrade.eq_ignore_ascii_case("websocket")
-                && connection
-                    .split(',')
-                    .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
-                && header("sec-websocket-version").as_deref() == Some("13");
-            Ok(Some(UpgradeRequest {
-                path: request.path.unwrap_or("/").to_string(),
-                authorization: header("authorization"),
-                key: header("sec-websocket-key"),
-                is_websocket,
-                tail: received[head_len..].to_vec(),
-            }))
-        }
-        Ok(httparse::Status::Partial) => Ok(None),
-        Err(_) => Err(HeadError::Malformed),
+    match head::parse_head(received)? {
+        Some((head, head_len)) => upgrade_request(head, received[head_len..].to_vec()).map(Some),
+        None => Ok(None),
     }
+}
+
+/// What an upgrade needs of a head; `tail` is what arrived after it (the first frame's start).
+fn upgrade_request(head: Head, tail: Vec<u8>) -> Result<UpgradeRequest, HeadError> {
+    if head.method != "GET" {
+        return Err(HeadError::Malformed);
+    }
+    let is_websocket = head
+        .header("upgrade")
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"))
+        && head.has_token("connection", "upgrade")
+        && head.header("sec-websocket-version") == Some("13");
+    Ok(UpgradeRequest {
+        path: head.target.clone(),
+        authorization: head.header("authorization").map(str::to_string),
+        key: head.header("sec-websocket-key").map(str::to_string),
+        is_websocket,
+        tail,
+    })
 }
 
 /// Maps a request path to an endpoint; `None` is a 404.
@@ -162,39 +119,48 @@ pub fn accept(stream: &TcpStream, key: &str) -> io::Result<()> {
     let response = format!(
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n"
     );
-    (&*stream).write_all(response.as_bytes())
+    head::write_all_by(
+        stream,
+        response.as_bytes(),
+        clock::instant() + Duration::from_secs(1),
+    )
 }
 
-/// Writes a refusal and leaves the connection for the caller to drop.
-pub fn refuse(stream: &TcpStream, status: u16, reason: &str, retry_after_s: Option<u32>) {
+/// The bytes of a refusal: a JSON error body and `Connection: close`.
+pub fn refusal(status: u16, reason: &str, retry_after_s: Option<u32>) -> String {
     let body = format!("{{\"error\":\"{reason}\"}}");
     let status_text = match status {
         400 => "Bad Request",
         401 => "Unauthorized",
         404 => "Not Found",
         426 => "Upgrade Required",
+        429 => "Too Many Requests",
         503 => "Service Unavailable",
         _ => "Error",
     };
     let retry = retry_after_s
         .map(|s| format!("Retry-After: {s}\r\n"))
         .unwrap_or_default();
-    let response = format!(
-        "HTTP/1.1 {status} {status_text}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{retry}Connection: close\r\n\r\n{body}",
+    let upgrade = if status == 426 {
+        "Upgrade: websocket\r\n"
+    } else {
+        ""
+    };
+    format!(
+        "HTTP/1.1 {status} {status_text}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{retry}{upgrade}Connection: close\r\n\r\n{body}",
         body.len()
+    )
+}
+
+/// Writes a refusal (within 1 s) and closes our side; the caller hands the socket to the
+/// reaper, which drops it after [`REFUSAL_LINGER`].
+pub fn refuse(stream: &Arc<TcpStream>, status: u16, reason: &str, retry_after_s: Option<u32>) {
+    let _ = head::write_all_by(
+        stream,
+        refusal(status, reason, retry_after_s).as_bytes(),
+        clock::instant() + Duration::from_secs(1),
     );
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-    let _ = (&*stream).write_all(response.as_bytes());
     let _ = stream.shutdown(std::net::Shutdown::Write);
-    // Read what the client still sends (briefly) so the close is not turned into a reset that
-    // would hide the answer from it.
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut sink = [0u8; 512];
-    while let Ok(n) = (&*stream).read(&mut sink) {
-        if n == 0 {
-            break;
-        }
-    }
 }
 
 #[cfg(test)]

@@ -106,6 +106,7 @@ impl CellRuntime {
             setup.incarnation,
             config.timings.clone(),
             config.connection_cap,
+            config.pending_upgrades_max,
             setup.verifier.clone(),
             setup.store.clone(),
             clock.clone(),
@@ -493,7 +494,7 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
 /// budget (SPEC §8), then serve until SIGTERM.
 pub fn run(config: Config) -> Result<(), RunError> {
     use crate::cell::handshake::{register_with_directors_observed, Budget, RegisterRequest};
-    use crate::http::HttpServer;
+    use crate::http::{HttpServer, HttpSettings};
 
     let clock = crate::clock::system();
     let incarnation = clock.now_ms() as i64;
@@ -542,8 +543,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
                 .unwrap_or_else(|| Reply::error(404, "not_found"))
         })
     };
-    let http = HttpServer::start(http_listener, 4, handler)
-        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    let http = HttpServer::start(
+        http_listener,
+        HttpSettings::from_config(&config),
+        handler,
+        &registry,
+    )
+    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
     log::info!(
         "orca_relay_listening role=cell cell_id={} ws={ws_addr} http={http_addr}",
         config.cell_id

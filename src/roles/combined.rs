@@ -16,9 +16,9 @@
 //! API; the director side holds the same one.
 //!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `self-record`, `http-<n>`, `signals`. The main thread waits
-//! for SIGTERM and runs the drain: the cell drains (the poller keeps polling meanwhile, so the
-//! dead-man stays armed), then the poller and `self-record` stop, then HTTP.
+//! `feed-poller` and its workers, `self-record`, `http-acceptor` and `http-<n>`, `signals`. The
+//! main thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
+//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -32,7 +32,7 @@ use crate::clock::{self, SharedClock};
 use crate::config::Config;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
-use crate::http::{HttpServer, Reply, Request};
+use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
 use crate::service_token::ServiceTokens;
@@ -45,9 +45,6 @@ use super::{
     RunError,
 };
 
-/// HTTP workers: an assign holds one while its booking is served by another, and the feed
-/// poller's requests take a third.
-const HTTP_WORKERS: usize = 8;
 /// How long start-up waits for the cell's first ready heartbeat to reach the store, so that
 /// `/v1/assign` can place desktops as soon as the started line is logged. Past it the process
 /// starts anyway and becomes placeable with the heartbeat that says ready.
@@ -152,8 +149,13 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             }
         })
     };
-    let http = HttpServer::start(http_listener, HTTP_WORKERS, handler)
-        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    let http = HttpServer::start(
+        http_listener,
+        HttpSettings::from_config(&config),
+        handler,
+        &registry,
+    )
+    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
     super::start_systemd_watchdog(http_addr)?;
 
     // The combined role has no remote director to register with: the cell is in the store.

@@ -3,10 +3,10 @@
 //!
 //! Threads: `signals` (SIGTERM/SIGINT → drain), `migrator` (applies migrations, retrying in the
 //! background while the database is down), `readiness` (JWKS and SQL probes), `feed-poller`
-//! with its `feed-poll-<n>` workers, `http-<n>`, and `systemd-watchdog` when `WatchdogSec=` is
-//! set (`WATCHDOG=1` after its own `GET /health` answered). The main thread waits for the drain and runs
-//! the shutdown order: `/ready` says draining, the poller stops, the prober stops, HTTP stops,
-//! exit 0.
+//! with its `feed-poll-<n>` workers, `http-acceptor` and `http-<n>`, and `systemd-watchdog` when
+//! `WatchdogSec=` is set (`WATCHDOG=1` after its own `GET /health` answered). The main thread
+//! waits for the drain and runs the shutdown order: `/ready` says draining, the poller stops,
+//! the prober stops, HTTP stops, exit 0.
 //!
 //! Never crash-loops on a dead database: the process starts, serves `/health` 200 and `/ready`
 //! 503 (`starting` until migrations are applied, then whatever the SQL probe says), and
@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
-use crate::http::{HttpServer, Reply, Request};
+use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
 use crate::readiness::{self, Phase, Probes, Readiness};
@@ -32,8 +32,6 @@ use crate::threads;
 
 use super::{bind_with_addr, open_store, verifier, RunError};
 
-/// HTTP worker threads: an assign may wait up to 2 s on a cell's `/internal/reserve`.
-const HTTP_WORKERS: usize = 8;
 /// Migration retry backoff: first wait, and the cap it doubles up to.
 const MIGRATE_RETRY_FIRST: Duration = Duration::from_millis(500);
 const MIGRATE_RETRY_MAX: Duration = Duration::from_secs(10);
@@ -130,8 +128,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let routes = routes.clone();
         Arc::new(move |request: &mut Request<'_>| routes.route(request))
     };
-    let http = HttpServer::start(http_listener, HTTP_WORKERS, handler)
-        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    let http = HttpServer::start(
+        http_listener,
+        HttpSettings::from_config(&config),
+        handler,
+        &registry,
+    )
+    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
 
     log::info!(
         "orca_relay_started role=director director_id={director_id} http={http_addr} backend={} incarnation={incarnation}",

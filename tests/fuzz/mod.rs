@@ -1185,11 +1185,12 @@ fn jwt_header_and_claims(runner: &mut TestRunner) -> Result<(), String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The HTTP request head of the WebSocket listener (`relay::upgrade::parse_head`; issue 10's
-// shared head reader can be pointed at here by changing `parse`).
+// The HTTP request head of the WebSocket listener (`relay::upgrade::parse_head`, over the
+// head parser both listeners share, `http::head::parse_head`).
 
 fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
-    use orca_relay::relay::upgrade::{parse_head, route, MAX_HEAD_BYTES};
+    use orca_relay::http::head::MAX_HEAD_BYTES;
+    use orca_relay::relay::upgrade::{parse_head, route};
     let parse = |bytes: &[u8]| parse_head(bytes);
     let good = "GET /v1/connect/abcdefghijklmnop HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: keep-alive, Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: Bearer abc\r\n\r\n";
     let head = prop_oneof![

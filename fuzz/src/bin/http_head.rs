@@ -4,7 +4,8 @@
 //! Every prefix of the input (the bytes as they arrive, up to the 8 KiB head bound) parses
 //! without panic; once the head is complete its end never moves and the rest is the tail.
 
-use orca_relay::relay::upgrade::{parse_head, route, MAX_HEAD_BYTES};
+use orca_relay::http::head::MAX_HEAD_BYTES;
+use orca_relay::relay::upgrade::{parse_head, route};
 
 fn main() {
     afl::fuzz!(|data: &[u8]| {
