@@ -83,7 +83,10 @@ fn footprint(pids: &[u32]) -> Footprint {
     total
 }
 
-/// (voluntary, involuntary) context switches of every live thread of `pids`, by thread id.
+/// One thread's (voluntary, involuntary) context switches and its name.
+type Switches = (u64, u64, String);
+
+/// Context switches of every live thread of `pids`, by thread id.
 ///
 /// `/proc/<pid>/status` counts only the thread-group leader, and Linux publishes no process
 /// total of context switches (the counts of exited threads go into the process's own
@@ -92,7 +95,7 @@ fn footprint(pids: &[u32]) -> Footprint {
 /// that exited during the run loses its in-run switches: the table counts such threads (and new
 /// ones) so the reader knows whether it happened. In the many-sessions runs no middlebox thread
 /// starts or ends (sessions are set up before and closed after a run).
-fn context_switches(pids: &[u32]) -> HashMap<u32, (u64, u64)> {
+fn context_switches(pids: &[u32]) -> HashMap<u32, Switches> {
     let mut out = HashMap::new();
     for pid in pids {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -114,6 +117,12 @@ fn context_switches(pids: &[u32]) -> HashMap<u32, (u64, u64)> {
                 (
                     status_field(&status, "voluntary_ctxt_switches:"),
                     status_field(&status, "nonvoluntary_ctxt_switches:"),
+                    status
+                        .lines()
+                        .find_map(|line| line.strip_prefix("Name:"))
+                        .unwrap_or("")
+                        .trim()
+                        .to_string(),
                 ),
             );
         }
@@ -121,24 +130,32 @@ fn context_switches(pids: &[u32]) -> HashMap<u32, (u64, u64)> {
     out
 }
 
-/// Context switches between two snapshots: (voluntary, involuntary, threads gone, threads new).
+/// Context switches between two snapshots: (voluntary, involuntary, names of the threads that
+/// ended or started in between).
 fn switch_delta(
-    before: &HashMap<u32, (u64, u64)>,
-    after: &HashMap<u32, (u64, u64)>,
-) -> (u64, u64, usize, usize) {
+    before: &HashMap<u32, Switches>,
+    after: &HashMap<u32, Switches>,
+) -> (u64, u64, Vec<String>) {
     let mut voluntary = 0;
     let mut involuntary = 0;
-    let mut new = 0;
-    for (tid, &(v, i)) in after {
-        let (v0, i0) = before.get(tid).copied().unwrap_or_else(|| {
-            new += 1;
-            (0, 0)
-        });
+    let mut churn = Vec::new();
+    for (tid, (v, i, name)) in after {
+        let (v0, i0) = match before.get(tid) {
+            Some((v0, i0, _)) => (*v0, *i0),
+            None => {
+                churn.push(format!("+{name}"));
+                (0, 0)
+            }
+        };
         voluntary += v.saturating_sub(v0);
         involuntary += i.saturating_sub(i0);
     }
-    let gone = before.keys().filter(|tid| !after.contains_key(tid)).count();
-    (voluntary, involuntary, gone, new)
+    for (tid, (_, _, name)) in before {
+        if !after.contains_key(tid) {
+            churn.push(format!("-{name}"));
+        }
+    }
+    (voluntary, involuntary, churn)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -303,7 +320,7 @@ fn close_sessions(engine: &Engine, target: &Target, baseline: Footprint) {
 // One run.
 
 /// What one measured run of one system gave.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct RunResult {
     rate: f64,
     p50: f64,
@@ -313,8 +330,8 @@ struct RunResult {
     cpu_per_million: Option<f64>,
     /// (voluntary, involuntary) context switches per message.
     switches: Option<(f64, f64)>,
-    /// Middlebox threads that ended or started during the run.
-    churn: (usize, usize),
+    /// Middlebox threads that started (`+name`) or ended (`-name`) during the run.
+    churn: Vec<String>,
     rss_kib: u64,
     threads: u64,
     /// Load generator: CPU cores used on average, its busiest loop thread's share of a core,
@@ -391,7 +408,7 @@ fn measure_run(engine: &Engine, target: &Target, seconds: f64) -> RunResult {
     let window = (count_until - count_from).as_secs_f64();
     let loadgen_cpu: f64 = stats.iter().map(|s| s.cpu_seconds).sum();
     let busiest = stats.iter().map(|s| s.cpu_seconds).fold(0.0, f64::max);
-    let (voluntary, involuntary, gone, new) = switch_delta(&switches_before, &switches_after);
+    let (voluntary, involuntary, churn) = switch_delta(&switches_before, &switches_after);
     let middlebox = !target.pids.is_empty();
     RunResult {
         rate: in_window as f64 / window,
@@ -400,7 +417,7 @@ fn measure_run(engine: &Engine, target: &Target, seconds: f64) -> RunResult {
         p999: percentile(&samples, 99.9),
         cpu_per_million: middlebox.then(|| cpu / messages * 1e6),
         switches: middlebox.then(|| (voluntary as f64 / messages, involuntary as f64 / messages)),
-        churn: (gone, new),
+        churn,
         rss_kib: held.rss_kib,
         threads: held.threads,
         loadgen_cores: loadgen_cpu / elapsed,
@@ -656,12 +673,18 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
                 or_dash(row.median_of(|x| Some(x.loadgen_per_million)), 2),
                 per_run.join(" ")
             );
-            let churn: usize = row.runs.iter().map(|x| x.churn.0 + x.churn.1).sum();
-            if churn > 0 {
+            let churn: Vec<&str> = row
+                .runs
+                .iter()
+                .flat_map(|x| x.churn.iter().map(String::as_str))
+                .collect();
+            if !churn.is_empty() {
                 println!(
-                    "      ({churn} middlebox threads started or ended during {}'s runs: their \
-                     in-run context switches are partly missing)",
-                    row.name
+                    "      ({} middlebox threads started (+) or ended (-) during {}'s runs, their \
+                     in-run context switches partly missing: {})",
+                    churn.len(),
+                    row.name,
+                    churn.join(" ")
                 );
             }
             if row.name == "orca-relay" {
