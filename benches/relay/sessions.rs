@@ -598,6 +598,16 @@ pub fn sessions_phase(options: &Options) {
         );
         tables.push((k, rows));
     }
+    let retries = super::CONTROL_RETRIES.load(Ordering::Relaxed);
+    if retries > 0 {
+        let shed = relay
+            .metric("orca_relay_upgrades_refused_total{status=\"503\",reason=\"pool_pressure\"}")
+            .unwrap_or(0.0);
+        println!(
+            "  ({retries} control upgrades were answered 503 and retried; the relay counted {shed:.0} \
+             refused for pool_pressure)"
+        );
+    }
     print_sessions_tables(options, &tables);
     drop(nginx);
     drop(relay);
@@ -609,11 +619,12 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
         "many sessions, medians of {} runs x {:.0} s; a message is one {MESSAGE_BYTES} B frame \
          one way (a round trip is two); CPU and context switches are the middlebox's (relay \
          process; nginx master + workers); RSS and threads held at the end of the run; \
-         ratios vs nginx tuned",
+         ratios vs nginx tuned; LG: the load generator (this process's loop threads): cores used, \
+         its busiest loop thread's share of a core, CPU seconds per million messages",
         options.session_runs, options.session_seconds
     );
     println!(
-        "{:>5} {:<18}{:>10}{:>7}{:>8}{:>8}{:>7}{:>9}{:>10}{:>7}{:>15}{:>9}{:>8}{:>9}{:>9}  rt/s per run",
+        "{:>5} {:<18}{:>10}{:>7}{:>8}{:>8}{:>7}{:>9}{:>10}{:>7}{:>15}{:>9}{:>8}{:>9}{:>8}{:>9}  rt/s per run",
         "K",
         "system",
         "rt/s",
@@ -628,6 +639,7 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
         "RSS MiB",
         "threads",
         "LG cores",
+        "LG max",
         "LG s/M",
     );
     let mut verdicts = Vec::new();
@@ -655,7 +667,7 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
                 .flatten();
             let per_run: Vec<String> = row.runs.iter().map(|x| format!("{:.0}", x.rate)).collect();
             println!(
-                "{:>5} {:<18}{:>10}{:>7}{:>8}{:>8}{:>7}{:>9}{:>10}{:>7}{:>15}{:>9}{:>8}{:>9}{:>9}  {}",
+                "{:>5} {:<18}{:>10}{:>7}{:>8}{:>8}{:>7}{:>9}{:>10}{:>7}{:>15}{:>9}{:>8}{:>9}{:>8}{:>9}  {}",
                 k,
                 row.name,
                 or_dash(rate, 0),
@@ -670,6 +682,8 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
                 or_dash(rss, 1),
                 or_dash(threads, 0),
                 or_dash(row.median_of(|x| Some(x.loadgen_cores)), 2),
+                row.median_of(|x| Some(x.loadgen_busiest))
+                    .map_or("-".into(), |b| format!("{:.0}%", b * 100.0)),
                 or_dash(row.median_of(|x| Some(x.loadgen_per_million)), 2),
                 per_run.join(" ")
             );
@@ -699,14 +713,6 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
                 }
             }
         }
-        let busiest = rows
-            .iter()
-            .flat_map(|r| r.runs.iter().map(|x| x.loadgen_busiest))
-            .fold(0.0, f64::max);
-        println!(
-            "      (K={k}: the load generator's busiest loop thread used at most {:.0}% of a core)",
-            busiest * 100.0
-        );
     }
     println!();
     for (k, target, value, pass) in verdicts {
