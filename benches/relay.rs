@@ -1,13 +1,16 @@
-//! The relay-core benchmark (issue 2): orca-relay's splice against nginx as a WebSocket reverse
-//! proxy, and what an idle desktop control socket costs the relay.
+//! The relay-core benchmark (issues 2 and 12): orca-relay's splice against nginx as a WebSocket
+//! reverse proxy, for one bulk stream and for thousands of small-message sessions, and what an
+//! idle desktop control socket and an idle paired session cost the relay.
 //!
 //! Usage:
 //!
 //! ```text
 //! cargo build --release                      # the bench runs target/release/orca-relay
-//! cargo bench --bench relay                  # the full run, about 3 minutes
-//! cargo bench --bench relay -- --quick       # a smoke run, under a minute
+//! cargo bench --bench relay                  # the full run, about 10 minutes
+//! cargo bench --bench relay -- --quick       # a smoke run, about a minute
 //! cargo bench --bench relay -- --runs 7 --seconds 3 --idle 2000,5000,10000
+//! cargo bench --bench relay -- --only sessions,memory                  # issue 12's table
+//! cargo bench --bench relay -- --only sessions --sessions 100,1000,4000 --session-runs 5
 //! ```
 //!
 //! Flags (after `--`):
@@ -17,7 +20,17 @@
 //! - `--round-trips N` (5000): 64-byte round trips per system, split over the runs; within a
 //!   run the systems alternate in batches of 100; p50 and p99 are per run, then the median.
 //! - `--idle N,N,…` (2000,5000,10000): idle control sockets held at each step (cumulative).
-//! - `--skip-nginx`, `--skip-splice`, `--skip-idle`: leave a part out.
+//! - `--sessions N,N,…` (100,1000,4000): the many-sessions mode's K values.
+//! - `--session-seconds S` (10), `--session-runs N` (3): per system and K, one run is S seconds;
+//!   N runs with the systems alternating run by run; the table shows medians. The memory row
+//!   takes N runs too.
+//! - `--phones-per-desktop N` (8, the relay's most): relay sessions share ceil(K/N) desktops.
+//! - `--loadgen-threads N` (2): the load generator's event-loop threads.
+//! - `--memory-pairs N` (500): sessions in the paired-session memory row.
+//! - `--only MODE,…`: run only these modes: `splice` (throughput and 64 B RTT), `idle`,
+//!   `sessions`, `memory`.
+//! - `--skip-nginx`, `--skip-splice`, `--skip-idle`, `--skip-sessions`, `--skip-memory`: leave
+//!   a part out. `--quick` also shrinks the new modes: K 100,1000, 1 run of 2 s, 100 pairs.
 //!
 //! Environment: `ORCA_RELAY_BENCH_NGINX` names the nginx binary (default: `nginx` on `PATH`,
 //! then `/usr/sbin/nginx`). `ORCA_RELAY_BENCH_RELAY_ENV="NAME=value;NAME=value"` adds variables
@@ -47,15 +60,63 @@
 //!    the relay's RSS growth over its baseline per socket, its threads, descriptors and maps.
 //!    The client side holds the sockets in this process (a few threads, no reads) with its
 //!    descriptor limit raised.
+//! 4. Many sessions (`benches/relay/sessions.rs`): K sessions, each a phone and its desktop's
+//!    echoing end, exchange 256-byte binary messages in closed loop (the phone sends, the
+//!    desktop echoes, the phone receives and sends the next) for `--session-seconds`, through
+//!    orca-relay (a fresh combined role with `ORCA_RELAY_CONNECTION_CAP` raised to hold 2K legs
+//!    plus the desktops; ceil(K/8) desktops each assigned, upgraded and acked, then per session
+//!    an invite on the control, the phone's relay-auth, the conn-open, the data leg's
+//!    host-data-auth and the phone's relay-hello), nginx tuned (as in 1, `worker_connections`
+//!    raised to 2K+512) to the bench's echo server, and directly to that echo server. Each run
+//!    sets up K fresh sessions on one system, checks that every session answers, measures, then
+//!    closes them and waits until the middlebox is back to its descriptors and threads; the
+//!    systems alternate run by run. The first tenth of a run (at most 1 s) is not counted.
+//!    Per system and K (medians over runs): round trips/s; p50, p99, p999 of the round trips
+//!    in the run; the middlebox's CPU seconds per million messages (a message is one frame one
+//!    way, a round trip two; user + system from `/proc/<pid>/stat`, whose process totals include
+//!    threads that have exited; nginx: master and workers); voluntary + involuntary context
+//!    switches per message (see below); the middlebox's RSS and threads at the end of the run;
+//!    the load generator's CPU (cores on average, CPU seconds per million messages, and its
+//!    busiest thread's share of a core, so it can be seen not to be the bottleneck).
+//!    Context switches: Linux publishes no per-process total (`/proc/<pid>/status` counts only
+//!    the leader thread; exited threads' counts reach only the process's own `getrusage`), so
+//!    every thread's `/proc/<pid>/task/<tid>/status` is read before and after the run and the
+//!    deltas summed; threads that start or end during a run are counted and reported (their
+//!    in-run switches would be partly missing). No session starts or ends during a run, so
+//!    normally none do.
+//!    The load generator (`benches/relay/loadgen.rs`) is this one process for every system: a
+//!    few `mio` event-loop threads (`--loadgen-threads`) drive both ends of every session with
+//!    their own WebSocket handshake and framing (client frames masked); set-up uses four
+//!    blocking threads before the clock starts.
+//!    Reading it on a 2-core machine: the middlebox and the load generator share the cores, so
+//!    a run is CPU-bound and round trips/s follow the CPU per message of both (a middlebox that
+//!    hands over messages one at a time also costs the load generator more per message: the
+//!    `LG s/M` column). p99 at small K depends on how the load generator's loop threads and the
+//!    middlebox's threads share the two cores: at K=100, nginx's two workers plus two loop
+//!    threads gave p50 0.13 ms but p99 9 ms; with `--loadgen-threads 1`, p99 3.5 ms (the relay's
+//!    p99 ratio went from 0.4x to 1.3x, the throughput and CPU ratios stayed put). Compare p99
+//!    under both settings.
+//! 5. Paired-session memory: N sessions (`--memory-pairs`) each carry one 64 KiB frame each way,
+//!    then sit idle 2 s; the growth of the middlebox's RSS and threads over its footprint before
+//!    the sessions (after one warm-up session was opened and closed), per session: orca-relay
+//!    (a phone leg and a data leg per session; desktops as in 4) against nginx with
+//!    `proxy_buffer_size 64k; proxy_buffers 8 64k` (a client and an upstream connection per
+//!    WebSocket). A fresh middlebox per run.
 //!
 //! Targets (the PASS/FAIL column): throughput ≥ 1.0× nginx tuned; 64 B p99 ≤ 1.0× nginx tuned;
-//! ≤ 24 KiB RSS per idle control at the largest N; one descriptor per socket.
+//! ≤ 24 KiB RSS per idle control at the largest N; one descriptor per socket. Issue 12's targets
+//! for the data-plane rewrite: at every K, round trips/s ≥ 1.0× nginx tuned, CPU per message
+//! ≤ 1.0×, p99 ≤ 1.0×; RSS per idle paired session ≤ 0.5× nginx.
 //!
 //! The machine is usually shared: absolute numbers are noisy, ratios are fairer because the
 //! systems alternate run by run. The load average before and after is printed.
 
 #[path = "../tests/harness/mod.rs"]
 mod harness;
+#[path = "relay/loadgen.rs"]
+mod loadgen;
+#[path = "relay/sessions.rs"]
+mod sessions;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -109,7 +170,18 @@ struct Options {
     nginx: bool,
     splice: bool,
     idle_phase: bool,
+    sessions_phase: bool,
+    memory_phase: bool,
+    sessions: Vec<usize>,
+    session_seconds: f64,
+    session_runs: usize,
+    phones_per_desktop: usize,
+    loadgen_threads: usize,
+    memory_pairs: usize,
 }
+
+/// The modes `--only` can name.
+const MODES: [&str; 4] = ["splice", "idle", "sessions", "memory"];
 
 impl Options {
     fn parse() -> Result<Options, String> {
@@ -121,6 +193,14 @@ impl Options {
             nginx: true,
             splice: true,
             idle_phase: true,
+            sessions_phase: true,
+            memory_phase: true,
+            sessions: vec![100, 1000, 4000],
+            session_seconds: 10.0,
+            session_runs: 3,
+            phones_per_desktop: orca_relay::protocol::MAX_PHONES_PER_HOST,
+            loadgen_threads: 2,
+            memory_pairs: 500,
         };
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
@@ -133,6 +213,10 @@ impl Options {
                     options.seconds = 1.0;
                     options.round_trips = 1500;
                     options.idle = vec![500, 1000, 2000];
+                    options.sessions = vec![100, 1000];
+                    options.session_seconds = 2.0;
+                    options.session_runs = 1;
+                    options.memory_pairs = 100;
                 }
                 "--runs" => options.runs = parse_number(&value("--runs")?, "--runs")?,
                 "--seconds" => options.seconds = parse_number(&value("--seconds")?, "--seconds")?,
@@ -145,14 +229,71 @@ impl Options {
                         .map(|n| parse_number(n, "--idle"))
                         .collect::<Result<_, _>>()?
                 }
+                "--sessions" => {
+                    options.sessions = value("--sessions")?
+                        .split(',')
+                        .map(|n| parse_number(n, "--sessions"))
+                        .collect::<Result<_, _>>()?
+                }
+                "--session-seconds" => {
+                    options.session_seconds =
+                        parse_number(&value("--session-seconds")?, "--session-seconds")?
+                }
+                "--session-runs" => {
+                    options.session_runs =
+                        parse_number(&value("--session-runs")?, "--session-runs")?
+                }
+                "--phones-per-desktop" => {
+                    options.phones_per_desktop =
+                        parse_number(&value("--phones-per-desktop")?, "--phones-per-desktop")?
+                }
+                "--loadgen-threads" => {
+                    options.loadgen_threads =
+                        parse_number(&value("--loadgen-threads")?, "--loadgen-threads")?
+                }
+                "--memory-pairs" => {
+                    options.memory_pairs =
+                        parse_number(&value("--memory-pairs")?, "--memory-pairs")?
+                }
+                "--only" => {
+                    let list = value("--only")?;
+                    let modes: Vec<&str> = list.split(',').map(str::trim).collect();
+                    if let Some(bad) = modes.iter().find(|m| !MODES.contains(m)) {
+                        return Err(format!("--only: unknown mode {bad} (one of {MODES:?})"));
+                    }
+                    options.splice = modes.contains(&"splice");
+                    options.idle_phase = modes.contains(&"idle");
+                    options.sessions_phase = modes.contains(&"sessions");
+                    options.memory_phase = modes.contains(&"memory");
+                }
                 "--skip-nginx" => options.nginx = false,
                 "--skip-splice" => options.splice = false,
                 "--skip-idle" => options.idle_phase = false,
+                "--skip-sessions" => options.sessions_phase = false,
+                "--skip-memory" => options.memory_phase = false,
                 other => return Err(format!("unknown argument {other} (see benches/relay.rs)")),
             }
         }
         if options.runs == 0 || options.seconds <= 0.0 || options.round_trips == 0 {
             return Err("--runs, --seconds and --round-trips must be positive".into());
+        }
+        if options.session_runs == 0
+            || options.session_seconds <= 0.0
+            || options.loadgen_threads == 0
+            || options.memory_pairs == 0
+            || options.sessions.contains(&0)
+        {
+            return Err(
+                "--session-runs, --session-seconds, --loadgen-threads, --memory-pairs \
+                        and every --sessions value must be positive"
+                    .into(),
+            );
+        }
+        if !(1..=orca_relay::protocol::MAX_PHONES_PER_HOST).contains(&options.phones_per_desktop) {
+            return Err(format!(
+                "--phones-per-desktop must be 1 to {}",
+                orca_relay::protocol::MAX_PHONES_PER_HOST
+            ));
         }
         options.idle.sort_unstable();
         Ok(options)
@@ -190,6 +331,12 @@ fn main() {
     }
     if options.idle_phase {
         idle_phase(&options);
+    }
+    if options.sessions_phase {
+        sessions::sessions_phase(&options);
+    }
+    if options.memory_phase {
+        sessions::memory_phase(&options);
     }
     println!("load average after: {}", load_average());
     println!("bench took {:.0} s", started.elapsed().as_secs_f64());
@@ -304,6 +451,7 @@ fn nginx_config(
     backend: SocketAddr,
     tuned: SocketAddr,
     default: SocketAddr,
+    worker_connections: usize,
 ) -> String {
     let p = prefix.display();
     // The WebSocket headers every proxy needs; timeouts long enough for the whole bench (they
@@ -318,7 +466,7 @@ fn nginx_config(
         "worker_processes 2;
 pid {p}/nginx.pid;
 error_log {p}/error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections {worker_connections}; }}
 http {{
     access_log off;
     client_body_temp_path {p}/tmp/body;
@@ -351,13 +499,20 @@ http {{
 }
 
 impl Nginx {
-    fn start(binary: &Path, backend: SocketAddr) -> Result<Nginx, String> {
+    /// Starts nginx proxying to `backend`; each worker holds up to `worker_connections`
+    /// connections (both ends of a proxied WebSocket count).
+    fn start(
+        binary: &Path,
+        backend: SocketAddr,
+        worker_connections: usize,
+    ) -> Result<Nginx, String> {
         let prefix = TempDir::new("bench-nginx");
         std::fs::create_dir_all(prefix.0.join("tmp"))
             .map_err(|e| format!("cannot create the nginx prefix: {e}"))?;
         let (tuned, default) = (free_port(), free_port());
         let conf = prefix.0.join("nginx.conf");
-        std::fs::write(&conf, nginx_config(&prefix.0, backend, tuned, default))
+        let config = nginx_config(&prefix.0, backend, tuned, default, worker_connections);
+        std::fs::write(&conf, config)
             .map_err(|e| format!("cannot write {}: {e}", conf.display()))?;
         let child = Command::new(binary)
             .arg("-p")
@@ -574,7 +729,7 @@ fn splice_phase(options: &Options) {
     });
     let nginx = if options.nginx {
         match nginx_binary() {
-            Some(binary) => match Nginx::start(&binary, desktop_server.addr) {
+            Some(binary) => match Nginx::start(&binary, desktop_server.addr, 1024) {
                 Ok(nginx) => Some(nginx),
                 Err(e) => {
                     println!("nginx rows left out: {e}");
@@ -769,9 +924,20 @@ fn process_stats(pid: u32) -> ProcessStats {
 
 type IdleSocket = WebSocket<TcpStream>;
 
+/// A desktop with an acked control socket.
+struct ControlDesktop {
+    ws: IdleSocket,
+    relay_host_id: String,
+    generation: u64,
+}
+
 /// Assigns, connects and acks one desktop; returns its control socket, which the caller keeps
-/// without reading.
-fn idle_control(relay_ws: &str, agent: &ureq::Agent, http: &str) -> Result<IdleSocket, String> {
+/// without reading (or uses for invites).
+fn control_desktop(
+    relay_ws: &str,
+    agent: &ureq::Agent,
+    http: &str,
+) -> Result<ControlDesktop, String> {
     let relay_host_id = harness::host_id();
     let user_id = format!("user-{relay_host_id}");
     let token = harness::token(&user_id, &relay_host_id);
@@ -813,30 +979,56 @@ fn idle_control(relay_ws: &str, agent: &ureq::Agent, http: &str) -> Result<IdleS
         .map_err(|e| format!("hello: {e}"))?;
     loop {
         match ws.read().map_err(|e| format!("ack: {e}"))? {
-            Message::Text(text) if text.contains("host-hello-ack") => return Ok(ws),
+            Message::Text(text) if text.contains("host-hello-ack") => {
+                let generation = serde_json::from_str::<serde_json::Value>(&text)
+                    .ok()
+                    .and_then(|ack| ack["generation"].as_u64())
+                    .ok_or_else(|| format!("ack without a generation: {text}"))?;
+                return Ok(ControlDesktop {
+                    ws,
+                    relay_host_id,
+                    generation,
+                });
+            }
             Message::Close(frame) => return Err(format!("closed before the ack: {frame:?}")),
             _ => {}
         }
     }
 }
 
-/// Opens `count` more idle controls on `threads` client threads.
-fn open_idle_controls(relay: &Relay, count: usize, threads: usize) -> Vec<IdleSocket> {
+/// Control upgrades answered 503 (the relay sheds hellos while its database pool has waiters)
+/// and retried, as a desktop would.
+static CONTROL_RETRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Opens `count` more desktops' controls on `threads` client threads; a 503 is retried after
+/// 100 ms (at most 100 times per desktop).
+fn open_controls(ws: &str, http: &str, count: usize, threads: usize) -> Vec<ControlDesktop> {
     let per_thread = count.div_ceil(threads);
     let mut handles = Vec::new();
     for t in 0..threads {
         let share = per_thread.min(count.saturating_sub(t * per_thread));
-        let ws = relay.ws.clone();
-        let http = relay.http.clone();
+        let ws = ws.to_string();
+        let http = http.to_string();
         let handle = orca_relay::threads::spawn(format!("bench-idle-{t}"), move || {
             let agent = ureq::AgentBuilder::new()
                 .timeout(Duration::from_secs(30))
                 .build();
             let mut sockets = Vec::with_capacity(share);
             for _ in 0..share {
-                match idle_control(&ws, &agent, &http) {
-                    Ok(socket) => sockets.push(socket),
-                    Err(e) => return Err(e),
+                let mut attempts = 0;
+                loop {
+                    match control_desktop(&ws, &agent, &http) {
+                        Ok(socket) => {
+                            sockets.push(socket);
+                            break;
+                        }
+                        Err(e) if e.contains("503") && attempts < 100 => {
+                            attempts += 1;
+                            CONTROL_RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            clock::sleep(Duration::from_millis(100));
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             Ok(sockets)
@@ -874,7 +1066,7 @@ fn idle_phase(options: &Options) {
     let relay = start_relay(None, &[("ORCA_RELAY_CONNECTION_CAP", &cap)]);
     let pid = relay.pid();
     // Readiness settles and the first assign warms the store before the baseline.
-    let _warm = open_idle_controls(&relay, 1, 1);
+    let _warm = open_controls(&relay.ws, &relay.http, 1, 1);
     clock::sleep(Duration::from_millis(500));
     let baseline = process_stats(pid);
     println!();
@@ -886,11 +1078,11 @@ fn idle_phase(options: &Options) {
         "{:<16}{:>16}{:>10}{:>8}{:>8}{:>12}{:>10}",
         "idle controls", "RSS KiB/socket", "threads", "fds", "maps", "fds/socket", "open s"
     );
-    let mut held: Vec<IdleSocket> = Vec::new();
+    let mut held: Vec<ControlDesktop> = Vec::new();
     let mut last = None;
     for &n in &options.idle {
         let started = clock::instant();
-        let more = open_idle_controls(&relay, n.saturating_sub(held.len()), 4);
+        let more = open_controls(&relay.ws, &relay.http, n.saturating_sub(held.len()), 4);
         held.extend(more);
         let opened = started.elapsed().as_secs_f64();
         // Let the relay threads park in their reads.

@@ -5,6 +5,7 @@
 
 // Floor 1: plain values and helpers.
 pub mod budget;
+pub mod capacity;
 pub mod clock;
 pub mod config;
 pub mod database_tls;
