@@ -326,6 +326,77 @@ pub fn compute(limits: &Limits, reserve: Reserve, maps_per_thread: u64) -> Capac
     }
 }
 
+/// What a relay process runs with, from its capacity and its configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub capacity: Capacity,
+    /// Admitted connections at most: a spliced leg holds only a descriptor (no thread), so the
+    /// descriptor figure is the ceiling.
+    pub ceiling: u64,
+    /// The connection cap in force: the configured one, lowered to the ceiling.
+    pub cap: u64,
+    /// The resource the cap was lowered for, when it was.
+    pub lowered_by: Option<Resource>,
+    /// Relay threads at most at once (controls, pending upgrades, legs not yet spliced): the
+    /// threaded figure, so a spawn never gets near the map or task limits.
+    pub relay_threads: u64,
+}
+
+/// The configuration figures the reserve depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    pub cpus: u64,
+    pub database_pool_max: u64,
+    /// Sockets before admission (`ORCA_RELAY_PENDING_UPGRADES_MAX`): a descriptor each, and a
+    /// relay thread each (they are in the permits, not the reserve).
+    pub pending_upgrades_max: u64,
+    /// HTTP connections (`ORCA_RELAY_HTTP_CONNECTIONS_MAX`): a descriptor and a thread each.
+    pub http_connections_max: u64,
+    pub configured_cap: u64,
+}
+
+/// The plan for `limits` and `needs`: the relay reserve plus the pending upgrades' descriptors
+/// and the HTTP connections' descriptors and threads, so `/health` and the upgrade path still
+/// have what they need when the WebSocket side is full.
+pub fn plan(limits: &Limits, needs: Needs) -> Plan {
+    let mut reserve = Reserve::for_relay(
+        needs.cpus,
+        needs.database_pool_max,
+        crate::threads::RELAY_STACK_BYTES as u64,
+    );
+    reserve.descriptors += needs.pending_upgrades_max + needs.http_connections_max;
+    reserve.threads += needs.http_connections_max;
+    reserve.maps += needs.http_connections_max * MAPS_PER_THREAD;
+    let capacity = compute(limits, reserve, MAPS_PER_THREAD);
+    let ceiling = capacity.descriptors;
+    let (cap, lowered_by) = if needs.configured_cap > ceiling {
+        (ceiling, Some(Resource::Descriptors))
+    } else {
+        (needs.configured_cap, None)
+    };
+    Plan {
+        relay_threads: capacity.threaded,
+        capacity,
+        ceiling,
+        cap,
+        lowered_by,
+    }
+}
+
+impl Plan {
+    /// The `key=value` fields of the start-up line and `check-config`.
+    pub fn summary(&self) -> String {
+        format!(
+            "connections={} limited_by={} cap={} relay_threads={} threads_limited_by={}",
+            self.ceiling,
+            Resource::Descriptors,
+            self.cap,
+            self.relay_threads,
+            self.capacity.threaded_limiting
+        )
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The reader.
 
@@ -694,5 +765,34 @@ mod tests {
         std::fs::write(child.join("pids.max"), "bogus\n").unwrap();
         assert!(read_cgroup_pids(&dirs).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn needs(cap: u64) -> Needs {
+        Needs {
+            cpus: 2,
+            database_pool_max: 10,
+            pending_upgrades_max: 256,
+            http_connections_max: 1024,
+            configured_cap: cap,
+        }
+    }
+
+    #[test]
+    fn the_plan_lowers_a_cap_above_the_descriptor_ceiling_and_bounds_relay_threads() {
+        let plan = plan(&machine(), needs(20_000));
+        // 20,000 - 20 in use - (256 + 10 + 256 pending + 1024 HTTP) = 18,434.
+        assert_eq!(plan.ceiling, 18_434);
+        assert_eq!(plan.cap, 18_434);
+        assert_eq!(plan.lowered_by, Some(Resource::Descriptors));
+        // Maps bind the threads: (65,530 - 200 - reserve) / 4, the reserve holding the HTTP
+        // threads' maps too.
+        assert_eq!(plan.capacity.threaded_limiting, Resource::MemoryMaps);
+        assert_eq!(plan.relay_threads, plan.capacity.threaded);
+        assert!(plan.relay_threads < (65_530 - 200 - 1024 * MAPS_PER_THREAD) / MAPS_PER_THREAD);
+        let kept = super::plan(&machine(), needs(1_000));
+        assert_eq!((kept.cap, kept.lowered_by), (1_000, None));
+        assert!(kept
+            .summary()
+            .contains("connections=18434 limited_by=RLIMIT_NOFILE cap=1000"));
     }
 }

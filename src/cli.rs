@@ -115,6 +115,20 @@ pub fn execute(command: Command) -> i32 {
                     println!("{name}={value}");
                 }
                 println!("effective database_tls: {database_tls}");
+                if config.role != crate::config::Role::Director {
+                    let _ = crate::lifecycle::raise_fd_limit();
+                    match crate::capacity::read_limits() {
+                        Ok(limits) => {
+                            let needs = crate::roles::cell::capacity_needs(&config);
+                            let plan = crate::capacity::plan(&limits, needs);
+                            println!("effective capacity: {}", plan.summary());
+                            for figure in &plan.capacity.figures {
+                                println!("  {figure} ({})", figure.resource.how_to_raise());
+                            }
+                        }
+                        Err(e) => println!("effective capacity: unknown ({e})"),
+                    }
+                }
                 0
             }
             Err(e) => {

@@ -149,6 +149,8 @@ pub struct Config {
     /// Pre-authentication sockets on the WebSocket port at most, apart from the connection cap
     /// (SPEC §11).
     pub pending_upgrades_max: u32,
+    /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
+    pub splice_workers: u32,
     /// An idle keep-alive connection on the HTTP port is closed after this (SPEC §11).
     pub http_idle_ms: u64,
     /// Open connections on the HTTP port at most.
@@ -185,6 +187,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_SWITCH_FILE",
     "ORCA_RELAY_CONNECTION_CAP",
     "ORCA_RELAY_PENDING_UPGRADES_MAX",
+    "ORCA_RELAY_SPLICE_WORKERS",
     "ORCA_RELAY_HTTP_IDLE_MS",
     "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
     "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
@@ -232,6 +235,16 @@ fn error(name: &str, value: &str, expected: impl Into<String>) -> ConfigError {
         value: value.to_string(),
         expected: expected.into(),
     }
+}
+
+/// The most splice workers a process may run (one event loop each).
+pub const MAX_SPLICE_WORKERS: u64 = 256;
+
+/// `ORCA_RELAY_SPLICE_WORKERS` when unset: one event loop per core the process may use.
+pub fn default_splice_workers() -> u64 {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get() as u64)
+        .min(MAX_SPLICE_WORKERS)
 }
 
 /// Parses an integer in `min..=max`; unset gives `default`.
@@ -489,6 +502,13 @@ impl Config {
             parse_int_in(lookup, "ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000)? as u32;
         let pending_upgrades_max =
             parse_int_in(lookup, "ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000)? as u32;
+        let splice_workers = parse_int_in(
+            lookup,
+            "ORCA_RELAY_SPLICE_WORKERS",
+            default_splice_workers(),
+            1,
+            MAX_SPLICE_WORKERS,
+        )? as u32;
         let hour = 3_600_000;
         let http_idle_ms = parse_int_in(lookup, "ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour)?;
         let http_connections_max =
@@ -578,6 +598,7 @@ impl Config {
             switch_file,
             connection_cap,
             pending_upgrades_max,
+            splice_workers,
             http_idle_ms,
             http_connections_max,
             readiness_jwks_grace_ms,
@@ -645,6 +666,7 @@ impl Config {
             "ORCA_RELAY_PENDING_UPGRADES_MAX",
             self.pending_upgrades_max.to_string(),
         );
+        out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
         out.insert("ORCA_RELAY_HTTP_IDLE_MS", self.http_idle_ms.to_string());
         out.insert(
             "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
@@ -760,6 +782,19 @@ mod tests {
         assert_eq!(config.pending_upgrades_max, 256);
         assert_eq!(config.http_idle_ms, 30_000);
         assert_eq!(config.http_connections_max, 1024);
+        assert_eq!(config.splice_workers as u64, default_splice_workers());
+        assert_eq!(
+            parse(&[("ORCA_RELAY_SPLICE_WORKERS", "")])
+                .unwrap()
+                .splice_workers as u64,
+            default_splice_workers()
+        );
+        assert_eq!(
+            parse(&[("ORCA_RELAY_SPLICE_WORKERS", "3")])
+                .unwrap()
+                .splice_workers,
+            3
+        );
     }
 
     #[test]
@@ -814,6 +849,7 @@ mod tests {
             ("ORCA_RELAY_HTTP_IDLE_MS", "99", "100 to 3600000"),
             ("ORCA_RELAY_HTTP_CONNECTIONS_MAX", "0", "1 to 100000"),
             ("ORCA_RELAY_PENDING_UPGRADES_MAX", "100001", "1 to 100000"),
+            ("ORCA_RELAY_SPLICE_WORKERS", "0", "1 to 256"),
         ];
         for (name, value, expected) in cases {
             let err = parse(&[(name, value)]).unwrap_err();

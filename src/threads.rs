@@ -64,3 +64,79 @@ pub fn join_logged<T>(name: &str, handle: JoinHandle<T>) -> Option<T> {
         }
     }
 }
+
+/// A bounded count of threads of one kind (relay threads): taken before a spawn, returned when
+/// the [`Permit`] drops at the end of the thread. The bound is the process's computed threaded
+/// capacity (`capacity.rs`), so a spawn never gets near `vm.max_map_count` or a task limit,
+/// where a new thread's signal-stack mapping fails inside std's thread start and aborts the
+/// process: running out of permits is a refusal, never an abort.
+#[derive(Debug)]
+pub struct Permits {
+    max: usize,
+    used: std::sync::atomic::AtomicUsize,
+}
+
+/// One taken permit; dropping it gives it back.
+#[derive(Debug)]
+pub struct Permit(std::sync::Arc<Permits>);
+
+impl Permits {
+    pub fn new(max: usize) -> std::sync::Arc<Permits> {
+        std::sync::Arc::new(Permits {
+            max,
+            used: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// A permit if fewer than `max` are out.
+    pub fn try_take(self: &std::sync::Arc<Self>) -> Option<Permit> {
+        use std::sync::atomic::Ordering;
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used < self.max).then_some(used + 1)
+            })
+            .ok()
+            .map(|_| Permit(self.clone()))
+    }
+
+    pub fn used(&self) -> usize {
+        self.used.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0
+            .used
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permits_are_bounded_and_returned_on_drop() {
+        let permits = Permits::new(2);
+        let first = permits.try_take().expect("first");
+        let second = permits.try_take().expect("second");
+        assert!(
+            permits.try_take().is_none(),
+            "a third permit over the bound"
+        );
+        assert_eq!(permits.used(), 2);
+        drop(first);
+        assert_eq!(permits.used(), 1);
+        let third = permits
+            .try_take()
+            .expect("a returned permit is taken again");
+        drop((second, third));
+        assert_eq!(permits.used(), 0);
+        assert!(Permits::new(0).try_take().is_none());
+    }
+}

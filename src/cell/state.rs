@@ -19,6 +19,9 @@ use crate::protocol::{INVITE_MAX_ATTEMPTS, INVITE_TTL_MS, MAX_PHONES_PER_HOST};
 
 /// A connected WebSocket, as the cell model needs to know it.
 pub trait Peer: Send + Sync {
+    /// What a data leg hands its phone when it attaches (the data plane's own type: the leg's
+    /// socket and what it has read so far).
+    type Attached: Send;
     fn id(&self) -> u64;
 }
 
@@ -83,15 +86,15 @@ struct Invite {
 }
 
 /// A phone waiting for its host's data leg.
-pub struct Pending<S> {
+pub struct Pending<S: Peer> {
     pub relay_host_id: String,
     pub ticket: String,
     pub generation: u64,
     pub phone: Arc<S>,
-    pub attach: SyncSender<Arc<S>>,
+    pub attach: SyncSender<S::Attached>,
 }
 
-struct Inner<S> {
+struct Inner<S: Peer> {
     seats: HashMap<String, Seat<S>>,
     invites: HashMap<String, Invite>,
     pending: HashMap<String, Pending<S>>,
@@ -111,7 +114,7 @@ pub struct Seated<S> {
     pub replaced: Option<Control<S>>,
 }
 
-pub struct CellState<S> {
+pub struct CellState<S: Peer> {
     inner: Mutex<Inner<S>>,
     clock: SharedClock,
     next_conn: AtomicU64,
@@ -304,7 +307,7 @@ impl<S: Peer> CellState<S> {
         credential: &str,
         phone: Arc<S>,
         ticket: String,
-        attach: SyncSender<Arc<S>>,
+        attach: SyncSender<S::Attached>,
     ) -> Result<(String, Control<S>), PhoneRefusal> {
         let now = self.now_ms();
         let mut inner = self.lock();
@@ -470,6 +473,7 @@ mod tests {
 
     struct FakePeer(u64);
     impl Peer for FakePeer {
+        type Attached = Arc<FakePeer>;
         fn id(&self) -> u64 {
             self.0
         }

@@ -1,29 +1,34 @@
-//! The host data leg `GET /v1/host/data/<connId>` and the splice pump (SPEC §5.2).
+//! The host data leg `GET /v1/host/data/<connId>` (SPEC §5.2), on its relay thread until it
+//! attaches.
 //!
-//! Each leg's relay thread pumps its own socket into the other leg's writer: frames pass
-//! unchanged (text stays text, binary stays binary). Either side leaving closes the other
-//! 4408. A write that cannot make progress for the wedge window marks that direction wedged:
-//! the stalled peer is dropped and the sender closed 4429, and no other pair notices.
+//! The leg authenticates with the ticket of a pending phone; then the phone hears
+//! `relay-hello`, and this thread hands its socket, what its reader took off the wire past the
+//! first frame, and its connection unit to the phone's thread (the pending entry's channel),
+//! which hands the pair to a splice worker (`relay/splice/`). This thread then ends.
 
 use std::sync::Arc;
 
 use tungstenite::Message;
 
-use super::socket::{SendError, Socket};
-use super::splice_reader::{violation_close_code, SpliceEvent, SpliceReader};
-use super::{read_first_splice_text, RelayContext};
+use super::socket::Socket;
+use super::splice::LegHandOff;
+use super::splice_reader::SpliceReader;
+use super::{read_first_splice_text, ConnectionHold, RelayContext, Served};
 use crate::protocol::{self, CloseCode, DataLegFirst};
 
-#[derive(Debug, Clone, Copy)]
-pub enum Direction {
-    PhoneToHost,
-    HostToPhone,
-}
-
-pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: SpliceReader, conn_id: &str) {
+pub fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    mut reader: SpliceReader,
+    conn_id: &str,
+    hold: &mut Option<ConnectionHold>,
+) -> Served {
     let text = match read_first_splice_text(context, &mut reader) {
         Ok(text) => text,
-        Err(code) => return context.close(&socket, code, "first frame"),
+        Err(code) => {
+            context.close(&socket, code, "first frame");
+            return Served::Ended;
+        }
     };
     let (ticket, generation) = match serde_json::from_str::<DataLegFirst>(&text) {
         Ok(DataLegFirst::HostDataAuth {
@@ -31,94 +36,39 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: SpliceRead
             conn_ticket,
             generation,
         }) => (conn_ticket, generation),
-        _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad host-data-auth"),
+        _ => {
+            context.close(&socket, CloseCode::BadOuterCredential, "bad host-data-auth");
+            return Served::Ended;
+        }
     };
     let Some(pending) = context.cell.take_pending(conn_id, &ticket, generation) else {
-        return context.close(&socket, CloseCode::BadOuterCredential, "unknown connection");
+        context.close(&socket, CloseCode::BadOuterCredential, "unknown connection");
+        return Served::Ended;
     };
     let phone = pending.phone;
     // The phone hears relay-hello before any spliced frame: it is sent before the hand-off.
     if phone
         .send(Message::text(protocol::relay_hello_json()))
         .is_err()
-        || pending.attach.send(socket.clone()).is_err()
     {
-        return context.close(&socket, CloseCode::PeerDropped, "phone left");
+        context.close(&socket, CloseCode::PeerDropped, "phone left");
+        return Served::Ended;
     }
-    pump(
-        context,
-        &mut reader,
-        &socket,
-        &phone,
-        Direction::HostToPhone,
-    );
-}
-
-/// Forwards every data frame read from `from` to `to`, unchanged, until one side ends.
-pub fn pump(
-    context: &RelayContext,
-    reader: &mut SpliceReader,
-    from: &Arc<Socket>,
-    to: &Arc<Socket>,
-    direction: Direction,
-) {
-    reader.set_read_timeout(None);
-    let (bytes, frames) = match direction {
-        Direction::PhoneToHost => (
-            &context.metrics.bytes_phone_to_host,
-            &context.metrics.frames_phone_to_host,
-        ),
-        Direction::HostToPhone => (
-            &context.metrics.bytes_host_to_phone,
-            &context.metrics.frames_host_to_phone,
-        ),
+    let (buffered, parser) = reader.into_parts();
+    let leg = LegHandOff {
+        socket: socket.clone(),
+        buffered,
+        parser,
+        release: hold
+            .take()
+            .map(|hold| Box::new(hold) as super::splice::Release)
+            .into_iter()
+            .collect(),
     };
-    loop {
-        match reader.read() {
-            SpliceEvent::Frame { data, fin, payload } => match to.send_frame(data, fin, payload) {
-                Ok(()) => {
-                    bytes.add(payload.len() as u64);
-                    frames.inc();
-                }
-                Err(SendError::Wedged) => {
-                    log::info!(
-                        "orca_relay_splice_wedged conn={} peer={} direction={direction:?}",
-                        from.id,
-                        to.id
-                    );
-                    // Close the sender first: the stalled side's own thread will notice the
-                    // shutdown and must not win the race with a 4408.
-                    context.close(from, CloseCode::LimitExceeded, "wedged");
-                    to.shutdown();
-                    return;
-                }
-                Err(SendError::Closed) => {
-                    context.close(from, CloseCode::PeerDropped, "peer left");
-                    return;
-                }
-            },
-            SpliceEvent::TimedOut => {}
-            SpliceEvent::Violation(violation) => {
-                log::info!(
-                    "orca_relay_splice_protocol_violation conn={} rule={} direction={direction:?}",
-                    from.id,
-                    violation.name()
-                );
-                let code = violation_close_code(violation);
-                context.close(from, code, violation.name());
-                context.close(to, CloseCode::PeerDropped, "peer left");
-                if code == CloseCode::TooBig {
-                    reader.drain_after_close();
-                }
-                return;
-            }
-            SpliceEvent::Gone => {
-                context.close(to, CloseCode::PeerDropped, "peer left");
-                return;
-            }
-        }
-        if from.is_closing() {
-            return;
-        }
+    if pending.attach.send(leg).is_err() {
+        // The phone's thread gave up; the hand-off (and the unit in it) was dropped.
+        context.close(&socket, CloseCode::PeerDropped, "phone left");
+        return Served::Ended;
     }
+    Served::HandedOff
 }

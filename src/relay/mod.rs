@@ -22,6 +22,7 @@ pub mod data;
 pub mod frames;
 pub mod phone;
 pub mod socket;
+pub mod splice;
 pub mod splice_reader;
 pub mod upgrade;
 
@@ -35,18 +36,20 @@ use crate::auth::Verifier;
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
-use crate::cell::state::{CellState, ConnectionSlots, Peer};
+use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
 use crate::clock::SharedClock;
 use crate::config::Timings;
 use crate::http::table::{Admission, ConnectionTable, Ticket};
 use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
+use crate::threads::Permits;
 use socket::{Reaper, Socket};
 use splice_reader::{SpliceEvent, SpliceReader};
 use upgrade::Route;
 
 impl Peer for Socket {
+    type Attached = splice::LegHandOff;
     fn id(&self) -> u64 {
         self.id
     }
@@ -178,6 +181,17 @@ impl RelayMetrics {
             .inc();
     }
 
+    /// An attached pair no splice worker could take (closed 4429).
+    pub fn splice_refused(&self, reason: &str) {
+        self.registry
+            .counter(
+                "orca_relay_splice_refused_total",
+                "Attached pairs no splice worker could take (both legs closed 4429), by reason.",
+                &[("reason", reason)],
+            )
+            .inc();
+    }
+
     pub fn upgrade_refused(&self, status: u16, reason: &str) {
         self.registry
             .counter(
@@ -232,6 +246,10 @@ pub struct RelayContext {
     pub mode: Arc<CellMode>,
     /// Sockets between accept and admission (or refusal).
     pub pending: Arc<ConnectionTable>,
+    /// The event-loop workers attached pairs are handed to.
+    pub splice: Arc<splice::SplicePlane>,
+    /// Relay threads at most at once: the process's threaded capacity.
+    pub thread_permits: Arc<Permits>,
     next_id: Arc<AtomicU64>,
 }
 
@@ -249,13 +267,63 @@ impl RelayContext {
         reaper: Reaper,
         phase: Arc<Phase>,
         registry: &Registry,
+        splice: Arc<splice::SplicePlane>,
+        thread_permits: Arc<Permits>,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
-        for reason in ["pending_upgrades_full", "thread_spawn"] {
+        for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
             registry.counter(
                 "orca_relay_ws_connections_dropped_total",
                 "WebSocket connections closed at accept without an answer, by reason.",
                 &[("reason", reason)],
+            );
+        }
+        for reason in ["threads", "descriptors", "connection_cap"] {
+            registry.counter(
+                "orca_relay_upgrades_refused_total",
+                "Upgrades refused with an HTTP status, by status and reason.",
+                &[("status", "503"), ("reason", reason)],
+            );
+        }
+        registry.counter(
+            "orca_relay_splice_refused_total",
+            "Attached pairs no splice worker could take (both legs closed 4429), by reason.",
+            &[("reason", "no_worker")],
+        );
+        {
+            let permits = thread_permits.clone();
+            registry.sampled_gauge(
+                "orca_relay_relay_threads",
+                "Relay threads (one per connection until it is spliced), and the most allowed.",
+                move || {
+                    vec![
+                        (
+                            vec![("state".to_string(), "running".to_string())],
+                            permits.used() as f64,
+                        ),
+                        (
+                            vec![("state".to_string(), "max".to_string())],
+                            permits.max() as f64,
+                        ),
+                    ]
+                },
+            );
+        }
+        {
+            let splice = splice.clone();
+            registry.sampled_gauge(
+                "orca_relay_splice_legs",
+                "Spliced legs held by each splice worker.",
+                move || {
+                    splice
+                        .legs_per_worker()
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, legs)| {
+                            (vec![("worker".to_string(), index.to_string())], legs as f64)
+                        })
+                        .collect()
+                },
             );
         }
         registry.counter(
@@ -288,6 +356,8 @@ impl RelayContext {
             phase,
             metrics: RelayMetrics::new(registry),
             pending,
+            splice,
+            thread_permits,
             next_id: Arc::new(AtomicU64::new(1)),
         }
     }
@@ -304,6 +374,10 @@ impl RelayContext {
 /// connection from the shutdown path). It never reads from a connection.
 pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
     let _ = crate::http::server::raise_backlog(&listener);
+    // One descriptor kept in reserve: when the process is out of descriptors (EMFILE, ENFILE)
+    // it is given up for a moment so that the waiting connection can be accepted, answered
+    // 503 and closed, instead of staying in the backlog until the client gives up.
+    let mut spare = open_spare();
     // Resource exhaustion is logged once per run of failures.
     let mut accept_failing = false;
     let mut spawn_failing = false;
@@ -319,7 +393,14 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
                     log::warn!("orca_relay_accept_failed error={e}");
                     accept_failing = true;
                 }
-                // EMFILE and friends: back off briefly instead of spinning.
+                if out_of_descriptors(&e) && spare.take().is_some() {
+                    if let Ok((stream, _)) = listener.accept() {
+                        refuse_at_accept(&context, stream, "descriptors");
+                    }
+                    spare = open_spare();
+                    continue;
+                }
+                // Anything else: back off briefly instead of spinning.
                 crate::clock::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -331,8 +412,16 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
             log::info!("orca_relay_accept_recovered");
             accept_failing = false;
         }
+        if spare.is_none() {
+            spare = open_spare();
+        }
         let accepted = crate::clock::instant();
         let _ = stream.set_nodelay(true);
+        // A relay thread only with a permit: the thread capacity is never reached by a spawn.
+        let Some(permit) = context.thread_permits.try_take() else {
+            refuse_at_accept(&context, stream, "threads");
+            continue;
+        };
         let stream = Arc::new(stream);
         let ticket = match context.pending.admit(&stream) {
             Admission::Admitted { ticket, shed } => {
@@ -351,7 +440,10 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
         let spawned = crate::threads::spawn_with_stack(
             format!("relay-{id}"),
             crate::threads::RELAY_STACK_BYTES,
-            move || serve_connection(thread_context, stream, ticket, id, accepted),
+            move || {
+                let _permit = permit;
+                serve_connection(thread_context, stream, ticket, id, accepted)
+            },
         );
         match spawned {
             Ok(_) => spawn_failing = false,
@@ -365,6 +457,34 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
             }
         }
     }
+}
+
+fn open_spare() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
+fn out_of_descriptors(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE) | Some(libc::ENFILE)
+    )
+}
+
+/// Refuses a connection on the acceptor itself, before any head is read: a thread or a
+/// descriptor could not be had. 503 with `Retry-After: 2`, counted; the answer fits the empty
+/// socket buffer of a new connection, so the write does not wait.
+fn refuse_at_accept(context: &RelayContext, stream: TcpStream, reason: &str) {
+    context.metrics.upgrade_refused(503, reason);
+    let stream = Arc::new(stream);
+    let _ = stream.set_nonblocking(true);
+    let _ = std::io::Write::write(
+        &mut &*stream,
+        upgrade::refusal(503, reason, Some(2)).as_bytes(),
+    );
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    context
+        .reaper
+        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
 }
 
 /// One way an upgrade is refused: the status, the reason counted in
@@ -519,34 +639,65 @@ fn serve_connection(
     };
     let gauge = context.metrics.connections(route.kind());
     gauge.inc();
+    // The unit and the gauge travel with a splice leg to its worker; a control keeps them here.
+    let mut hold = Some(ConnectionHold { _slot: slot, gauge });
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match (route.clone(), leg) {
-        (Route::Control, Leg::Control(reader)) => control::serve(
-            &context,
-            socket.clone(),
-            reader,
-            claims.expect("checked above"),
-        ),
+        (Route::Control, Leg::Control(reader)) => {
+            let Some(claims) = claims else {
+                context.close(&socket, CloseCode::LimitExceeded, "internal error");
+                return Served::Ended;
+            };
+            control::serve(&context, socket.clone(), reader, claims);
+            Served::Ended
+        }
         (Route::Phone { relay_host_id }, Leg::Splice(reader)) => {
-            phone::serve(&context, socket.clone(), reader, &relay_host_id)
+            phone::serve(&context, socket.clone(), reader, &relay_host_id, &mut hold)
         }
         (Route::DataLeg { conn_id }, Leg::Splice(reader)) => {
-            data::serve(&context, socket.clone(), reader, &conn_id)
+            data::serve(&context, socket.clone(), reader, &conn_id, &mut hold)
         }
-        _ => context.close(&socket, CloseCode::LimitExceeded, "internal error"),
+        _ => {
+            context.close(&socket, CloseCode::LimitExceeded, "internal error");
+            Served::Ended
+        }
     }));
-    if outcome.is_err() {
-        log::error!(
-            "orca_relay_connection_panicked conn={id} kind={}",
-            route.kind()
-        );
-        context.close(&socket, CloseCode::LimitExceeded, "internal error");
+    match outcome {
+        Ok(Served::HandedOff) => return,
+        Ok(Served::Ended) => {}
+        Err(_) => {
+            log::error!(
+                "orca_relay_connection_panicked conn={id} kind={}",
+                route.kind()
+            );
+            context.close(&socket, CloseCode::LimitExceeded, "internal error");
+        }
     }
-    gauge.dec();
-    // Make sure the peer is gone before the slot is returned.
+    // Make sure the peer is gone before the unit is returned.
     if !socket.is_closing() {
         context.close(&socket, CloseCode::Normal, "");
     }
-    drop(slot);
+    drop(hold);
+}
+
+/// How a connection's relay thread ended.
+pub enum Served {
+    /// The connection is closed (or closing); its unit is returned as the thread ends.
+    Ended,
+    /// The socket went to a splice worker with its unit; nothing more to do here.
+    HandedOff,
+}
+
+/// A connection's unit of the cap and its place in the connections gauge, released together
+/// when dropped: at the end of the relay thread, or of the splice leg it was handed to.
+pub struct ConnectionHold {
+    _slot: SlotGuard,
+    gauge: Gauge,
+}
+
+impl Drop for ConnectionHold {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
 }
 
 /// Whether a desktop's control upgrade is shed with 503 under database pool pressure (SPEC

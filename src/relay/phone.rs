@@ -1,8 +1,11 @@
-//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2), on its relay thread.
+//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2), on its relay thread until the
+//! pair is spliced.
 //!
 //! The phone authenticates with an invite; the cell tells the host (`conn-open`) and waits up
 //! to the attach deadline for the host's data leg, which announces itself through the pending
-//! entry's channel. Then this thread pumps phone → host until either side leaves.
+//! entry's channel with its socket and what its reader had read. Then this thread hands the
+//! pair to a splice worker (`relay/splice/`) and ends: the phone's place and both connection
+//! units travel with the pair and are released when its legs end.
 
 use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
@@ -10,29 +13,48 @@ use std::time::Duration;
 
 use tungstenite::Message;
 
-use super::data::pump;
 use super::socket::Socket;
+use super::splice::{LegHandOff, Pair, Release};
 use super::splice_reader::SpliceReader;
-use super::{read_first_splice_text, RelayContext};
-use crate::cell::state::{random_token, PhoneRefusal};
+use super::{read_first_splice_text, ConnectionHold, RelayContext, Served};
+use crate::cell::state::{random_token, CellState, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
+
+/// One of the host's phone places (at most 8, SPEC §5.2), returned when dropped.
+struct PhonePlace {
+    cell: Arc<CellState<Socket>>,
+    relay_host_id: String,
+}
+
+impl Drop for PhonePlace {
+    fn drop(&mut self) {
+        self.cell.release_phone(&self.relay_host_id);
+    }
+}
 
 pub fn serve(
     context: &RelayContext,
     socket: Arc<Socket>,
     mut reader: SpliceReader,
     relay_host_id: &str,
-) {
+    hold: &mut Option<ConnectionHold>,
+) -> Served {
     let text = match read_first_splice_text(context, &mut reader) {
         Ok(text) => text,
-        Err(code) => return context.close(&socket, code, "first frame"),
+        Err(code) => {
+            context.close(&socket, code, "first frame");
+            return Served::Ended;
+        }
     };
     let credential = match serde_json::from_str::<PhoneFirst>(&text) {
         Ok(PhoneFirst::RelayAuth { v: 1, credential }) => credential,
-        _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad relay-auth"),
+        _ => {
+            context.close(&socket, CloseCode::BadOuterCredential, "bad relay-auth");
+            return Served::Ended;
+        }
     };
     let ticket = random_token();
-    let (attach_tx, attach_rx) = sync_channel::<Arc<Socket>>(1);
+    let (attach_tx, attach_rx) = sync_channel::<LegHandOff>(1);
     let admitted = context.cell.admit_phone(
         relay_host_id,
         &credential,
@@ -48,17 +70,15 @@ pub fn serve(
                 PhoneRefusal::BadCredential => CloseCode::BadOuterCredential,
                 PhoneRefusal::TooManyPhones => CloseCode::LimitExceeded,
             };
-            return context.close(&socket, code, "phone refused");
+            context.close(&socket, code, "phone refused");
+            return Served::Ended;
         }
     };
     // From here on this phone holds one of the host's phone places.
-    struct PhonePlace<'a>(&'a RelayContext, &'a str);
-    impl Drop for PhonePlace<'_> {
-        fn drop(&mut self) {
-            self.0.cell.release_phone(self.1);
-        }
-    }
-    let _place = PhonePlace(context, relay_host_id);
+    let place = PhonePlace {
+        cell: context.cell.clone(),
+        relay_host_id: relay_host_id.to_string(),
+    };
 
     let attach_deadline_ms = context.timings.attach_deadline_ms;
     let open = RelayToHost::ConnOpen {
@@ -72,28 +92,54 @@ pub fn serve(
         .is_err()
     {
         context.cell.abandon_pending(&conn_id);
-        return context.close(&socket, CloseCode::HostOffline, "host unavailable");
+        context.close(&socket, CloseCode::HostOffline, "host unavailable");
+        return Served::Ended;
     }
-    let data_leg = match attach_rx.recv_timeout(Duration::from_millis(attach_deadline_ms)) {
-        Ok(data_leg) => data_leg,
+    let host = match attach_rx.recv_timeout(Duration::from_millis(attach_deadline_ms)) {
+        Ok(host) => host,
         Err(_) => {
             if context.cell.abandon_pending(&conn_id) {
-                return context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                return Served::Ended;
             }
             // A data leg took the entry as the deadline passed; its hand-off is on its way.
             match attach_rx.recv_timeout(Duration::from_secs(1)) {
-                Ok(data_leg) => data_leg,
+                Ok(host) => host,
                 Err(_) => {
-                    return context.close(&socket, CloseCode::HostOffline, "host did not attach")
+                    context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                    return Served::Ended;
                 }
             }
         }
     };
-    pump(
-        context,
-        &mut reader,
-        &socket,
-        &data_leg,
-        super::data::Direction::PhoneToHost,
-    );
+    let (buffered, parser) = reader.into_parts();
+    let mut release: Vec<Release> = vec![Box::new(place)];
+    if let Some(hold) = hold.take() {
+        release.push(Box::new(hold));
+    }
+    let phone = LegHandOff {
+        socket: socket.clone(),
+        buffered,
+        parser,
+        release,
+    };
+    match context.splice.hand_off(Pair { phone, host }) {
+        Ok(()) => Served::HandedOff,
+        Err(pair) => {
+            // No worker can take it (the cell is stopping): a transient failure, retry.
+            log::warn!("orca_relay_splice_hand_off_failed conn={}", socket.id);
+            context.metrics.splice_refused("no_worker");
+            context.close(
+                &pair.phone.socket,
+                CloseCode::LimitExceeded,
+                "internal error",
+            );
+            context.close(
+                &pair.host.socket,
+                CloseCode::LimitExceeded,
+                "internal error",
+            );
+            Served::Ended
+        }
+    }
 }

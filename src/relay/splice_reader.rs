@@ -1,13 +1,12 @@
-//! The blocking reader of a splice leg on its relay thread: a thin shell over the pure
-//! [`FrameParser`] (`relay/frames.rs`) that owns the leg's read buffer and its socket.
+//! The blocking reader of a splice leg on its relay thread, until the leg is attached: a thin
+//! shell over the pure [`FrameParser`] (`relay/frames.rs`) that owns the leg's small read
+//! buffer and its socket. It reads the leg's first frame (`relay-auth`, `host-data-auth`);
+//! [`SpliceReader::into_parts`] then gives what it read past that frame, and the parser, to the
+//! splice worker that takes the pair over (`relay/splice/`).
 //!
-//! Each frame goes out unchanged (opcode, FIN bit, payload; fragmentation kept) through the
-//! other leg's writer. Compared with tungstenite's reader this saves two passes over every
-//! spliced byte (it zero-fills its read buffer before each read and copies each payload out),
-//! which is what keeps the splice as fast as nginx. Control frames are handled here: a ping is
-//! answered with a pong through this leg's own writer, a pong is dropped, a close is
-//! acknowledged and ends the leg. A rule broken is a [`Violation`]: the caller fails the leg
-//! with its code (1002, or 1009 for size) and the pair with 4408.
+//! Control frames are handled here too: a ping is answered with a pong through this leg's own
+//! writer, a pong is dropped, a close is acknowledged and ends the leg. A rule broken is a
+//! [`Violation`]: the caller fails the leg with its code (1002, or 1009 for size).
 
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -21,10 +20,10 @@ use super::socket::{drain_for_linger, Socket};
 use crate::protocol::CloseCode;
 
 /// The buffer every splice leg starts with; it grows for larger frames and shrinks back when
-/// it is empty again. 256 KiB lets one read take several 64 KiB frames (measured: 0.99-1.04x
-/// nginx's throughput against 0.82-0.90x with 64 KiB, `cargo bench --bench relay`); nginx's
-/// tuned proxy holds up to 8 x 64 KiB per connection for the same job.
-const INITIAL_BUFFER: usize = 256 * 1024;
+/// it is empty again. The relay thread only reads the leg's first frame (a small JSON
+/// `relay-auth` or `host-data-auth`); the splice itself runs on the workers (`relay/splice/`),
+/// which share one large buffer per worker, so a few KiB are enough here.
+const INITIAL_BUFFER: usize = 4 * 1024;
 
 /// What one read produced.
 #[derive(Debug, PartialEq, Eq)]
@@ -76,6 +75,13 @@ impl SpliceReader {
 
     pub fn socket(&self) -> &Arc<Socket> {
         &self.socket
+    }
+
+    /// What a splice worker needs to carry on where this reader stopped: the bytes read past
+    /// the last frame returned (a partial frame, or whole frames the client sent early) and
+    /// the parser (its fragmentation state).
+    pub fn into_parts(self) -> (Vec<u8>, FrameParser) {
+        (self.buf[self.start..self.end].to_vec(), self.parser)
     }
 
     /// The next data frame (control frames are dealt with on the way).

@@ -32,6 +32,7 @@ use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
 use crate::relay::socket::{Reaper, Socket};
+use crate::relay::splice::{SplicePlane, SpliceTimings};
 use crate::relay::{self, Phase, RelayContext};
 use crate::store::Store;
 use crate::threads;
@@ -101,11 +102,22 @@ impl CellRuntime {
             .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
         let (reaper, reaper_handle) = Reaper::start()
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
+        let splice = SplicePlane::start(
+            config.splice_workers as usize,
+            SpliceTimings {
+                wedge_ms: config.timings.wedge_ms,
+                linger_ms: relay::socket::CLOSE_LINGER.as_millis() as u64,
+            },
+            clock.clone(),
+            relay::RelayMetrics::new(&setup.registry),
+        )
+        .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
+        let (connection_cap, relay_threads) = plan_capacity(config, &setup.registry);
         let context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
             config.timings.clone(),
-            config.connection_cap,
+            connection_cap,
             config.pending_upgrades_max,
             setup.verifier.clone(),
             setup.store.clone(),
@@ -113,6 +125,8 @@ impl CellRuntime {
             reaper,
             Arc::new(Phase::default()),
             &setup.registry,
+            splice.clone(),
+            threads::Permits::new(relay_threads),
         );
         register_cell_metrics(&setup.registry, &setup.store, &context);
         setup
@@ -334,6 +348,8 @@ impl CellRuntime {
             self.context
                 .close(&control.socket, CloseCode::Draining, "draining");
         }
+        // Spliced pairs are closed 4503 too, and the splice workers end.
+        self.context.splice.stop();
         self.reregister_stop.store(true, Ordering::Release);
         // Final row write: a draining cell must not keep a slot or attract placements.
         let switch = self.context.mode.switch();
@@ -361,6 +377,56 @@ impl CellRuntime {
             remaining.len()
         );
         let _ = lock(&self.reaper).take();
+    }
+}
+
+/// The process's capacity at start (`capacity.rs`): logged as one line, the configured
+/// connection cap lowered to the ceiling with one WARN naming the limit, gauges for
+/// `/metrics`. Returns the cap in force and the relay-thread permits.
+fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
+    let configured = config.connection_cap;
+    let plan = match crate::capacity::read_limits() {
+        Ok(limits) => crate::capacity::plan(&limits, capacity_needs(config)),
+        Err(e) => {
+            // Without the figures, the configuration is trusted: a relay thread for every
+            // admitted or pending connection.
+            log::warn!("orca_relay_capacity_unknown error={e}");
+            let permits = configured as usize + config.pending_upgrades_max as usize;
+            return (configured, permits);
+        }
+    };
+    log::info!("orca_relay_capacity {}", plan.summary());
+    if let Some(resource) = plan.lowered_by {
+        log::warn!(
+            "orca_relay_connection_cap_lowered configured={configured} cap={} limited_by={resource} raise=\"{}\"",
+            plan.cap,
+            resource.how_to_raise()
+        );
+    }
+    let (ceiling, cap) = (plan.ceiling, plan.cap);
+    registry.sampled_gauge(
+        "orca_relay_capacity_connections",
+        "Connections the process's limits allow (descriptors; a spliced leg holds no thread).",
+        move || vec![(Vec::new(), ceiling as f64)],
+    );
+    registry.sampled_gauge(
+        "orca_relay_connection_cap",
+        "The connection cap in force (ORCA_RELAY_CONNECTION_CAP, lowered to the capacity).",
+        move || vec![(Vec::new(), cap as f64)],
+    );
+    let cap = u32::try_from(plan.cap).unwrap_or(configured);
+    let permits = usize::try_from(plan.relay_threads).unwrap_or(usize::MAX);
+    (cap, permits)
+}
+
+/// What the capacity's reserve depends on in `config`.
+pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
+    crate::capacity::Needs {
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
+        database_pool_max: config.pool_max as u64,
+        pending_upgrades_max: config.pending_upgrades_max as u64,
+        http_connections_max: config.http_connections_max as u64,
+        configured_cap: config.connection_cap as u64,
     }
 }
 

@@ -1,0 +1,176 @@
+//! The splice data plane: a few event-loop workers that forward frames between attached
+//! phone/data-leg pairs (SPEC §11 "Data plane").
+//!
+//! Owns: the `splice-<n>` worker threads (`ORCA_RELAY_SPLICE_WORKERS`, default one per core),
+//! each a `mio` (epoll, edge-triggered) loop over the legs it owns ([`worker`]), with one large
+//! read buffer shared by all its legs, a deadline heap for the wedge and linger timers
+//! ([`timers`]) and per-leg state that is only a partial frame and pending output ([`leg`]).
+//!
+//! The per-connection relay threads keep every decision (upgrade, authentication, admission,
+//! the control socket, the attach handshake). Once a phone and its data leg are paired, the
+//! phone's thread hands both sockets, with the bytes their readers had already taken off the
+//! wire and their parsers' state, to the least-loaded worker ([`SplicePlane::hand_off`]: a
+//! channel and a `mio::Waker`), and both relay threads end. From then on a worker owns the
+//! pair outright: no other thread touches those sockets, so no lock is held across I/O.
+//!
+//! Never: blocks on a socket (every socket is non-blocking; `WouldBlock` ends a read or write
+//! loop, `EINTR` is retried); reads the clock other than through the injected clock; lets one
+//! leg's failure (an error, a protocol violation, a panic) end the worker or touch another pair.
+
+pub mod leg;
+pub mod timers;
+pub mod worker;
+
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::clock::SharedClock;
+use crate::relay::frames::FrameParser;
+use crate::relay::socket::Socket;
+use crate::relay::RelayMetrics;
+pub use leg::Release;
+
+/// Reading a leg stops while its peer has this many bytes or more waiting to be written (one
+/// frame is always taken whole, so a leg's output is at most this plus one frame). 1 MiB: with
+/// 256 KiB, a 4 MiB fragment to a desktop that reads only later left 320 KiB above the bound
+/// once the kernel's buffers were full (the socket took 3.87 MiB), so the next fragment's
+/// header, whose length makes the message too large (1009), was never read and the pair was
+/// closed as wedged instead; the thread-per-leg relay, blocked in its write, saw the 1009
+/// (`tests/relay_framing.rs`). nginx's tuned proxy holds up to 8 x 64 KiB per connection.
+pub const PENDING_OUTPUT_BOUND: usize = 1024 * 1024;
+
+/// The read buffer of one worker, shared by all its legs: 256 KiB lets one read take several
+/// 64 KiB frames, which keeps single-stream throughput at nginx's (measured with the per-leg
+/// buffer of the thread-per-leg relay; see README's bench section).
+pub const READ_BUFFER_BYTES: usize = 256 * 1024;
+
+/// One leg as its relay thread hands it over.
+pub struct LegHandOff {
+    pub socket: Arc<Socket>,
+    /// Bytes the leg's reader had taken off the wire past the last frame it returned.
+    pub buffered: Vec<u8>,
+    /// The reader's parser (fragmentation state included).
+    pub parser: FrameParser,
+    /// Dropped when the leg ends: its connection unit, its gauge, the phone's place.
+    pub release: Vec<Release>,
+}
+
+/// An attached pair.
+pub struct Pair {
+    pub phone: LegHandOff,
+    pub host: LegHandOff,
+}
+
+/// What a worker is told.
+pub enum Command {
+    Splice(Box<Pair>),
+    /// Close every leg 4503 (drain) and end once they are gone.
+    Stop,
+}
+
+/// Timings the workers need.
+#[derive(Debug, Clone, Copy)]
+pub struct SpliceTimings {
+    /// A leg whose pending output makes no progress for this long is wedged (SPEC §5.2).
+    pub wedge_ms: u64,
+    /// How long a closed leg waits for the peer to close (SPEC §5.2: 1 s).
+    pub linger_ms: u64,
+}
+
+struct WorkerHandle {
+    inbox: Sender<Command>,
+    waker: Arc<mio::Waker>,
+    legs: Arc<AtomicUsize>,
+}
+
+/// The handle to the workers; cheap to share (`Arc`).
+pub struct SplicePlane {
+    workers: Vec<WorkerHandle>,
+    threads: Mutex<Vec<(String, JoinHandle<()>)>>,
+}
+
+impl SplicePlane {
+    /// Starts `count` workers (`splice-0`, `splice-1`, …).
+    pub fn start(
+        count: usize,
+        timings: SpliceTimings,
+        clock: SharedClock,
+        metrics: RelayMetrics,
+    ) -> io::Result<Arc<SplicePlane>> {
+        let mut workers = Vec::new();
+        let mut threads = Vec::new();
+        for index in 0..count.max(1) {
+            let (inbox, receiver) = mpsc::channel();
+            let legs = Arc::new(AtomicUsize::new(0));
+            let worker = worker::Worker::new(
+                index,
+                receiver,
+                legs.clone(),
+                timings,
+                clock.clone(),
+                metrics.clone(),
+            )?;
+            let waker = worker.waker();
+            let name = format!("splice-{index}");
+            let handle = crate::threads::spawn(name.clone(), move || worker.run())?;
+            workers.push(WorkerHandle { inbox, waker, legs });
+            threads.push((name, handle));
+        }
+        Ok(Arc::new(SplicePlane {
+            workers,
+            threads: Mutex::new(threads),
+        }))
+    }
+
+    /// Legs each worker holds now.
+    pub fn legs_per_worker(&self) -> Vec<usize> {
+        self.workers
+            .iter()
+            .map(|worker| worker.legs.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Gives `pair` to the least-loaded worker. `Err` gives the pair back when no worker can
+    /// take it (the plane is stopping or a worker has ended): the caller closes both 4429.
+    pub fn hand_off(&self, pair: Pair) -> Result<(), Box<Pair>> {
+        let index = timers::least_loaded(&self.legs_per_worker());
+        let Some(worker) = self.workers.get(index) else {
+            return Err(Box::new(pair));
+        };
+        // Counted now, so hand-offs in a burst spread across workers.
+        worker.legs.fetch_add(2, Ordering::Relaxed);
+        match worker.inbox.send(Command::Splice(Box::new(pair))) {
+            Ok(()) => {
+                let _ = worker.waker.wake();
+                Ok(())
+            }
+            Err(mpsc::SendError(command)) => {
+                worker.legs.fetch_sub(2, Ordering::Relaxed);
+                match command {
+                    Command::Splice(pair) => Err(pair),
+                    Command::Stop => unreachable!("only a pair was sent"),
+                }
+            }
+        }
+    }
+
+    /// Closes every spliced leg 4503 and joins the workers (the drain's last step).
+    pub fn stop(&self) {
+        for worker in &self.workers {
+            let _ = worker.inbox.send(Command::Stop);
+            let _ = worker.waker.wake();
+        }
+        let threads: Vec<_> = self
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for (name, handle) in threads {
+            crate::threads::join_logged(&name, handle);
+        }
+    }
+}

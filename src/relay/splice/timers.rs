@@ -1,0 +1,163 @@
+//! The per-worker deadline heap, and the pure decisions of the splice workers.
+//!
+//! Owns: [`Timers`], a min-heap of (due, leg key, kind). Each leg has at most one live entry
+//! per [`TimerKind`] (the leg remembers whether one is armed), so the heap never holds more
+//! than two entries per leg however often its output makes progress: progress only moves the
+//! leg's own `last_progress`, and a due entry re-checks it ([`wedge_due`]) and is pushed again
+//! for the rest of the window instead. Stale entries (a leg that ended; a slot reused) are
+//! told apart by the key's generation and dropped when they come due.
+//!
+//! Runs on: the worker thread that owns it. Never reads the clock: "now" is passed in (the
+//! worker takes it from the injected clock), so the tests below are plain arithmetic.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// What a timer is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TimerKind {
+    /// The leg has pending output: if it makes no progress for the wedge window, its pair
+    /// is closed 4429 (SPEC §5.2).
+    Wedge,
+    /// The leg sent its close frame and has nothing left to write: drop the TCP connection if
+    /// the peer has not closed it by then (SPEC §5.2: within 1 s).
+    Linger,
+}
+
+/// A leg's identity in its worker: its slot and that slot's generation, so a timer armed for a
+/// leg that has since ended cannot fire on the slot's next tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LegKey {
+    pub slot: u32,
+    pub generation: u32,
+}
+
+/// A min-heap of deadlines in milliseconds.
+#[derive(Debug, Default)]
+pub struct Timers {
+    heap: BinaryHeap<Reverse<(u64, LegKey, TimerKind)>>,
+}
+
+impl Timers {
+    pub fn new() -> Timers {
+        Timers::default()
+    }
+
+    pub fn schedule(&mut self, due_ms: u64, key: LegKey, kind: TimerKind) {
+        self.heap.push(Reverse((due_ms, key, kind)));
+    }
+
+    /// The earliest deadline, if any.
+    pub fn next_due(&self) -> Option<u64> {
+        self.heap.peek().map(|Reverse((due, _, _))| *due)
+    }
+
+    /// Removes and returns one entry due at `now_ms` or earlier, earliest first.
+    pub fn pop_due(&mut self, now_ms: u64) -> Option<(LegKey, TimerKind)> {
+        match self.heap.peek() {
+            Some(Reverse((due, _, _))) if *due <= now_ms => {
+                self.heap.pop().map(|Reverse((_, key, kind))| (key, kind))
+            }
+            _ => None,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.heap.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
+}
+
+/// When a leg with pending output is wedged: `wedge_ms` after its last write progress (or
+/// after the output first waited, whichever is later). A write that moves any byte restarts
+/// the window, as the socket send timeout of the thread-per-leg relay did.
+pub fn wedge_due(last_progress_ms: u64, wedge_ms: u64) -> u64 {
+    last_progress_ms.saturating_add(wedge_ms)
+}
+
+/// Whether a leg may be read now: only while its peer's pending output is under `bound`.
+/// Above it, reading stops until the peer is writable again and drains below the bound, so a
+/// reader that does not read slows only the leg that sends to it (backpressure per direction).
+pub fn may_read(peer_pending_bytes: usize, bound: usize) -> bool {
+    peer_pending_bytes < bound
+}
+
+/// The worker a new pair goes to: the one with the fewest legs (the first on a tie).
+pub fn least_loaded(legs_per_worker: &[usize]) -> usize {
+    legs_per_worker
+        .iter()
+        .enumerate()
+        .min_by_key(|(index, legs)| (**legs, *index))
+        .map_or(0, |(index, _)| index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(slot: u32) -> LegKey {
+        LegKey {
+            slot,
+            generation: 1,
+        }
+    }
+
+    #[test]
+    fn timers_come_due_earliest_first_and_not_before_their_time() {
+        let mut timers = Timers::new();
+        timers.schedule(300, key(3), TimerKind::Wedge);
+        timers.schedule(100, key(1), TimerKind::Linger);
+        timers.schedule(200, key(2), TimerKind::Wedge);
+        assert_eq!(timers.next_due(), Some(100));
+        assert_eq!(timers.pop_due(99), None);
+        assert_eq!(timers.pop_due(250), Some((key(1), TimerKind::Linger)));
+        assert_eq!(timers.pop_due(250), Some((key(2), TimerKind::Wedge)));
+        assert_eq!(timers.pop_due(250), None);
+        assert_eq!(timers.next_due(), Some(300));
+        assert_eq!(timers.pop_due(300), Some((key(3), TimerKind::Wedge)));
+        assert!(timers.is_empty());
+        assert_eq!(timers.next_due(), None);
+    }
+
+    #[test]
+    fn equal_deadlines_all_come_due() {
+        let mut timers = Timers::new();
+        for slot in 0..5 {
+            timers.schedule(50, key(slot), TimerKind::Wedge);
+        }
+        let mut fired = Vec::new();
+        while let Some((key, _)) = timers.pop_due(50) {
+            fired.push(key.slot);
+        }
+        fired.sort();
+        assert_eq!(fired, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn the_wedge_window_restarts_with_each_progress() {
+        assert_eq!(wedge_due(1_000, 10_000), 11_000);
+        assert_eq!(wedge_due(5_000, 10_000), 15_000);
+        assert_eq!(wedge_due(u64::MAX - 1, 10_000), u64::MAX);
+    }
+
+    #[test]
+    fn backpressure_stops_reading_at_the_bound_and_resumes_below_it() {
+        let bound = 256 * 1024;
+        assert!(may_read(0, bound));
+        assert!(may_read(bound - 1, bound));
+        assert!(!may_read(bound, bound));
+        assert!(!may_read(8 * 1024 * 1024, bound));
+    }
+
+    #[test]
+    fn a_new_pair_goes_to_the_least_loaded_worker() {
+        assert_eq!(least_loaded(&[4, 2, 6]), 1);
+        assert_eq!(least_loaded(&[3, 3, 3]), 0);
+        assert_eq!(least_loaded(&[5, 0, 0]), 1);
+        assert_eq!(least_loaded(&[7]), 0);
+        assert_eq!(least_loaded(&[]), 0);
+    }
+}
