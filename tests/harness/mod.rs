@@ -109,7 +109,47 @@ impl Relay {
         data_dir: Arc<TempDir>,
         env: &[(&str, &str)],
     ) -> Relay {
+        Relay::launch_binary_with(binary, data_dir, env, |_| {})
+    }
+
+    /// Starts the combined role as [`Relay::combined`] with its descriptor limit (soft and hard
+    /// `RLIMIT_NOFILE`) lowered to `nofile` before it runs, so that it reaches its capacity in
+    /// seconds.
+    pub fn combined_with_nofile(env: &[(&str, &str)], nofile: u64) -> Relay {
+        use std::os::unix::process::CommandExt;
+        let dir = Arc::new(TempDir::new("relay"));
+        Relay::launch_binary_with(
+            std::path::Path::new(env!("CARGO_BIN_EXE_orca-relay")),
+            dir,
+            env,
+            move |command| {
+                // SAFETY: the closure runs in the child between fork and exec and only calls
+                // setrlimit, which is async-signal-safe.
+                unsafe {
+                    command.pre_exec(move || {
+                        let limit = libc::rlimit {
+                            rlim_cur: nofile,
+                            rlim_max: nofile,
+                        };
+                        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            },
+        )
+        .expect_listening("orca_relay_started")
+    }
+
+    fn launch_binary_with(
+        binary: &std::path::Path,
+        data_dir: Arc<TempDir>,
+        env: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Relay {
         let mut command = Command::new(binary);
+        configure(&mut command);
         command
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
