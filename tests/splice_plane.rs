@@ -372,3 +372,23 @@ fn a_process_filled_to_its_computed_capacity_refuses_and_recovers() {
     // The process never went down.
     assert_eq!(relay.wait_exit(Duration::from_millis(10)), None);
 }
+
+/// A phone that sends its last frames and hangs up at once (the data and the end of stream
+/// arrive together, in one edge of the worker's epoll): the desktop gets the frames, then 4408.
+#[test]
+fn frames_followed_at_once_by_a_hang_up_arrive_before_the_4408() {
+    let relay = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&relay);
+    for round in 0..20u64 {
+        let (mut phone, mut leg) = splice(&relay, &mut desktop);
+        phone.write(Message::binary(numbered(round, 300))).unwrap();
+        phone
+            .write(Message::binary(numbered(round + 1, 300)))
+            .unwrap();
+        phone.flush().unwrap();
+        drop(phone);
+        assert_eq!(seq_of(&leg.read().unwrap()), round, "round {round}");
+        assert_eq!(seq_of(&leg.read().unwrap()), round + 1, "round {round}");
+        assert_eq!(read_close(&mut leg), Some(4408), "round {round}");
+    }
+}

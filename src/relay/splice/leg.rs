@@ -57,6 +57,9 @@ pub struct Leg {
     pub counters: LegCounters,
     /// Readable but not read to `WouldBlock` yet (its per-event budget ran out).
     pub backlogged: bool,
+    /// An event reported the peer's end of stream or an error: read to `WouldBlock` or the
+    /// end, never stopping at a short read.
+    pub hangup_seen: bool,
     pub _release: Vec<Release>,
     pub kind: &'static str,
 }

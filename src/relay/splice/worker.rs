@@ -171,8 +171,14 @@ impl Worker {
                 let Some(key) = self.key_of(event.token()) else {
                     continue;
                 };
-                let readable = event.is_readable() || event.is_read_closed() || event.is_error();
+                let hangup = event.is_read_closed() || event.is_error();
+                let readable = event.is_readable() || hangup;
                 let writable = event.is_writable() || event.is_write_closed();
+                if hangup {
+                    if let Some(leg) = self.leg(key) {
+                        leg.hangup_seen = true;
+                    }
+                }
                 self.guarded(key, |worker| {
                     if writable {
                         worker.flush(key);
@@ -352,6 +358,7 @@ impl Worker {
             linger_armed: false,
             counters,
             backlogged: false,
+            hangup_seen: false,
             _release: handoff.release,
             kind,
         }
@@ -499,15 +506,26 @@ impl Worker {
         let mut rest = Vec::new();
         if let Some(peer) = peer {
             let now = self.now();
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(staged.len() * 2);
-            for frame in &staged {
-                slices.push(IoSlice::new(&frame.head[..frame.head_len as usize]));
-                slices.push(IoSlice::new(&work[frame.payload.clone()]));
-            }
+            // Most reads hold a frame or two: their slices live on the stack.
+            let mut on_stack = [IoSlice::new(&[]); 16];
+            let mut on_heap = Vec::new();
+            let slices: &[IoSlice<'_>] = if staged.len() * 2 <= on_stack.len() {
+                for (i, frame) in staged.iter().enumerate() {
+                    on_stack[2 * i] = IoSlice::new(&frame.head[..frame.head_len as usize]);
+                    on_stack[2 * i + 1] = IoSlice::new(&work[frame.payload.clone()]);
+                }
+                &on_stack[..staged.len() * 2]
+            } else {
+                for frame in &staged {
+                    on_heap.push(IoSlice::new(&frame.head[..frame.head_len as usize]));
+                    on_heap.push(IoSlice::new(&work[frame.payload.clone()]));
+                }
+                &on_heap
+            };
             let mut written = 0;
             if let Some(leg) = self.leg(peer) {
                 if leg.output.is_empty() {
-                    match write_slices(leg.socket.stream(), &slices) {
+                    match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
                             if n > 0 {
@@ -520,7 +538,7 @@ impl Worker {
             }
             if !failed {
                 let mut skip = written;
-                for slice in &slices {
+                for slice in slices {
                     if skip >= slice.len() {
                         skip -= slice.len();
                         continue;
@@ -597,11 +615,13 @@ impl Worker {
                 leg.partial.resize(needed, 0);
             }
             let filled = leg.filled;
+            let hangup = leg.hangup_seen;
             match read_once(leg.socket.stream(), &mut leg.partial[filled..needed]) {
                 ReadOutcome::Bytes(n) => {
                     leg.filled += n;
                     if leg.filled < needed {
-                        return true;
+                        // A short read drained the socket: the next bytes bring a new edge.
+                        return n == needed - filled || hangup;
                     }
                     let mut work = std::mem::take(&mut leg.partial);
                     leg.filled = 0;
@@ -623,6 +643,8 @@ impl Worker {
                 return false;
             };
             work[..have].copy_from_slice(&leg.partial[..have]);
+            let hangup = leg.hangup_seen;
+            let space = work.len() - have;
             let outcome = read_once(leg.socket.stream(), &mut work[have..]);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
@@ -630,7 +652,11 @@ impl Worker {
                     leg.filled = 0;
                     leg.needed = 0;
                     self.process(key, &mut work[..have + n]);
-                    true
+                    // A read shorter than the space drained the socket (as nginx assumes):
+                    // bytes that arrive later bring a new edge, so the read that would only
+                    // say `WouldBlock` is saved. Not once the peer has hung up: its end of
+                    // stream may have come with the data, in the same edge.
+                    n == space || hangup
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
