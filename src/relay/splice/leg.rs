@@ -54,7 +54,8 @@ pub struct Leg {
     pub last_progress_ms: u64,
     pub wedge_armed: bool,
     pub linger_armed: bool,
-    pub counters: LegCounters,
+    /// Index of the worker's counters for the frames read from this leg (0: phone → host).
+    pub direction: usize,
     /// Readable but not read to `WouldBlock` yet (its per-event budget ran out).
     pub backlogged: bool,
     /// An event reported the peer's end of stream or an error: read to `WouldBlock` or the

@@ -52,12 +52,9 @@ const EVENTS: usize = 1024;
 /// After `Stop`, legs that have not finished their close by then are dropped.
 const STOP_GRACE_MS: u64 = 2_000;
 
-/// A data frame ready to go: its new header and where its payload sits in the work area.
-struct Staged {
-    head: [u8; 10],
-    head_len: u8,
-    payload: Range<usize>,
-}
+/// A data frame ready to go: where it sits in the work area, its new (unmasked, shorter)
+/// header written in place just before its payload.
+type Staged = Range<usize>;
 
 pub struct Worker {
     index: usize,
@@ -75,8 +72,11 @@ pub struct Worker {
     timings: SpliceTimings,
     clock: SharedClock,
     metrics: RelayMetrics,
-    phone_counters: LegCounters,
-    host_counters: LegCounters,
+    /// Counters by the direction of the frames read (phone → host, host → phone) and this
+    /// loop's frames and bytes not yet added to them: one atomic add per loop turn, not per
+    /// frame, so the workers do not bounce the counters' cache line between cores.
+    counters: [LegCounters; 2],
+    uncounted: [(u64, u64); 2],
     stop_at: Option<u64>,
     inbox_closed: bool,
 }
@@ -116,8 +116,8 @@ impl Worker {
             timings,
             clock,
             metrics,
-            phone_counters,
-            host_counters,
+            counters: [phone_counters, host_counters],
+            uncounted: [(0, 0); 2],
             stop_at: None,
             inbox_closed: false,
         })
@@ -190,7 +190,9 @@ impl Worker {
             }
             self.serve_backlog();
             self.fire_timers();
+            self.publish_counts();
         }
+        self.publish_counts();
         // Whatever is left (stop grace over, or the plane gone) is dropped.
         let keys: Vec<LegKey> = self.slots.iter().flatten().map(|leg| leg.key).collect();
         for key in keys {
@@ -336,11 +338,7 @@ impl Worker {
     }
 
     fn make_leg(&self, key: LegKey, handoff: LegHandOff, kind: &'static str) -> Leg {
-        let counters = if kind == "phone" {
-            self.phone_counters.clone()
-        } else {
-            self.host_counters.clone()
-        };
+        let direction = if kind == "phone" { 0 } else { 1 };
         let filled = handoff.buffered.len();
         Leg {
             key,
@@ -356,7 +354,7 @@ impl Worker {
             last_progress_ms: 0,
             wedge_armed: false,
             linger_armed: false,
-            counters,
+            direction,
             backlogged: false,
             hangup_seen: false,
             _release: handoff.release,
@@ -509,17 +507,17 @@ impl Worker {
             // Most reads hold a frame or two: their slices live on the stack.
             let mut on_stack = [IoSlice::new(&[]); 16];
             let mut on_heap = Vec::new();
-            let slices: &[IoSlice<'_>] = if staged.len() * 2 <= on_stack.len() {
-                for (i, frame) in staged.iter().enumerate() {
-                    on_stack[2 * i] = IoSlice::new(&frame.head[..frame.head_len as usize]);
-                    on_stack[2 * i + 1] = IoSlice::new(&work[frame.payload.clone()]);
+            let slices: &[IoSlice<'_>] = if staged.len() <= on_stack.len() {
+                for (slot, frame) in on_stack.iter_mut().zip(&staged) {
+                    *slot = IoSlice::new(&work[frame.clone()]);
                 }
-                &on_stack[..staged.len() * 2]
+                &on_stack[..staged.len()]
             } else {
-                for frame in &staged {
-                    on_heap.push(IoSlice::new(&frame.head[..frame.head_len as usize]));
-                    on_heap.push(IoSlice::new(&work[frame.payload.clone()]));
-                }
+                on_heap.extend(
+                    staged
+                        .iter()
+                        .map(|frame| IoSlice::new(&work[frame.clone()])),
+                );
                 &on_heap
             };
             let mut written = 0;
@@ -708,14 +706,16 @@ impl Worker {
                             let first =
                                 u8::from(OpCode::Data(data)) | if frame.fin { 0x80 } else { 0 };
                             let mut head = [0u8; 10];
-                            let head_len = server_header(first, payload.len(), &mut head) as u8;
+                            let head_len = server_header(first, payload.len(), &mut head);
+                            // The client's header had a 4-byte mask (the parser refuses an
+                            // unmasked frame) and a length at least as wide as the shortest,
+                            // so the new header always fits in its place and the frame goes
+                            // out as one slice.
+                            let start = payload.start - head_len;
+                            work[start..payload.start].copy_from_slice(&head[..head_len]);
                             frames += 1;
                             bytes += payload.len() as u64;
-                            self.staged.push(Staged {
-                                head,
-                                head_len,
-                                payload,
-                            });
+                            self.staged.push(start..payload.end);
                         }
                         FrameKind::Ping => {
                             let mut head = [0u8; 10];
@@ -789,8 +789,22 @@ impl Worker {
             return;
         }
         if let Some(leg) = self.leg(key) {
-            leg.counters.frames.add(frames);
-            leg.counters.bytes.add(bytes);
+            let direction = leg.direction;
+            let (f, b) = &mut self.uncounted[direction];
+            *f += frames;
+            *b += bytes;
+        }
+    }
+
+    /// Adds this turn's frames and bytes to the shared counters.
+    fn publish_counts(&mut self) {
+        for (counters, (frames, bytes)) in self.counters.iter().zip(self.uncounted.iter_mut()) {
+            if *frames > 0 {
+                counters.frames.add(*frames);
+                counters.bytes.add(*bytes);
+                *frames = 0;
+                *bytes = 0;
+            }
         }
     }
 
