@@ -159,7 +159,10 @@ pub fn write_slices(stream: &TcpStream, slices: &[IoSlice<'_>]) -> Result<usize,
             first += 1;
         }
         let end = slices.len().min(first + 512);
-        let result = if offset == 0 {
+        let result = if end - first == 1 {
+            // One frame (the common case): a plain write, no iovec to import.
+            stream.write(&slices[first][offset..])
+        } else if offset == 0 {
             stream.write_vectored(&slices[first..end])
         } else {
             let mut rest: Vec<IoSlice<'_>> = Vec::with_capacity(end - first);
