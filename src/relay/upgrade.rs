@@ -181,9 +181,13 @@ pub fn refuse(stream: &TcpStream, status: u16, reason: &str, retry_after_s: Opti
     // would hide the answer from it.
     let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
     let mut sink = [0u8; 512];
-    while let Ok(n) = (&*stream).read(&mut sink) {
-        if n == 0 {
-            break;
+    loop {
+        match (&*stream).read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            // A stop and continue interrupts the read (signal(7)); it is not the client leaving.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
         }
     }
 }
