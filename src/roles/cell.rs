@@ -4,7 +4,9 @@
 //! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
 //! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
 //! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
-//! [`CellRuntime::drain`] runs the SIGTERM sequence and joins the threads in reverse order.
+//! [`CellRuntime::drain`] runs the SIGTERM sequence: the watchdog stops before the final
+//! admit-effective write, the claim loop ends after carrying it out, then the other threads
+//! are joined in reverse start order.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -164,7 +166,7 @@ impl CellRuntime {
         }
 
         // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
-        let (writer, commands) = WriterHandle::channel();
+        let (writer, inbox) = WriterHandle::channel();
         let (answers_tx, answers_rx) = mpsc::channel();
         let row = StoreRow {
             store: setup.store.clone(),
@@ -177,7 +179,7 @@ impl CellRuntime {
         let claim_timings = config.timings.clone();
         let claim_clock = clock.clone();
         let claim_loop = threads::spawn("claim-loop", move || {
-            claim_loop::run(row, &claim_timings, commands, claim_clock, answers_tx)
+            claim_loop::run(row, &claim_timings, inbox, claim_clock, answers_tx)
         })
         .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
 
@@ -334,7 +336,17 @@ impl CellRuntime {
                 .close(&control.socket, CloseCode::Draining, "draining");
         }
         self.reregister_stop.store(true, Ordering::Release);
-        // Final row write: a draining cell must not keep a slot or attract placements.
+        let mut stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        // The watchdog is the claim loop's only other writer: stop it before the final row
+        // write, so that the drain's write is the row's last word. A watchdog tick after it
+        // would write a tripped cell's `db` back, and its slot would stay taken for
+        // `TRIP_SLOT_STALE_MS` after the process is gone.
+        if let Some(watchdog) = take_stoppable(&mut stoppables, "watchdog") {
+            drop(watchdog.stop);
+            threads::join_logged(watchdog.name, watchdog.handle);
+        }
+        // Final row write: `reserve` when the switch says so, which frees any slot (a draining
+        // cell gets no new desktops: its feed says draining), else `db`.
         let switch = self.context.mode.switch();
         if let Some(writer) = lock(&self.writer).take() {
             writer.tick(
@@ -347,9 +359,11 @@ impl CellRuntime {
                 false,
             );
             writer.release_slot();
-            // Dropping the last handle (the watchdog's goes with its thread) ends the claim loop.
+            // This was the last handle: the claim loop carries out what is pending, then ends.
         }
-        let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        if let Some(claim_loop) = take_stoppable(&mut stoppables, "claim-loop") {
+            threads::join_logged(claim_loop.name, claim_loop.handle);
+        }
         for stoppable in stoppables.into_iter().rev() {
             drop(stoppable.stop);
             threads::join_logged(stoppable.name, stoppable.handle);
@@ -361,6 +375,12 @@ impl CellRuntime {
         );
         let _ = lock(&self.reaper).take();
     }
+}
+
+/// Removes the named thread from `stoppables`, if it is there.
+fn take_stoppable(stoppables: &mut Vec<Stoppable>, name: &str) -> Option<Stoppable> {
+    let at = stoppables.iter().position(|s| s.name == name)?;
+    Some(stoppables.remove(at))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
