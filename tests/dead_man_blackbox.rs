@@ -80,11 +80,8 @@ fn held_while_the_only_slot_is_taken_then_trips_once_the_peer_frees_it() {
     let setup = start_cell(serde_json::json!({"admitMode":"reserve","deadManTripSlots":1}));
     let relay = &setup.relay;
     // The peer holds the only slot: its operator record says reserve, its own row says db.
-    setup.store.set_admit_mode(PEER, "reserve", now()).unwrap();
-    setup
-        .store
-        .write_admit_effective(PEER, 1, "db", now())
-        .unwrap();
+    setup.store.set_admit_mode(PEER, "reserve").unwrap();
+    setup.store.write_admit_effective(PEER, 1, "db").unwrap();
 
     let mut director = DirectorPolls::start(relay);
     assert!(wait_until(Duration::from_secs(5), || metric(
@@ -168,7 +165,7 @@ fn held_while_the_only_slot_is_taken_then_trips_once_the_peer_frees_it() {
     // re-registers its desktop, closing no socket.
     setup
         .store
-        .write_admit_effective(PEER, 1, "reserve", now())
+        .write_admit_effective(PEER, 1, "reserve")
         .unwrap();
     let tripped = relay
         .wait_for_log(
@@ -332,8 +329,8 @@ fn a_tripped_cell_that_exits_frees_its_slot_every_time() {
     let store = Store::open(&StoreConfig::new(None, dir.0.join("relay.db"))).unwrap();
     store.migrate().unwrap();
     // Both cells are reserve cells by the operator's record: a `db` row of either holds a slot.
-    store.set_admit_mode(CELL, "reserve", now()).unwrap();
-    store.set_admit_mode(PEER, "reserve", now()).unwrap();
+    store.set_admit_mode(CELL, "reserve").unwrap();
+    store.set_admit_mode(PEER, "reserve").unwrap();
     for round in 0..20 {
         let mut relay = Relay::start_in(dir.clone(), &env_refs(&env));
         assert!(
@@ -352,7 +349,7 @@ fn a_tripped_cell_that_exits_frees_its_slot_every_time() {
             .is_some_and(|row| row.mode == "db")));
         // The peer is held: the only slot is this cell's.
         assert!(matches!(
-            store.claim_trip_slot(PEER, 1, 1, now(), 600_000).unwrap(),
+            store.claim_trip_slot(PEER, 1, 1, 600_000).unwrap(),
             orca_relay::store::ClaimOutcome::Refused { others_holding: 1 }
         ));
 
@@ -368,14 +365,12 @@ fn a_tripped_cell_that_exits_frees_its_slot_every_time() {
         // The held peer's next claim takes the slot at once.
         assert!(
             matches!(
-                store.claim_trip_slot(PEER, 1, 1, now(), 600_000).unwrap(),
+                store.claim_trip_slot(PEER, 1, 1, 600_000).unwrap(),
                 orca_relay::store::ClaimOutcome::Permit { others_holding: 0 }
             ),
             "round {round}"
         );
         // The peer is re-armed (writes reserve), so the next round's cell can trip again.
-        store
-            .write_admit_effective(PEER, 1, "reserve", now())
-            .unwrap();
+        store.write_admit_effective(PEER, 1, "reserve").unwrap();
     }
 }

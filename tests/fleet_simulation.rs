@@ -160,17 +160,18 @@ impl Fleet {
         ));
         std::fs::create_dir_all(&dir).expect("create the simulation directory");
         let path = dir.join("relay.db");
-        let store = Store::open(&StoreConfig::new(None, path.clone())).expect("open SQLite");
+        // The database's clock (`relay_now_ms()`, which stamps and judges the slot rows) is
+        // the simulation's clock: simulated hours pass in seconds.
+        let clock = ManualClock::starting_at(T0);
+        let store = Store::open_with_clock(&StoreConfig::new(None, path.clone()), clock.clone())
+            .expect("open SQLite");
         store.migrate().expect("migrate");
         let probe = rusqlite::Connection::open(&path).expect("open the probe connection");
-        let clock = ManualClock::starting_at(T0);
         let cells = (0..CELLS)
             .map(|i| {
                 let id = format!("sim-c{i:02}");
                 // The operator's record of the switch: every cell of this fleet is reserve.
-                store
-                    .set_admit_mode(&id, "reserve", T0 as i64)
-                    .expect("admit mode");
+                store.set_admit_mode(&id, "reserve").expect("admit mode");
                 Cell {
                     id,
                     generation: 1,
@@ -278,7 +279,7 @@ impl Fleet {
                 self.tally.rearms_while_tripped += tripped as u64;
                 self.cells[index].generation += 1;
                 self.store
-                    .set_admit_mode(&self.cells[index].id, "reserve", now as i64)
+                    .set_admit_mode(&self.cells[index].id, "reserve")
                     .expect("admit mode");
             }
             // Desktop churn.

@@ -53,26 +53,22 @@ impl StoreRow {
     }
 }
 
+/// The row is stamped, and other rows judged, with the database's clock (SPEC §11): the
+/// writer's `now_ms` (this cell's clock) only paces the writer and is not sent.
 impl EffectiveRowStore for StoreRow {
-    fn write_admit_effective(&self, mode: Mode, now_ms: u64) -> Result<(), String> {
+    fn write_admit_effective(&self, mode: Mode, _now_ms: u64) -> Result<(), String> {
         self.store
-            .write_admit_effective(
-                &self.cell_id,
-                self.incarnation,
-                mode.as_str(),
-                now_ms as i64,
-            )
+            .write_admit_effective(&self.cell_id, self.incarnation, mode.as_str())
             .map_err(|e| e.to_string())?;
         self.mode.set_effective_reserve(mode == Mode::Reserve);
         Ok(())
     }
 
-    fn claim_trip_slot(&self, slots: u32, now_ms: u64) -> Result<ClaimAnswer, String> {
+    fn claim_trip_slot(&self, slots: u32, _now_ms: u64) -> Result<ClaimAnswer, String> {
         let outcome = self.store.claim_trip_slot(
             &self.cell_id,
             self.incarnation,
             slots,
-            now_ms as i64,
             self.stale_ms as i64,
         );
         match outcome {

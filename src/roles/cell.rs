@@ -5,8 +5,8 @@
 //! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
 //! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
 //! [`CellRuntime::drain`] runs the SIGTERM sequence: the watchdog stops before the final
-//! admit-effective write, the claim loop ends after carrying it out, then the other threads
-//! are joined in reverse start order.
+//! admit-effective write, the claim loop ends after carrying it out, the other threads are
+//! joined in reverse start order, and the cell deregisters from its directors.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +50,8 @@ pub struct CellSetup<'a> {
     pub readiness: Readiness,
     pub ws_listener: TcpListener,
     pub cell_url: String,
+    /// Where directors reach this cell's `/internal/*` (sent in heartbeats).
+    pub internal_url: String,
     pub incarnation: i64,
     /// Where heartbeats go: the directors over HTTP, or the store in the combined role.
     pub heartbeat: Sink,
@@ -77,6 +79,8 @@ pub struct CellRuntime {
     heartbeat: Mutex<Option<PendingHeartbeat>>,
     reregister_stop: Arc<AtomicBool>,
     drain_grace: Duration,
+    /// Where the clean exit's deregistration goes (the heartbeat's directors, or the store).
+    deregistration: Sink,
 }
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
@@ -223,9 +227,14 @@ impl CellRuntime {
         // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
         // then nothing but the registration goes out).
         let heartbeat: PendingHeartbeat = {
-            let sample =
-                heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
-            let sink = setup.heartbeat;
+            let sample = heartbeat_sampler(
+                config,
+                &context,
+                &setup.readiness,
+                (&setup.cell_url, &setup.internal_url),
+                &clock,
+            );
+            let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
@@ -263,6 +272,7 @@ impl CellRuntime {
             heartbeat: Mutex::new(Some(heartbeat)),
             reregister_stop,
             drain_grace: Duration::from_millis(config.drain_grace_ms),
+            deregistration: setup.heartbeat,
         })
     }
 
@@ -368,6 +378,13 @@ impl CellRuntime {
             drop(stoppable.stop);
             threads::join_logged(stoppable.name, stoppable.handle);
         }
+        // The heartbeat has stopped (a beat after this would register the cell again): leave
+        // the fleet, so no director polls or places on this process any more.
+        heartbeat::deregister(
+            &self.deregistration,
+            &self.context.cell_id,
+            self.context.incarnation,
+        );
         log::info!(
             "orca_relay_drain_finished cell_id={} closed={}",
             self.context.cell_id,
@@ -435,11 +452,12 @@ fn heartbeat_sampler(
     config: &Config,
     context: &RelayContext,
     readiness: &Readiness,
-    cell_url: &str,
+    (cell_url, internal_url): (&str, &str),
     clock: &SharedClock,
 ) -> impl Fn() -> Heartbeat + Send + 'static {
     let cell_id = config.cell_id.clone();
     let cell_url = cell_url.to_string();
+    let internal_url = internal_url.to_string();
     let region = config.region.clone();
     let incarnation = context.incarnation;
     let readiness = readiness.clone();
@@ -454,6 +472,7 @@ fn heartbeat_sampler(
         started_at: incarnation,
         ready: readiness.answer(clock.now_ms()).status == 200,
         connections: slots.used() as i64,
+        internal_url: Some(internal_url.clone()),
     }
 }
 
@@ -545,6 +564,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         readiness: readiness.clone(),
         ws_listener,
         cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
         incarnation,
         heartbeat: Sink::Directors {
             urls: config.director_urls.clone(),
