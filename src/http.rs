@@ -9,7 +9,11 @@
 //! (or an idle keep-alive connection) is closed by `tiny_http`'s own read error. The same
 //! timeout also makes `accept` return `EAGAIN` after 10 idle seconds, which ends `tiny_http`'s
 //! accept thread; the workers notice the error and start a fresh `tiny_http::Server` on the
-//! same listening socket (no connection is lost: the kernel keeps the backlog).
+//! same listening socket (no connection is lost: the kernel keeps the backlog). Connections the
+//! old server accepted keep sending their requests to it, so the workers keep serving retired
+//! servers too, until none of their connections can be left (no request for twice the
+//! connection timeout): a keep-alive client such as a director's feed poller is never left
+//! without an answer.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -144,7 +148,14 @@ pub struct HttpServer {
 struct Shared {
     listener: TcpListener,
     current: Mutex<Arc<tiny_http::Server>>,
+    /// Servers replaced after their accept thread ended, with when each last had a request:
+    /// their keep-alive connections still queue requests on them.
+    retired: Mutex<Vec<(Arc<tiny_http::Server>, std::time::Instant)>>,
 }
+
+/// A retired server with no request for this long has no connection left: each of them is
+/// closed by its read timeout after [`CONNECTION_TIMEOUT`] without a request.
+const RETIRED_SERVER_IDLE: Duration = Duration::from_secs(2 * CONNECTION_TIMEOUT.as_secs());
 
 fn set_socket_timeouts(listener: &TcpListener) {
     use std::os::fd::AsRawFd;
@@ -185,6 +196,7 @@ impl HttpServer {
         let shared = Arc::new(Shared {
             listener,
             current: Mutex::new(server),
+            retired: Mutex::new(Vec::new()),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
@@ -220,14 +232,22 @@ fn run_worker(shared: &Shared, stop: &AtomicBool, handler: &Handler) {
             .clone();
         match server.recv_timeout(Duration::from_millis(200)) {
             Ok(Some(request)) => serve(request, handler),
-            Ok(None) => {}
+            Ok(None) => serve_retired(shared, handler),
             Err(_) => {
                 // tiny_http's accept thread ended (idle accept timeout): start a fresh server on
-                // the same listening socket, once.
+                // the same listening socket, once; the old one keeps its connections.
                 let mut current = shared.current.lock().unwrap_or_else(|e| e.into_inner());
                 if Arc::ptr_eq(&current, &server) {
                     match new_server(&shared.listener) {
-                        Ok(fresh) => *current = fresh,
+                        Ok(fresh) => {
+                            let old = std::mem::replace(&mut *current, fresh);
+                            drop(current);
+                            shared
+                                .retired
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push((old, crate::clock::instant()));
+                        }
                         Err(e) => {
                             log::error!("orca_relay_http_restart_failed error={e}");
                             drop(current);
@@ -237,6 +257,27 @@ fn run_worker(shared: &Shared, stop: &AtomicBool, handler: &Handler) {
                 }
             }
         }
+    }
+}
+
+/// Serves what is waiting on retired servers (requests of connections they accepted), and
+/// drops those that can have no connection left.
+fn serve_retired(shared: &Shared, handler: &Handler) {
+    let waiting: Vec<tiny_http::Request> = {
+        let mut retired = shared.retired.lock().unwrap_or_else(|e| e.into_inner());
+        let now = crate::clock::instant();
+        let mut waiting = Vec::new();
+        for (server, last_request) in retired.iter_mut() {
+            while let Ok(Some(request)) = server.try_recv() {
+                waiting.push(request);
+                *last_request = now;
+            }
+        }
+        retired.retain(|(_, last_request)| now.duration_since(*last_request) < RETIRED_SERVER_IDLE);
+        waiting
+    };
+    for request in waiting {
+        serve(request, handler);
     }
 }
 

@@ -506,7 +506,11 @@ fn a_desktop_of_a_draining_cell_is_placed_elsewhere_within_a_second() {
     let (url, epoch) = assign(director, &token, &host);
     assert_eq!(url, cell_url(d));
     let (mut control, _) = hello(d, &token, &host, epoch).expect("booked hello");
-    assert_eq!(assign(director, &token, &host), (cell_url(d), epoch), "pinned");
+    assert_eq!(
+        assign(director, &token, &host),
+        (cell_url(d), epoch),
+        "pinned"
+    );
 
     // SIGTERM: the cell tells its desktops to go back to the director.
     d.signal("TERM");

@@ -11,16 +11,19 @@
 //! 2 × `FEED_POLL_MS`). A registered cell that accepts TCP and never answers holds a worker
 //! for the whole 2 s timeout; with one shared queue, N such entries delayed every live cell by
 //! about N / workers × 2 s. So the cells are split, by [`lane_for`]:
-//! - the **live lane** (`feed-live-<n>` workers) carries the cells that answered their last
-//!   poll, or whose heartbeat is fresh (a cell just registered, or back after a restart), as
-//!   long as they have failed fewer than [`LIVE_LANE_FAILURES`] polls in a row. Every one is
-//!   polled every period. A live cell that stops answering costs this lane at most
-//!   [`LIVE_LANE_FAILURES`] timeouts, then moves to the other lane;
-//! - the **suspect lane** (`feed-suspect-<n>` workers) carries everything else: cells that keep
-//!   failing, and cells that never answered and do not heartbeat (the dead entries autoscaling
-//!   leaves behind). They are polled with a backoff ([`suspect_backoff_ms`], doubling up to
-//!   30 s), fewest failures first, so a cell that just blipped is retried before the long dead
-//!   ones, and one success brings a cell back to the live lane.
+//! - the **live lane** (`feed-live-<n>` workers) carries the *responsive* cells: those that
+//!   gave an HTTP answer (any status) since their last timed-out poll. Every one is polled every
+//!   period. A fast failure (an error status, a refused connection) costs a worker nothing and
+//!   keeps a cell here; a timeout moves it out at once, so a cell that stops answering holds a
+//!   live worker for one timeout, once;
+//! - the **suspect lane** (`feed-suspect-<n>` workers) carries everything else: cells never
+//!   heard from since this director started (new registrations, and all of them right after a
+//!   director restart), cells whose last poll timed out, and the dead entries autoscaling leaves
+//!   behind. They are polled with a backoff ([`suspect_backoff_ms`], doubling up to 30 s), in
+//!   the order fewest failures first, then most recently heard from (heartbeat or
+//!   registration, on the database's clock) first ([`Queued`]): a new or restarted live cell,
+//!   or one that just blipped, is polled by the next free suspect worker (within one timeout),
+//!   ahead of any long-dead entry, and its first answer moves it to the live lane.
 //!
 //! Retired cells ([`super::membership`]) are not polled at all; cells no longer registered leave
 //! the board. Never one thread per cell per poll, never more than one poll in flight per cell.
@@ -50,9 +53,6 @@ pub const POLL_TIMEOUT: Duration = Duration::from_secs(2);
 pub const LIVE_WORKERS: usize = 4;
 /// Workers of the suspect lane: each silent cell holds one for a whole timeout.
 pub const SUSPECT_WORKERS: usize = 4;
-/// A cell leaves the live lane after this many failed polls in a row (one blip is retried on
-/// the live lane; a second says the cell is really not answering).
-pub const LIVE_LANE_FAILURES: u32 = 2;
 /// The longest wait between two polls of a suspect cell.
 pub const SUSPECT_BACKOFF_MAX_MS: u64 = 30_000;
 
@@ -72,10 +72,10 @@ impl Lane {
     }
 }
 
-/// The lane of a cell that has failed `consecutive_failures` polls in a row, has `answered`
-/// at least once since this director started, and whose heartbeat is (or is not) fresh.
-pub fn lane_for(consecutive_failures: u32, answered: bool, heartbeat_fresh: bool) -> Lane {
-    if consecutive_failures < LIVE_LANE_FAILURES && (answered || heartbeat_fresh) {
+/// The lane of a cell: live while it is responsive (it gave an HTTP answer since its last
+/// timed-out poll), suspect otherwise.
+pub fn lane_for(responsive: bool) -> Lane {
+    if responsive {
         Lane::Live
     } else {
         Lane::Suspect
@@ -102,6 +102,8 @@ struct CellFeed {
     view: Option<FeedView>,
     in_flight: bool,
     consecutive_failures: u32,
+    /// Gave an HTTP answer (any status) since its last timed-out poll.
+    responsive: bool,
     /// The suspect lane polls this cell no earlier than this (monotonic ms).
     next_attempt_ms: u64,
     lane: Lane,
@@ -114,6 +116,7 @@ impl Default for CellFeed {
             view: None,
             in_flight: false,
             consecutive_failures: 0,
+            responsive: false,
             next_attempt_ms: 0,
             lane: Lane::Suspect,
         }
@@ -142,8 +145,10 @@ struct PollJob {
     internal_url: String,
     cursor: Option<String>,
     lane: Lane,
-    /// Failures in a row before this poll (the suspect lane's priority).
+    /// Failures in a row before this poll, and how long the database has not heard from the
+    /// cell (the suspect lane's order).
     failures: u32,
+    silent_ms: u64,
 }
 
 impl FeedBoard {
@@ -186,16 +191,12 @@ impl FeedBoard {
         &self,
         cell_id: &str,
         internal_url: &str,
-        heartbeat_fresh: bool,
+        silent_ms: u64,
         now_ms: u64,
     ) -> (Lane, Option<PollJob>) {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
-        let lane = lane_for(
-            feed.consecutive_failures,
-            feed.view.is_some(),
-            heartbeat_fresh,
-        );
+        let lane = lane_for(feed.responsive);
         if feed.in_flight || (lane == Lane::Suspect && now_ms < feed.next_attempt_ms) {
             return (lane, None);
         }
@@ -214,6 +215,7 @@ impl FeedBoard {
             cursor: feed.cursor.clone(),
             lane,
             failures: feed.consecutive_failures,
+            silent_ms,
         };
         (lane, Some(job))
     }
@@ -225,17 +227,27 @@ impl FeedBoard {
         feed.view = Some(view);
         feed.in_flight = false;
         feed.consecutive_failures = 0;
+        feed.responsive = true;
         feed.next_attempt_ms = 0;
     }
 
     /// Records a failed poll at `now_ms` (monotonic); returns how many in a row. The cursor is
     /// dropped so the next answer is a full snapshot (a restarted cell may not know the old
-    /// one), and the suspect lane waits its backoff before the next try.
-    fn fail(&self, cell_id: &str, now_ms: u64, period_ms: u64) -> u32 {
+    /// one), and the suspect lane waits its backoff before the next try. A timeout makes the
+    /// cell unresponsive (suspect lane); an HTTP answer, even an error, makes it responsive; a
+    /// refused or reset connection (fast) leaves that as it was.
+    fn fail(&self, cell_id: &str, error: PollError, now_ms: u64, period_ms: u64) -> u32 {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
         feed.cursor = None;
         feed.in_flight = false;
+        match error {
+            PollError::TimedOut => feed.responsive = false,
+            PollError::HttpStatus | PollError::BadBody | PollError::WrongCell => {
+                feed.responsive = true
+            }
+            PollError::Transport => {}
+        }
         feed.consecutive_failures = feed.consecutive_failures.saturating_add(1);
         feed.next_attempt_ms =
             now_ms.saturating_add(suspect_backoff_ms(feed.consecutive_failures, period_ms));
@@ -262,15 +274,16 @@ struct QueueState {
     closed: bool,
 }
 
+/// A queued poll. The queue serves the fewest failures first, then the cell heard from most
+/// recently (alive by another sign: a heartbeat, a registration), then first come.
 struct Queued {
-    failures: u32,
-    seq: u64,
+    key: (u32, u64, u64),
     job: PollJob,
 }
 
 impl PartialEq for Queued {
     fn eq(&self, other: &Self) -> bool {
-        (self.failures, self.seq) == (other.failures, other.seq)
+        self.key == other.key
     }
 }
 impl Eq for Queued {}
@@ -281,8 +294,8 @@ impl PartialOrd for Queued {
 }
 impl Ord for Queued {
     fn cmp(&self, other: &Self) -> CmpOrdering {
-        // BinaryHeap pops the greatest: the fewest failures, then the oldest, is greatest.
-        (other.failures, other.seq).cmp(&(self.failures, self.seq))
+        // BinaryHeap pops the greatest: the smallest key is the greatest.
+        other.key.cmp(&self.key)
     }
 }
 
@@ -302,8 +315,8 @@ impl JobQueue {
         let mut state = self.lock();
         let seq = state.next_seq;
         state.next_seq += 1;
-        let failures = job.failures;
-        state.jobs.push(Queued { failures, seq, job });
+        let key = (job.failures, job.silent_ms, seq);
+        state.jobs.push(Queued { key, job });
         drop(state);
         self.ready.notify_one();
     }
@@ -453,9 +466,12 @@ impl Poller {
         match result {
             Ok((cursor, view)) => self.board.succeed(&job.cell_id, cursor, view),
             Err(error) => {
-                let failures =
-                    self.board
-                        .fail(&job.cell_id, self.clock.monotonic_ms(), self.period_ms);
+                let failures = self.board.fail(
+                    &job.cell_id,
+                    error,
+                    self.clock.monotonic_ms(),
+                    self.period_ms,
+                );
                 // The first failure of a run, then every 60th: a dead cell polled every second
                 // logs once a minute, not every poll.
                 if failures == 1 || failures.is_multiple_of(60) {
@@ -497,9 +513,6 @@ pub struct FeedPollerConfig {
     pub registry: Registry,
     /// `ORCA_RELAY_FEED_POLL_MS`.
     pub period: Duration,
-    /// `ORCA_RELAY_HEARTBEAT_FRESH_MS`: a cell heartbeating within this is put on the live
-    /// lane before it has answered a poll.
-    pub heartbeat_fresh_ms: u64,
     /// Which cells are retired (not polled).
     pub membership: Judge,
 }
@@ -515,7 +528,6 @@ struct Rounds {
     board: FeedBoard,
     clock: SharedClock,
     period: Duration,
-    heartbeat_fresh_ms: u64,
     membership: Judge,
     live: Arc<JobQueue>,
     suspect: Arc<JobQueue>,
@@ -556,7 +568,6 @@ impl FeedPoller {
             board: poller.board.clone(),
             clock: config.clock,
             period: config.period,
-            heartbeat_fresh_ms: config.heartbeat_fresh_ms,
             membership: config.membership,
             live: live.clone(),
             suspect: suspect.clone(),
@@ -652,13 +663,10 @@ impl Rounds {
             let Some(internal_url) = &cell.internal_url else {
                 continue;
             };
-            let heartbeat_fresh = cell
-                .runtime
-                .as_ref()
-                .is_some_and(|r| r.heartbeat_age_ms.max(0) as u64 <= self.heartbeat_fresh_ms);
-            let (lane, job) =
-                self.board
-                    .schedule(&cell.cell_id, internal_url, heartbeat_fresh, now);
+            let silent_ms = cell.silent_ms().max(0) as u64;
+            let (lane, job) = self
+                .board
+                .schedule(&cell.cell_id, internal_url, silent_ms, now);
             let queue = match lane {
                 Lane::Live => {
                     live += 1;
@@ -746,44 +754,57 @@ mod tests {
     #[test]
     fn one_poll_in_flight_per_cell_and_a_failure_asks_for_a_full_snapshot() {
         let board = FeedBoard::new();
-        let (lane, job) = board.schedule("c7", "http://c7", true, 0);
-        assert_eq!(
-            lane,
-            Lane::Live,
-            "a heartbeating cell starts on the live lane"
-        );
-        assert_eq!(job.expect("due").cursor, None);
+        let (lane, job) = board.schedule("c7", "http://c7", 50, 0);
+        assert_eq!(lane, Lane::Suspect, "not heard from yet");
+        let job = job.expect("due");
+        assert_eq!((job.cursor, job.failures, job.silent_ms), (None, 0, 50));
         assert!(
-            board.schedule("c7", "http://c7", true, 0).1.is_none(),
+            board.schedule("c7", "http://c7", 0, 0).1.is_none(),
             "already in flight"
         );
         let (cursor, view) = answer("c7", 10);
         board.succeed("c7", cursor, view.clone());
         assert_eq!(board.snapshot().get("c7"), Some(&view));
-        assert_eq!(
-            board.schedule("c7", "http://c7", true, 0).1.unwrap().cursor,
-            Some("5:2".to_string())
-        );
-        assert_eq!(board.fail("c7", 0, 1_000), 1);
-        let (lane, job) = board.schedule("c7", "http://c7", false, 0);
-        assert_eq!(lane, Lane::Live, "one failure is retried on the live lane");
+        let (lane, job) = board.schedule("c7", "http://c7", 0, 0);
+        assert_eq!(lane, Lane::Live, "answered: the live lane");
+        assert_eq!(job.unwrap().cursor, Some("5:2".to_string()));
+        assert_eq!(board.fail("c7", PollError::HttpStatus, 0, 1_000), 1);
+        let (lane, job) = board.schedule("c7", "http://c7", 0, 0);
+        assert_eq!(lane, Lane::Live, "an error status is still an answer");
         assert_eq!(job.unwrap().cursor, None, "cursor dropped after a failure");
         assert_eq!(
             board.snapshot().get("c7"),
             Some(&view),
             "the last good view stays; placement judges its age"
         );
+        assert_eq!(board.fail("c7", PollError::TimedOut, 0, 1_000), 2);
+        assert_eq!(
+            board.schedule("c7", "http://c7", 0, 0).0,
+            Lane::Suspect,
+            "a timeout moves it off the live lane at once"
+        );
     }
 
     #[test]
-    fn lanes_keep_silent_entries_away_from_live_cells() {
-        // Answered before or heartbeating: live, until two failures in a row.
-        assert_eq!(lane_for(0, true, false), Lane::Live);
-        assert_eq!(lane_for(0, false, true), Lane::Live);
-        assert_eq!(lane_for(1, true, false), Lane::Live);
-        assert_eq!(lane_for(2, true, true), Lane::Suspect);
-        // Never answered, no heartbeat (a dead registration): suspect from the start.
-        assert_eq!(lane_for(0, false, false), Lane::Suspect);
+    fn only_an_answer_puts_a_cell_on_the_live_lane_and_only_a_timeout_takes_it_off() {
+        assert_eq!(lane_for(true), Lane::Live);
+        assert_eq!(lane_for(false), Lane::Suspect);
+        let board = FeedBoard::new();
+        board.schedule("c1", "http://c1", 0, 0);
+        board.fail("c1", PollError::Transport, 0, 1_000);
+        assert_eq!(
+            board.schedule("c1", "http://c1", 0, 1_000).0,
+            Lane::Suspect,
+            "refused, never answered: suspect"
+        );
+        let (cursor, view) = answer("c1", 0);
+        board.succeed("c1", cursor, view);
+        board.fail("c1", PollError::Transport, 0, 1_000);
+        assert_eq!(
+            board.schedule("c1", "http://c1", 0, 0).0,
+            Lane::Live,
+            "a refused connection costs a worker nothing: it stays"
+        );
     }
 
     #[test]
@@ -796,16 +817,16 @@ mod tests {
         assert_eq!(suspect_backoff_ms(u32::MAX, 1_000), 30_000);
 
         let board = FeedBoard::new();
-        let (lane, job) = board.schedule("dead", "http://dead", false, 0);
+        let (lane, job) = board.schedule("dead", "http://dead", 900_000, 0);
         assert_eq!((lane, job.is_some()), (Lane::Suspect, true));
-        board.fail("dead", 0, 1_000);
-        board.fail("dead", 0, 1_000);
+        board.fail("dead", PollError::TimedOut, 0, 1_000);
+        board.fail("dead", PollError::TimedOut, 0, 1_000);
         assert!(board
-            .schedule("dead", "http://dead", false, 1_999)
+            .schedule("dead", "http://dead", 900_000, 1_999)
             .1
             .is_none());
         assert!(board
-            .schedule("dead", "http://dead", false, 2_000)
+            .schedule("dead", "http://dead", 900_000, 2_000)
             .1
             .is_some());
     }
@@ -813,17 +834,27 @@ mod tests {
     #[test]
     fn the_suspect_queue_serves_the_fewest_failures_first() {
         let queue = JobQueue::new();
-        for (cell, failures) in [("old-dead", 9), ("blip", 1), ("new", 0), ("dead", 9)] {
+        for (cell, failures, silent_ms) in [
+            ("old-dead", 9, 3_600_000),
+            ("blip", 1, 3_000),
+            ("registered-dead", 0, 900_000),
+            ("new-live", 0, 200),
+            ("dead", 9, 3_600_000),
+        ] {
             queue.push(PollJob {
                 cell_id: cell.into(),
                 internal_url: String::new(),
                 cursor: None,
                 lane: Lane::Suspect,
                 failures,
+                silent_ms,
             });
         }
-        let order: Vec<String> = (0..4).map(|_| queue.pop().unwrap().cell_id).collect();
-        assert_eq!(order, vec!["new", "blip", "old-dead", "dead"]);
+        let order: Vec<String> = (0..5).map(|_| queue.pop().unwrap().cell_id).collect();
+        assert_eq!(
+            order,
+            vec!["new-live", "registered-dead", "blip", "old-dead", "dead"]
+        );
         queue.close();
         assert!(queue.pop().is_none());
     }
@@ -831,8 +862,8 @@ mod tests {
     #[test]
     fn cells_no_longer_registered_leave_the_board() {
         let board = FeedBoard::new();
-        board.schedule("a", "http://a", true, 0);
-        board.schedule("b", "http://b", true, 0);
+        board.schedule("a", "http://a", 0, 0);
+        board.schedule("b", "http://b", 0, 0);
         board.retain(&HashSet::from(["b"]));
         assert_eq!(board.status().keys().collect::<Vec<_>>(), vec!["b"]);
     }

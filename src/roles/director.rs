@@ -101,7 +101,6 @@ pub fn run(config: Config) -> Result<(), RunError> {
         clock: clock.clone(),
         registry: registry.clone(),
         period: Duration::from_millis(config.timings.feed_poll_ms),
-        heartbeat_fresh_ms: config.timings.heartbeat_fresh_ms,
         membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
