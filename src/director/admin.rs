@@ -547,4 +547,121 @@ mod tests {
             reason(check_cell_fields(1, "c7", "wss://x", "eu", -1, None)).contains("incarnation")
         );
     }
+
+    #[test]
+    fn the_listing_is_version_1_with_membership_and_what_the_poller_saw() {
+        use crate::director::feed_poller::Lane;
+        use crate::director::membership::Rules;
+        use crate::director::placement::FeedView;
+        use crate::store::{AdmitEffective, CellRuntime};
+
+        let cell = |id: &str, silent: i64| CellRow {
+            cell_id: id.into(),
+            cell_url: format!("wss://{id}"),
+            internal_url: Some(format!("http://{id}:8081")),
+            region: "eu".into(),
+            incarnation: 7,
+            registered_at: 1_000,
+            registered_age_ms: 90_000_000,
+            runtime: Some(CellRuntime {
+                cell_incarnation: 7,
+                started_at: 900,
+                ready: true,
+                connections: 3,
+                last_heartbeat_at: 2_000,
+                heartbeat_age_ms: silent,
+            }),
+            admit_mode: "reserve".into(),
+            admit_mode_updated_at: Some(500),
+            effective: Some(AdmitEffective {
+                cell_incarnation: 7,
+                mode: "reserve".into(),
+                updated_at: 1_500,
+                age_ms: 4_000,
+            }),
+        };
+        let view = |draining: bool| FeedView {
+            incarnation: 7,
+            admit_mode_raw: "reserve".into(),
+            admit_mode_effective: "reserve".into(),
+            draining,
+            seated: 2,
+            bookings: 1,
+            connections: 3,
+            last_success_ms: 9_500,
+        };
+        let cells = [
+            cell("a", 1_000),
+            cell("b", 1_000),
+            cell("c", 700_000),
+            cell("d", 1_000),
+        ];
+        let feeds = HashMap::from([
+            (
+                "a".to_string(),
+                FeedStatus {
+                    view: Some(view(false)),
+                    consecutive_failures: 0,
+                    lane: Lane::Live,
+                },
+            ),
+            (
+                "b".to_string(),
+                FeedStatus {
+                    view: Some(view(true)),
+                    consecutive_failures: 0,
+                    lane: Lane::Live,
+                },
+            ),
+            (
+                "c".to_string(),
+                FeedStatus {
+                    view: None,
+                    consecutive_failures: 12,
+                    lane: Lane::Suspect,
+                },
+            ),
+        ]);
+        let judge = Judge {
+            rules: Rules {
+                retire_ms: 600_000,
+                forget_ms: 86_400_000,
+            },
+            started_monotonic_ms: 0,
+        };
+        let listing = fleet_listing(&cells, &feeds, &judge, 700_000, 10_000);
+        assert_eq!(listing["v"], 1);
+        assert_eq!(
+            listing["director"],
+            json!({"uptimeMs": 700_000, "retireMs": 600_000, "forgetMs": 86_400_000,
+                   "retirementJudged": true})
+        );
+        let listed = listing["cells"].as_array().unwrap();
+        assert_eq!(
+            listed[0],
+            json!({
+                "cellId": "a", "state": "live", "ready": true, "region": "eu",
+                "cellUrl": "wss://a", "internalUrl": "http://a:8081", "incarnation": 7,
+                "registeredAt": 1_000, "silentMs": 1_000,
+                "heartbeat": {"incarnation": 7, "startedAt": 900, "ageMs": 1_000,
+                              "ready": true, "connections": 3},
+                "admitMode": {"mode": "reserve", "updatedAt": 500},
+                "admitEffective": {"mode": "reserve", "incarnation": 7, "ageMs": 4_000},
+                "feed": {"lane": "live", "consecutiveFailures": 0, "lastSuccessAgeMs": 500,
+                         "incarnation": 7, "admitModeRaw": "reserve",
+                         "admitModeEffective": "reserve", "draining": false,
+                         "counts": {"seated": 2, "bookings": 1, "connections": 3}},
+            })
+        );
+        assert_eq!(listed[1]["state"], "draining");
+        assert_eq!(listed[2]["state"], "retired");
+        assert_eq!(listed[2]["feed"]["lane"], "none");
+        assert_eq!(listed[2]["feed"]["consecutiveFailures"], 12);
+        assert_eq!(listed[2]["feed"]["lastSuccessAgeMs"], Value::Null);
+        assert_eq!(listed[3]["feed"], Value::Null, "never polled");
+        // Before the director has been up RETIRE_MS, the silent cell is not retired.
+        let early = fleet_listing(&cells, &feeds, &judge, 1_000, 10_000);
+        assert_eq!(early["director"]["retirementJudged"], false);
+        assert_eq!(early["cells"][2]["state"], "live");
+    }
 }
