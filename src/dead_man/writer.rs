@@ -950,4 +950,42 @@ mod tests {
         run_claim_loop(&mut w, inbox, &*clock, |_| {});
         assert_eq!(store.calls(), vec!["write reserve @0"]);
     }
+
+    #[test]
+    fn a_release_posted_with_a_new_claim_runs_before_it_and_never_frees_the_new_slot() {
+        let store = FakeStore::new();
+        *store.answer.lock().unwrap() = Ok(ClaimAnswer::Permit);
+        let clock = ManualClock::starting_at(T0);
+        let mut w = writer(&store);
+        w.tick(T0, true, Mode::Reserve, false);
+        // An earlier permit the window is about to drop: the row says db, held.
+        assert_eq!(w.claim(1, T0), ClaimDecision::Permit);
+        store.take_calls();
+        // In one watchdog iteration: the next tick, a new claim for the new silence, and the
+        // release of the dropped permit. The loop takes them together.
+        let (handle, inbox) = WriterHandle::channel();
+        assert!(handle.tick(true, Mode::Reserve, false));
+        assert!(handle.request_claim(ClaimRequest {
+            generation: 1,
+            silence_started_ms: T0 + 5_000,
+            slots: 1,
+        }));
+        assert!(handle.release_slot());
+        drop(handle);
+        let answers = std::cell::RefCell::new(Vec::new());
+        run_claim_loop(&mut w, inbox, &*clock, |result| {
+            answers.borrow_mut().push(result)
+        });
+        assert_eq!(
+            store.calls(),
+            vec!["write reserve @0", "claim 1 @0"],
+            "the old permit's slot is let go first, then the new claim takes one"
+        );
+        assert_eq!(answers.into_inner().len(), 1);
+        assert_eq!(
+            w.last_written_mode(),
+            Some(Mode::Db),
+            "the new permit's db row stands"
+        );
+    }
 }
