@@ -158,6 +158,12 @@ pub struct Config {
     pub handshake_timeout_ms: u64,
     pub handshake_attempts: u32,
     pub drain_grace_ms: u64,
+    /// Director: a cell not heard from (heartbeat or registration, database clock) for this
+    /// long is retired: no longer polled or placed on (judged once the director has been up
+    /// this long).
+    pub cell_retire_ms: u64,
+    /// Director: a cell silent this long is forgotten: all its rows are deleted.
+    pub cell_forget_ms: u64,
     pub timings: Timings,
 }
 
@@ -192,6 +198,8 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
     "ORCA_RELAY_HANDSHAKE_ATTEMPTS",
     "ORCA_RELAY_DRAIN_GRACE_MS",
+    "ORCA_RELAY_CELL_RETIRE_MS",
+    "ORCA_RELAY_CELL_FORGET_MS",
     "ORCA_RELAY_DEAD_MAN_BASE_MS",
     "ORCA_RELAY_DEAD_MAN_SPREAD_MS",
     "ORCA_RELAY_TRIP_CLAIM_RETRY_MS",
@@ -517,6 +525,18 @@ impl Config {
         let handshake_attempts =
             parse_int_in(lookup, "ORCA_RELAY_HANDSHAKE_ATTEMPTS", 3, 1, 1_000)? as u32;
         let drain_grace_ms = parse_int_in(lookup, "ORCA_RELAY_DRAIN_GRACE_MS", 30_000, 0, hour)?;
+        // Retire: 1 s (tests) to 7 days; forget: from the retire age (a cell is retired before
+        // it is forgotten) to 90 days.
+        let day = 86_400_000;
+        let cell_retire_ms =
+            parse_int_in(lookup, "ORCA_RELAY_CELL_RETIRE_MS", 600_000, 1_000, 7 * day)?;
+        let cell_forget_ms = parse_int_in(
+            lookup,
+            "ORCA_RELAY_CELL_FORGET_MS",
+            day.max(cell_retire_ms),
+            cell_retire_ms,
+            90 * day,
+        )?;
 
         let d = Timings::default();
         let knob = |name: &str, default: u64| parse_int_in(lookup, name, default, 1, 86_400_000);
@@ -585,6 +605,8 @@ impl Config {
             handshake_timeout_ms,
             handshake_attempts,
             drain_grace_ms,
+            cell_retire_ms,
+            cell_forget_ms,
             timings,
         })
     }
@@ -667,6 +689,8 @@ impl Config {
             self.handshake_attempts.to_string(),
         );
         out.insert("ORCA_RELAY_DRAIN_GRACE_MS", self.drain_grace_ms.to_string());
+        out.insert("ORCA_RELAY_CELL_RETIRE_MS", self.cell_retire_ms.to_string());
+        out.insert("ORCA_RELAY_CELL_FORGET_MS", self.cell_forget_ms.to_string());
         for (name, value) in [
             ("ORCA_RELAY_DEAD_MAN_BASE_MS", t.dead_man_base_ms),
             ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", t.dead_man_spread_ms),
@@ -760,6 +784,42 @@ mod tests {
         assert_eq!(config.pending_upgrades_max, 256);
         assert_eq!(config.http_idle_ms, 30_000);
         assert_eq!(config.http_connections_max, 1024);
+        assert_eq!(config.cell_retire_ms, 600_000);
+        assert_eq!(config.cell_forget_ms, 86_400_000);
+    }
+
+    #[test]
+    fn membership_ages_are_bounded_and_forget_is_never_before_retire() {
+        let config = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", "2000"),
+            ("ORCA_RELAY_CELL_FORGET_MS", "5000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (config.cell_retire_ms, config.cell_forget_ms),
+            (2_000, 5_000)
+        );
+        let config = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", ""),
+            ("ORCA_RELAY_CELL_FORGET_MS", ""),
+        ])
+        .unwrap();
+        assert_eq!(
+            (config.cell_retire_ms, config.cell_forget_ms),
+            (600_000, 86_400_000)
+        );
+        let err = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", "60000"),
+            ("ORCA_RELAY_CELL_FORGET_MS", "59999"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid ORCA_RELAY_CELL_FORGET_MS=\"59999\": expected an integer from 60000 to 7776000000"
+        );
+        let err = parse(&[("ORCA_RELAY_CELL_RETIRE_MS", "999")]).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_CELL_RETIRE_MS");
+        assert!(err.to_string().contains("from 1000 to 604800000"), "{err}");
     }
 
     #[test]

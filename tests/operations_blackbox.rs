@@ -239,8 +239,16 @@ fn parse_prometheus(text: &str) -> BTreeMap<String, Family> {
             .next()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("bad value, {}", at()));
+        // A histogram's samples are `<family>_bucket`, `<family>_sum` and `<family>_count`.
+        let histogram_family = ["_bucket", "_sum", "_count"].iter().find_map(|suffix| {
+            let family = name.strip_suffix(suffix)?;
+            families
+                .get(family)
+                .is_some_and(|f| f.kind.as_deref() == Some("histogram"))
+                .then(|| family.to_string())
+        });
         let family = families
-            .get_mut(name)
+            .get_mut(histogram_family.as_deref().unwrap_or(name))
             .unwrap_or_else(|| panic!("sample of an undeclared family, {}", at()));
         assert!(
             family.help.is_some() && family.kind.is_some(),

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::clock::SharedClock;
 use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
@@ -33,16 +32,23 @@ pub struct Heartbeat {
     pub started_at: i64,
     pub ready: bool,
     pub connections: i64,
+    /// Where directors reach this cell's `/internal/*`: a director that does not know the cell
+    /// (it forgot it, or its database was rebuilt) registers it from the heartbeat, URL
+    /// included, so the cell is booked and polled again without a restart.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub internal_url: Option<String>,
 }
 
-/// Where heartbeats go.
+/// Where heartbeats go (and, on a clean exit, the deregistration).
+#[derive(Clone)]
 pub enum Sink {
     Directors {
         urls: Vec<String>,
         service_token: String,
     },
-    /// The combined role: the director is in-process, the beat is recorded with `clock`.
-    Store { store: Store, clock: SharedClock },
+    /// The combined role: the director is in-process, the beat goes into the store (stamped
+    /// with the database's clock); a cell the store does not know is registered first.
+    Store { store: Store },
 }
 
 /// The thread body: `sample` builds the current heartbeat; returns when `stop` fires. A beat
@@ -89,23 +95,90 @@ fn deliver(sink: &Sink, agent: &ureq::Agent, beat: &Heartbeat) -> bool {
                 .count();
             failures == 0
         }
-        Sink::Store { store, clock } => match store.heartbeat(
+        Sink::Store { store } => record_in_store(store, beat),
+    }
+}
+
+/// The combined role's beat: recorded in the store; a cell the store no longer knows (it was
+/// forgotten) is registered again from the beat and recorded.
+fn record_in_store(store: &Store, beat: &Heartbeat) -> bool {
+    let record = || {
+        store.heartbeat(
             &beat.cell_id,
             beat.incarnation,
             beat.started_at,
             beat.ready,
             beat.connections,
-            clock.now_ms() as i64,
-        ) {
-            Ok(HeartbeatOutcome::Accepted) => true,
-            Ok(HeartbeatOutcome::StaleIncarnation) => {
-                log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
-                false
+        )
+    };
+    let outcome = record().and_then(|outcome| match outcome {
+        HeartbeatOutcome::Unregistered => {
+            store.register_cell(
+                &beat.cell_id,
+                &beat.cell_url,
+                beat.internal_url.as_deref().unwrap_or(""),
+                &beat.region,
+                beat.incarnation,
+            )?;
+            record()
+        }
+        other => Ok(other),
+    });
+    match outcome {
+        Ok(HeartbeatOutcome::Accepted) => true,
+        Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => {
+            log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
+            false
+        }
+        Err(e) => {
+            log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
+            false
+        }
+    }
+}
+
+/// Timeout of one deregistration call.
+pub const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A draining cell's last word to its directors (SPEC §11 "Fleet membership"): its registration
+/// goes at once, so no director polls it or places a desktop on it until it registers again.
+/// Called after the heartbeat thread has stopped (a later heartbeat would register it again).
+/// Best effort, one bounded call per director: a director that misses it retires the cell once
+/// it has been silent for `ORCA_RELAY_CELL_RETIRE_MS`.
+pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
+    match sink {
+        Sink::Directors {
+            urls,
+            service_token,
+        } => {
+            let agent = ureq::AgentBuilder::new()
+                .timeout(DEREGISTER_TIMEOUT)
+                .build();
+            let body = serde_json::json!({"v": 1, "cellId": cell_id, "incarnation": incarnation});
+            for director in urls {
+                let url = format!("{director}/v1/admin/cells/deregister");
+                match agent
+                    .post(&url)
+                    .set("Authorization", &format!("Bearer {service_token}"))
+                    .send_json(&body)
+                {
+                    Ok(_) => log::info!(
+                        "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director={director}"
+                    ),
+                    Err(e) => log::warn!(
+                        "orca_relay_cell_deregister_failed cell_id={cell_id} director={director} error={e}"
+                    ),
+                }
             }
-            Err(e) => {
-                log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
-                false
-            }
+        }
+        Sink::Store { store } => match store.deregister_cell(cell_id, incarnation) {
+            Ok(_) => log::info!(
+                "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director=in-process"
+            ),
+            Err(e) => log::warn!(
+                "orca_relay_cell_deregister_failed cell_id={cell_id} director=in-process reason={}",
+                e.reason_code()
+            ),
         },
     }
 }
@@ -188,6 +261,7 @@ mod tests {
                 started_at: 1,
                 ready: ready.load(Ordering::SeqCst),
                 connections: 0,
+                internal_url: None,
             }
         };
         let (stop, stop_rx) = mpsc::channel();

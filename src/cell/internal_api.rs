@@ -12,8 +12,11 @@
 //!
 //! Dead-man contact (SPEC §5.5) is recorded here: a reserve request with at least one `ok`
 //! outcome (a real booking), and a seat-feed poll carrying `reserver=1`. A poll without it (a
-//! dashboard, a director that only watches) is not contact.
+//! dashboard, a director that only watches) is not contact. The time between two `reserver=1`
+//! polls goes into `orca_relay_dead_man_contact_interval_ms`: what the director's feed poller
+//! promises (every live cell within 2 × `FEED_POLL_MS`) is checked there, on the cell.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -25,7 +28,7 @@ use crate::cell::switch::AdmitMode;
 use crate::clock::SharedClock;
 use crate::config::is_id;
 use crate::http::{self, BodyError, Reply};
-use crate::metrics::{Counter, Registry};
+use crate::metrics::{Counter, Histogram, Registry};
 use crate::service_token::ServiceTokens;
 
 /// Largest reserve body (SPEC §5.4).
@@ -82,7 +85,14 @@ struct ApiMetrics {
     seated_newer: Counter,
     feed_full: Counter,
     feed_changes: Counter,
+    contact_interval: Histogram,
 }
+
+/// The bounds of `orca_relay_dead_man_contact_interval_ms`: each of them is twice a plausible
+/// `FEED_POLL_MS`, so "every contact within 2 × FEED_POLL_MS" reads off one bucket.
+pub const CONTACT_INTERVAL_BOUNDS_MS: [u64; 12] = [
+    100, 200, 400, 500, 1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000,
+];
 
 impl ApiMetrics {
     fn new(registry: &Registry) -> Self {
@@ -113,6 +123,12 @@ impl ApiMetrics {
             seated_newer: outcome("seated-newer"),
             feed_full: feed("full"),
             feed_changes: feed("changes"),
+            contact_interval: registry.histogram(
+                "orca_relay_dead_man_contact_interval_ms",
+                "Time between two reserver=1 seat-feed polls (the directors' dead-man contact).",
+                &[],
+                &CONTACT_INTERVAL_BOUNDS_MS,
+            ),
         }
     }
 
@@ -131,6 +147,8 @@ impl ApiMetrics {
 pub struct InternalApi {
     parts: InternalApiParts,
     metrics: ApiMetrics,
+    /// When the last `reserver=1` poll arrived, plus one (0 = none yet).
+    last_reserver_poll_plus_one: AtomicU64,
 }
 
 /// A 400 with the reason in the body (every 400 here has this shape).
@@ -146,6 +164,7 @@ impl InternalApi {
         InternalApi {
             parts,
             metrics: ApiMetrics::new(registry),
+            last_reserver_poll_plus_one: AtomicU64::new(0),
         }
     }
 
@@ -256,6 +275,12 @@ impl InternalApi {
         let now_ms = self.parts.clock.now_ms();
         if reserver {
             self.parts.contact.record(now_ms);
+            let previous = self
+                .last_reserver_poll_plus_one
+                .fetch_max(now_ms.saturating_add(1), Ordering::AcqRel);
+            if let Some(previous) = previous.checked_sub(1).filter(|p| *p <= now_ms) {
+                self.metrics.contact_interval.observe(now_ms - previous);
+            }
         }
         // Sweep expired bookings so the count the director sees is the units really held.
         self.parts.bookings.expire(now_ms);
@@ -676,6 +701,36 @@ mod tests {
             "a reserver poll is contact"
         );
         assert_bad_request(h.seats("?reserver=yes"), "reserver");
+    }
+
+    #[test]
+    fn the_time_between_reserver_polls_is_the_contact_interval() {
+        let h = Harness::start(10, 16);
+        let interval = h.registry.histogram(
+            "orca_relay_dead_man_contact_interval_ms",
+            "",
+            &[],
+            &CONTACT_INTERVAL_BOUNDS_MS,
+        );
+        h.clock.set(5_000_000);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        assert_eq!(interval.count(), 0, "the first poll has nothing before it");
+        h.clock.set(5_000_900);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        // A booking and a plain poll are not feed-poll contact intervals.
+        h.clock.set(5_002_000);
+        h.reserve(json!([item("u", HOST, 1, 5_000)]));
+        assert_eq!(h.seats("").0, 200);
+        h.clock.set(5_004_100);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        assert_eq!(interval.count(), 2);
+        assert_eq!(interval.count_above(1_000), 1, "900 ms, then 3200 ms");
+        assert_eq!(interval.count_above(4_000), 0);
+        let (_, text) = (0, h.registry.render());
+        assert!(
+            text.contains("orca_relay_dead_man_contact_interval_ms_bucket{le=\"2000\"} 1"),
+            "{text}"
+        );
     }
 
     #[test]

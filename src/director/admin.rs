@@ -1,7 +1,13 @@
 //! The director's admin API (SPEC §6.2), behind `Authorization: Bearer $SERVICE_TOKEN`:
 //! - `POST /v1/admin/cells/register`: a cell's startup registration (SPEC §8);
 //! - `POST /v1/admin/cell-heartbeat`: a cell's heartbeat (SPEC §5.6), the receiving side;
-//! - `PUT /v1/admin/cell-admit-mode`: the operator's record of a cell's switch.
+//! - `PUT /v1/admin/cell-admit-mode`: the operator's record of a cell's switch;
+//! - `POST /v1/admin/cells/deregister` `{"v":1,"cellId","incarnation"}`: a draining cell's
+//!   clean exit (SPEC §11): its registration and runtime row go at once, so the feed poller
+//!   stops polling it and placement forgets it without waiting for it to retire;
+//! - `GET /v1/admin/cells`: every cell this director knows, with its membership (live,
+//!   draining, retired) and what the database and the feed poller say about it
+//!   ([`fleet_listing`], `{"v":1,…}`; `orca-relay fleet status` reads it).
 //!
 //! Runs on the HTTP workers; each request is a token check, a bounded body read and one or two
 //! store calls. Must never: read a body before the token matched (constant-time compare), read
@@ -14,21 +20,22 @@
 //!   rebuilt, a registration that went to another director only) **registers the cell** from
 //!   the heartbeat's own fields and is then recorded, rather than answering 404: cells do not
 //!   re-register after startup, so a 404 would keep a live cell unplaceable until it restarts.
-//!   The heartbeat may carry `internalUrl`; without one, the cell is placed on the database
-//!   path only until it registers with one.
+//!   The heartbeat carries `internalUrl`, so a cell registered this way (or again, after it
+//!   was forgotten) is booked and polled like any other.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
+use super::feed_poller::{FeedBoard, FeedStatus};
+use super::membership::{self, Judge};
 use crate::clock::SharedClock;
 use crate::config::is_id;
 use crate::http::{BodyError, Reply, Request};
 use crate::metrics::Registry;
 use crate::service_token::ServiceTokens;
-use crate::store::{HeartbeatOutcome, Store, StoreError, MODE_DB, MODE_RESERVE};
+use crate::store::{CellRow, HeartbeatOutcome, Store, StoreError, MODE_DB, MODE_RESERVE};
 
 /// Largest admin body (SPEC §5.4, the same limit as the cell's internal API).
 pub const ADMIN_BODY_LIMIT: usize = 16 * 1024;
@@ -38,6 +45,8 @@ const MAX_TEXT_LEN: usize = 2_048;
 pub const REGISTER_PATH: &str = "/v1/admin/cells/register";
 pub const HEARTBEAT_PATH: &str = "/v1/admin/cell-heartbeat";
 pub const ADMIT_MODE_PATH: &str = "/v1/admin/cell-admit-mode";
+pub const DEREGISTER_PATH: &str = "/v1/admin/cells/deregister";
+pub const CELLS_PATH: &str = "/v1/admin/cells";
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -68,6 +77,14 @@ struct HeartbeatBody {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
+struct DeregisterBody {
+    v: u32,
+    cell_id: String,
+    incarnation: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct AdmitModeBody {
     cell_id: String,
     admit_mode: String,
@@ -80,9 +97,9 @@ pub struct AdminContext {
     /// `ORCA_RELAY_SERVICE_TOKEN`: any token of the list is accepted.
     service_tokens: ServiceTokens,
     registry: Registry,
-    /// Cells known to be registered, with the incarnation seen: spares a heartbeat the
-    /// existence check. Filled by registrations and by the first heartbeat of each cell.
-    known: Mutex<HashMap<String, i64>>,
+    /// What the feed poller last saw of each cell (for `GET /v1/admin/cells`).
+    board: FeedBoard,
+    membership: Judge,
 }
 
 fn bad_request(reason: impl Into<String>) -> Reply {
@@ -150,13 +167,16 @@ impl AdminContext {
         clock: SharedClock,
         service_tokens: ServiceTokens,
         registry: &Registry,
+        board: FeedBoard,
+        membership: Judge,
     ) -> AdminContext {
         AdminContext {
             store,
             clock,
             service_tokens,
             registry: registry.clone(),
-            known: Mutex::new(HashMap::new()),
+            board,
+            membership,
         }
     }
 
@@ -180,6 +200,8 @@ impl AdminContext {
             REGISTER_PATH => "register",
             HEARTBEAT_PATH => "heartbeat",
             ADMIT_MODE_PATH => "admit_mode",
+            DEREGISTER_PATH => "deregister",
+            CELLS_PATH => "cells",
             _ => "other",
         };
         let reply = self.route(request);
@@ -204,9 +226,12 @@ impl AdminContext {
             (REGISTER_PATH, "POST") => self.register(request),
             (HEARTBEAT_PATH, "POST") => self.heartbeat(request),
             (ADMIT_MODE_PATH, "PUT") => self.admit_mode(request),
-            (REGISTER_PATH | HEARTBEAT_PATH, _) => {
+            (DEREGISTER_PATH, "POST") => self.deregister(request),
+            (CELLS_PATH, "GET") => self.cells(),
+            (REGISTER_PATH | HEARTBEAT_PATH | DEREGISTER_PATH, _) => {
                 Reply::error(405, "method_not_allowed").with_header("Allow", "POST")
             }
+            (CELLS_PATH, _) => Reply::error(405, "method_not_allowed").with_header("Allow", "GET"),
             (ADMIT_MODE_PATH, _) => {
                 Reply::error(405, "method_not_allowed").with_header("Allow", "PUT")
             }
@@ -239,12 +264,6 @@ impl AdminContext {
             .map(|cell| cell.incarnation))
     }
 
-    fn remember(&self, cell_id: &str, incarnation: i64) {
-        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = known.entry(cell_id.to_string()).or_insert(incarnation);
-        *entry = (*entry).max(incarnation);
-    }
-
     fn register(&self, request: &mut Request<'_>) -> Reply {
         let body: RegisterBody = match Self::read(request) {
             Ok(body) => body,
@@ -260,14 +279,12 @@ impl AdminContext {
         ) {
             return reply;
         }
-        let now = self.clock.now_ms() as i64;
         if let Err(e) = self.store.register_cell(
             &body.cell_id,
             &body.cell_url,
             body.internal_url.as_deref().unwrap_or(""),
             &body.region,
             body.incarnation,
-            now,
         ) {
             return self.store_failed("register", &e);
         }
@@ -287,7 +304,6 @@ impl AdminContext {
                 stale()
             }
             _ => {
-                self.remember(&body.cell_id, body.incarnation);
                 log::info!(
                     "orca_relay_director_cell_registered cell_id={} incarnation={} cell_url={} internal_url={} region={}",
                     body.cell_id,
@@ -319,46 +335,38 @@ impl AdminContext {
         if body.connections < 0 {
             return bad_request("connections must not be negative");
         }
-        let now = self.clock.now_ms() as i64;
-        let known = self
-            .known
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&body.cell_id);
-        if !known {
-            match self.stored_incarnation(&body.cell_id) {
-                Ok(Some(stored)) => self.remember(&body.cell_id, stored),
-                Ok(None) => {
-                    if let Err(e) = self.store.register_cell(
-                        &body.cell_id,
-                        &body.cell_url,
-                        body.internal_url.as_deref().unwrap_or(""),
-                        &body.region,
-                        body.incarnation,
-                        now,
-                    ) {
-                        return self.store_failed("heartbeat", &e);
-                    }
-                    self.remember(&body.cell_id, body.incarnation);
-                    log::info!(
-                        "orca_relay_director_cell_registered_by_heartbeat cell_id={} incarnation={}",
-                        body.cell_id,
-                        body.incarnation
-                    );
-                }
-                Err(e) => return self.store_failed("heartbeat", &e),
+        let record = || {
+            self.store.heartbeat(
+                &body.cell_id,
+                body.incarnation,
+                body.started_at,
+                body.ready,
+                body.connections,
+            )
+        };
+        let outcome = record().and_then(|outcome| match outcome {
+            HeartbeatOutcome::Unregistered => {
+                // Not registered here (never, or forgotten): the heartbeat registers it.
+                self.store.register_cell(
+                    &body.cell_id,
+                    &body.cell_url,
+                    body.internal_url.as_deref().unwrap_or(""),
+                    &body.region,
+                    body.incarnation,
+                )?;
+                log::info!(
+                    "orca_relay_director_cell_registered_by_heartbeat cell_id={} incarnation={} internal_url={}",
+                    body.cell_id,
+                    body.incarnation,
+                    body.internal_url.as_deref().unwrap_or("-")
+                );
+                record()
             }
-        }
-        match self.store.heartbeat(
-            &body.cell_id,
-            body.incarnation,
-            body.started_at,
-            body.ready,
-            body.connections,
-            now,
-        ) {
+            other => Ok(other),
+        });
+        match outcome {
             Ok(HeartbeatOutcome::Accepted) => ok(),
-            Ok(HeartbeatOutcome::StaleIncarnation) => {
+            Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => {
                 log::warn!(
                     "orca_relay_director_heartbeat_stale cell_id={} incarnation={}",
                     body.cell_id,
@@ -367,6 +375,51 @@ impl AdminContext {
                 stale()
             }
             Err(e) => self.store_failed("heartbeat", &e),
+        }
+    }
+
+    fn deregister(&self, request: &mut Request<'_>) -> Reply {
+        let body: DeregisterBody = match Self::read(request) {
+            Ok(body) => body,
+            Err(reply) => return reply,
+        };
+        if body.v != 1 {
+            return bad_request("v must be 1");
+        }
+        if !is_id(&body.cell_id, 128) {
+            return bad_request("cellId must be 1-128 characters [A-Za-z0-9_-]");
+        }
+        match self.store.deregister_cell(&body.cell_id, body.incarnation) {
+            Ok(removed) => {
+                log::info!(
+                    "orca_relay_director_cell_deregistered cell_id={} incarnation={} removed={removed}",
+                    body.cell_id,
+                    body.incarnation
+                );
+                // Idempotent: a second call, or one for an incarnation already replaced, is
+                // answered the same (a newer incarnation's rows are never touched).
+                Reply::json(
+                    200,
+                    json!({"v": 1, "ok": true, "removed": removed}).to_string(),
+                )
+            }
+            Err(e) => self.store_failed("deregister", &e),
+        }
+    }
+
+    fn cells(&self) -> Reply {
+        match self.store.list_cells() {
+            Ok(cells) => {
+                let listing = fleet_listing(
+                    &cells,
+                    &self.board.status(),
+                    &self.membership,
+                    self.clock.monotonic_ms(),
+                    self.clock.now_ms(),
+                );
+                Reply::json(200, listing.to_string())
+            }
+            Err(e) => self.store_failed("cells", &e),
         }
     }
 
@@ -381,11 +434,7 @@ impl AdminContext {
         if body.admit_mode != MODE_DB && body.admit_mode != MODE_RESERVE {
             return bad_request("admitMode must be \"db\" or \"reserve\"");
         }
-        let now = self.clock.now_ms() as i64;
-        match self
-            .store
-            .set_admit_mode(&body.cell_id, &body.admit_mode, now)
-        {
+        match self.store.set_admit_mode(&body.cell_id, &body.admit_mode) {
             Ok(()) => {
                 log::info!(
                     "orca_relay_director_admit_mode_set cell_id={} admit_mode={}",
@@ -397,6 +446,84 @@ impl AdminContext {
             Err(e) => self.store_failed("admit_mode", &e),
         }
     }
+}
+
+/// `GET /v1/admin/cells`, version 1: every registered cell, ordered by id. Ages are the
+/// database's (`…AgeMs`), except the feed's, which is this director's own. A field this
+/// director has no data for is `null`. Documented in README ("Fleet membership").
+pub fn fleet_listing(
+    cells: &[CellRow],
+    feeds: &HashMap<String, FeedStatus>,
+    judge: &Judge,
+    monotonic_now_ms: u64,
+    now_ms: u64,
+) -> Value {
+    let retire_after = judge.retire_after(monotonic_now_ms);
+    let listed: Vec<Value> = cells
+        .iter()
+        .map(|cell| {
+            let feed = feeds.get(&cell.cell_id);
+            let view = feed.and_then(|feed| feed.view.as_ref());
+            let draining = view
+                .is_some_and(|view| view.draining && view.incarnation == cell.incarnation);
+            let state = membership::membership(cell, draining, retire_after);
+            json!({
+                "cellId": cell.cell_id,
+                "state": state.as_str(),
+                "ready": cell.runtime.as_ref().map(|runtime| runtime.ready),
+                "region": cell.region,
+                "cellUrl": cell.cell_url,
+                "internalUrl": cell.internal_url,
+                "incarnation": cell.incarnation,
+                "registeredAt": cell.registered_at,
+                "silentMs": cell.silent_ms(),
+                "heartbeat": cell.runtime.as_ref().map(|runtime| json!({
+                    "incarnation": runtime.cell_incarnation,
+                    "startedAt": runtime.started_at,
+                    "ageMs": runtime.heartbeat_age_ms,
+                    "ready": runtime.ready,
+                    "connections": runtime.connections,
+                })),
+                "admitMode": {
+                    "mode": cell.admit_mode,
+                    "updatedAt": cell.admit_mode_updated_at,
+                },
+                "admitEffective": cell.effective.as_ref().map(|effective| json!({
+                    "mode": effective.mode,
+                    "incarnation": effective.cell_incarnation,
+                    "ageMs": effective.age_ms,
+                })),
+                "feed": feed.map(|feed| json!({
+                    "lane": if state == membership::Membership::Retired {
+                        "none"
+                    } else {
+                        feed.lane.as_str()
+                    },
+                    "consecutiveFailures": feed.consecutive_failures,
+                    "lastSuccessAgeMs": view.map(|view| now_ms.saturating_sub(view.last_success_ms)),
+                    "incarnation": view.map(|view| view.incarnation),
+                    "admitModeRaw": view.map(|view| view.admit_mode_raw.as_str()),
+                    "admitModeEffective": view.map(|view| view.admit_mode_effective.as_str()),
+                    "draining": view.map(|view| view.draining),
+                    "counts": view.map(|view| json!({
+                        "seated": view.seated,
+                        "bookings": view.bookings,
+                        "connections": view.connections,
+                    })),
+                })),
+            })
+        })
+        .collect();
+    json!({
+        "v": 1,
+        "director": {
+            "uptimeMs": judge.uptime_ms(monotonic_now_ms),
+            "retireMs": judge.rules.retire_ms,
+            "forgetMs": judge.rules.forget_ms,
+            "retirementJudged": retire_after.is_some(),
+        },
+        "cells": listed,
+    })
 }
 
 #[cfg(test)]
@@ -421,5 +548,122 @@ mod tests {
         assert!(
             reason(check_cell_fields(1, "c7", "wss://x", "eu", -1, None)).contains("incarnation")
         );
+    }
+
+    #[test]
+    fn the_listing_is_version_1_with_membership_and_what_the_poller_saw() {
+        use crate::director::feed_poller::Lane;
+        use crate::director::membership::Rules;
+        use crate::director::placement::FeedView;
+        use crate::store::{AdmitEffective, CellRuntime};
+
+        let cell = |id: &str, silent: i64| CellRow {
+            cell_id: id.into(),
+            cell_url: format!("wss://{id}"),
+            internal_url: Some(format!("http://{id}:8081")),
+            region: "eu".into(),
+            incarnation: 7,
+            registered_at: 1_000,
+            registered_age_ms: 90_000_000,
+            runtime: Some(CellRuntime {
+                cell_incarnation: 7,
+                started_at: 900,
+                ready: true,
+                connections: 3,
+                last_heartbeat_at: 2_000,
+                heartbeat_age_ms: silent,
+            }),
+            admit_mode: "reserve".into(),
+            admit_mode_updated_at: Some(500),
+            effective: Some(AdmitEffective {
+                cell_incarnation: 7,
+                mode: "reserve".into(),
+                updated_at: 1_500,
+                age_ms: 4_000,
+            }),
+        };
+        let view = |draining: bool| FeedView {
+            incarnation: 7,
+            admit_mode_raw: "reserve".into(),
+            admit_mode_effective: "reserve".into(),
+            draining,
+            seated: 2,
+            bookings: 1,
+            connections: 3,
+            last_success_ms: 9_500,
+        };
+        let cells = [
+            cell("a", 1_000),
+            cell("b", 1_000),
+            cell("c", 700_000),
+            cell("d", 1_000),
+        ];
+        let feeds = HashMap::from([
+            (
+                "a".to_string(),
+                FeedStatus {
+                    view: Some(view(false)),
+                    consecutive_failures: 0,
+                    lane: Lane::Live,
+                },
+            ),
+            (
+                "b".to_string(),
+                FeedStatus {
+                    view: Some(view(true)),
+                    consecutive_failures: 0,
+                    lane: Lane::Live,
+                },
+            ),
+            (
+                "c".to_string(),
+                FeedStatus {
+                    view: None,
+                    consecutive_failures: 12,
+                    lane: Lane::Suspect,
+                },
+            ),
+        ]);
+        let judge = Judge {
+            rules: Rules {
+                retire_ms: 600_000,
+                forget_ms: 86_400_000,
+            },
+            started_monotonic_ms: 0,
+        };
+        let listing = fleet_listing(&cells, &feeds, &judge, 700_000, 10_000);
+        assert_eq!(listing["v"], 1);
+        assert_eq!(
+            listing["director"],
+            json!({"uptimeMs": 700_000, "retireMs": 600_000, "forgetMs": 86_400_000,
+                   "retirementJudged": true})
+        );
+        let listed = listing["cells"].as_array().unwrap();
+        assert_eq!(
+            listed[0],
+            json!({
+                "cellId": "a", "state": "live", "ready": true, "region": "eu",
+                "cellUrl": "wss://a", "internalUrl": "http://a:8081", "incarnation": 7,
+                "registeredAt": 1_000, "silentMs": 1_000,
+                "heartbeat": {"incarnation": 7, "startedAt": 900, "ageMs": 1_000,
+                              "ready": true, "connections": 3},
+                "admitMode": {"mode": "reserve", "updatedAt": 500},
+                "admitEffective": {"mode": "reserve", "incarnation": 7, "ageMs": 4_000},
+                "feed": {"lane": "live", "consecutiveFailures": 0, "lastSuccessAgeMs": 500,
+                         "incarnation": 7, "admitModeRaw": "reserve",
+                         "admitModeEffective": "reserve", "draining": false,
+                         "counts": {"seated": 2, "bookings": 1, "connections": 3}},
+            })
+        );
+        assert_eq!(listed[1]["state"], "draining");
+        assert_eq!(listed[2]["state"], "retired");
+        assert_eq!(listed[2]["feed"]["lane"], "none");
+        assert_eq!(listed[2]["feed"]["consecutiveFailures"], 12);
+        assert_eq!(listed[2]["feed"]["lastSuccessAgeMs"], Value::Null);
+        assert_eq!(listed[3]["feed"], Value::Null, "never polled");
+        // Before the director has been up RETIRE_MS, the silent cell is not retired.
+        let early = fleet_listing(&cells, &feeds, &judge, 1_000, 10_000);
+        assert_eq!(early["director"]["retirementJudged"], false);
+        assert_eq!(early["cells"][2]["state"], "live");
     }
 }

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::feed_poller::{FeedBoard, POLL_TIMEOUT};
+use super::membership::Judge;
 use super::placement::{self, Candidate, Decision, Params, Path, Rng};
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
@@ -185,6 +186,8 @@ pub struct Fleet {
     pub heartbeat_fresh_ms: u64,
     /// See [`placement::feed_fresh_ms`].
     pub feed_fresh_ms: u64,
+    /// Which cells are retired (skipped).
+    pub membership: Judge,
     pub rng: Mutex<Rng>,
 }
 
@@ -195,6 +198,7 @@ impl Fleet {
         board: FeedBoard,
         cell_client: Arc<dyn CellClient>,
         timings: &crate::config::Timings,
+        membership: Judge,
     ) -> Fleet {
         Fleet {
             director_id: director_id.into(),
@@ -205,6 +209,7 @@ impl Fleet {
                 timings.feed_poll_ms,
                 POLL_TIMEOUT.as_millis() as u64,
             ),
+            membership,
             rng: Mutex::new(Rng::from_os()),
         }
     }
@@ -399,6 +404,7 @@ fn place_in_fleet(
             now_ms: context.clock.now_ms(),
             heartbeat_fresh_ms: fleet.heartbeat_fresh_ms,
             feed_fresh_ms: fleet.feed_fresh_ms,
+            retire_after_ms: fleet.membership.retire_after(context.clock.monotonic_ms()),
         };
         let feeds = fleet.board.snapshot();
         let decision = {

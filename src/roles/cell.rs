@@ -4,7 +4,9 @@
 //! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
 //! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
 //! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
-//! [`CellRuntime::drain`] runs the SIGTERM sequence and joins the threads in reverse order.
+//! [`CellRuntime::drain`] runs the SIGTERM sequence: the watchdog stops before the final
+//! admit-effective write, the claim loop ends after carrying it out, the other threads are
+//! joined in reverse start order, and the cell deregisters from its directors.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,6 +50,8 @@ pub struct CellSetup<'a> {
     pub readiness: Readiness,
     pub ws_listener: TcpListener,
     pub cell_url: String,
+    /// Where directors reach this cell's `/internal/*` (sent in heartbeats).
+    pub internal_url: String,
     pub incarnation: i64,
     /// Where heartbeats go: the directors over HTTP, or the store in the combined role.
     pub heartbeat: Sink,
@@ -75,6 +79,8 @@ pub struct CellRuntime {
     heartbeat: Mutex<Option<PendingHeartbeat>>,
     reregister_stop: Arc<AtomicBool>,
     drain_grace: Duration,
+    /// Where the clean exit's deregistration goes (the heartbeat's directors, or the store).
+    deregistration: Sink,
 }
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
@@ -165,7 +171,7 @@ impl CellRuntime {
         }
 
         // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
-        let (writer, commands) = WriterHandle::channel();
+        let (writer, inbox) = WriterHandle::channel();
         let (answers_tx, answers_rx) = mpsc::channel();
         let row = StoreRow {
             store: setup.store.clone(),
@@ -178,7 +184,7 @@ impl CellRuntime {
         let claim_timings = config.timings.clone();
         let claim_clock = clock.clone();
         let claim_loop = threads::spawn("claim-loop", move || {
-            claim_loop::run(row, &claim_timings, commands, claim_clock, answers_tx)
+            claim_loop::run(row, &claim_timings, inbox, claim_clock, answers_tx)
         })
         .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
 
@@ -222,9 +228,14 @@ impl CellRuntime {
         // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
         // then nothing but the registration goes out).
         let heartbeat: PendingHeartbeat = {
-            let sample =
-                heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
-            let sink = setup.heartbeat;
+            let sample = heartbeat_sampler(
+                config,
+                &context,
+                &setup.readiness,
+                (&setup.cell_url, &setup.internal_url),
+                &clock,
+            );
+            let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
@@ -262,6 +273,7 @@ impl CellRuntime {
             heartbeat: Mutex::new(Some(heartbeat)),
             reregister_stop,
             drain_grace: Duration::from_millis(config.drain_grace_ms),
+            deregistration: setup.heartbeat,
         })
     }
 
@@ -335,7 +347,17 @@ impl CellRuntime {
                 .close(&control.socket, CloseCode::Draining, "draining");
         }
         self.reregister_stop.store(true, Ordering::Release);
-        // Final row write: a draining cell must not keep a slot or attract placements.
+        let mut stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        // The watchdog is the claim loop's only other writer: stop it before the final row
+        // write, so that the drain's write is the row's last word. A watchdog tick after it
+        // would write a tripped cell's `db` back, and its slot would stay taken for
+        // `TRIP_SLOT_STALE_MS` after the process is gone.
+        if let Some(watchdog) = take_stoppable(&mut stoppables, "watchdog") {
+            drop(watchdog.stop);
+            threads::join_logged(watchdog.name, watchdog.handle);
+        }
+        // Final row write: `reserve` when the switch says so, which frees any slot (a draining
+        // cell gets no new desktops: its feed says draining), else `db`.
         let switch = self.context.mode.switch();
         if let Some(writer) = lock(&self.writer).take() {
             writer.tick(
@@ -348,13 +370,22 @@ impl CellRuntime {
                 false,
             );
             writer.release_slot();
-            // Dropping the last handle (the watchdog's goes with its thread) ends the claim loop.
+            // This was the last handle: the claim loop carries out what is pending, then ends.
         }
-        let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        if let Some(claim_loop) = take_stoppable(&mut stoppables, "claim-loop") {
+            threads::join_logged(claim_loop.name, claim_loop.handle);
+        }
         for stoppable in stoppables.into_iter().rev() {
             drop(stoppable.stop);
             threads::join_logged(stoppable.name, stoppable.handle);
         }
+        // The heartbeat has stopped (a beat after this would register the cell again): leave
+        // the fleet, so no director polls or places on this process any more.
+        heartbeat::deregister(
+            &self.deregistration,
+            &self.context.cell_id,
+            self.context.incarnation,
+        );
         log::info!(
             "orca_relay_drain_finished cell_id={} closed={}",
             self.context.cell_id,
@@ -362,6 +393,12 @@ impl CellRuntime {
         );
         let _ = lock(&self.reaper).take();
     }
+}
+
+/// Removes the named thread from `stoppables`, if it is there.
+fn take_stoppable(stoppables: &mut Vec<Stoppable>, name: &str) -> Option<Stoppable> {
+    let at = stoppables.iter().position(|s| s.name == name)?;
+    Some(stoppables.remove(at))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -416,11 +453,12 @@ fn heartbeat_sampler(
     config: &Config,
     context: &RelayContext,
     readiness: &Readiness,
-    cell_url: &str,
+    (cell_url, internal_url): (&str, &str),
     clock: &SharedClock,
 ) -> impl Fn() -> Heartbeat + Send + 'static {
     let cell_id = config.cell_id.clone();
     let cell_url = cell_url.to_string();
+    let internal_url = internal_url.to_string();
     let region = config.region.clone();
     let incarnation = context.incarnation;
     let readiness = readiness.clone();
@@ -435,6 +473,7 @@ fn heartbeat_sampler(
         started_at: incarnation,
         ready: readiness.answer(clock.now_ms()).status == 200,
         connections: slots.used() as i64,
+        internal_url: Some(internal_url.clone()),
     }
 }
 
@@ -526,6 +565,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         readiness: readiness.clone(),
         ws_listener,
         cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
         incarnation,
         heartbeat: Sink::Directors {
             urls: config.director_urls.clone(),

@@ -16,9 +16,10 @@
 //! API; the director side holds the same one.
 //!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `self-record`, `http-acceptor` and `http-<n>`, `signals`. The
-//! main thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
-//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
+//! `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `http-acceptor` and `http-<n>`,
+//! `signals`. The main thread waits for SIGTERM and runs the drain: the cell drains (the poller
+//! keeps polling meanwhile, so the dead-man stays armed), then the poller and `self-record` stop,
+//! then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -28,10 +29,11 @@ use std::time::Duration;
 use crate::cell::heartbeat::Sink;
 use crate::cell::mode::CellMode;
 use crate::cell::switch::AdmitMode;
-use crate::clock::{self, SharedClock};
+use crate::clock;
 use crate::config::Config;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
@@ -84,14 +86,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             internal_url.clone(),
         );
         migrate_in_background(&store, move || {
-            registrar.register_cell(
-                &cell_id,
-                &cell_url,
-                &internal_url,
-                &region,
-                incarnation,
-                incarnation,
-            )
+            registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
         })?
     };
 
@@ -107,19 +102,21 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         readiness: readiness.clone(),
         ws_listener,
         cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
         incarnation,
         heartbeat: Sink::Store {
             store: store.clone(),
-            clock: clock.clone(),
         },
     })?);
 
     let board = FeedBoard::new();
+    let membership = Judge::starting_now(membership::Rules::from_config(&config), &clock);
     let fleet = Fleet::new(
         director_id.clone(),
         board.clone(),
         Arc::new(HttpCellClient::new(service_token.clone())),
         &config.timings,
+        membership,
     );
     let assign_context = Arc::new(AssignContext::new(
         verifier,
@@ -167,7 +164,6 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         region: config.region.clone(),
         incarnation,
         mode: cell.context.mode.clone(),
-        clock: clock.clone(),
     };
     // Registered by the migration step already, unless the database was down at boot: then
     // the self-record thread registers the cell as soon as it can.
@@ -188,8 +184,18 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         clock: clock.clone(),
         registry: registry.clone(),
         period: Duration::from_millis(config.timings.feed_poll_ms),
+        membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
+    let (sweeper_stop, sweeper_stop_rx) = mpsc::channel::<()>();
+    let sweeper = {
+        let store = store.clone();
+        let clock = clock.clone();
+        threads::spawn("fleet-sweeper", move || {
+            membership::run_sweeper(store, membership.rules, clock, sweeper_stop_rx)
+        })
+        .map_err(|e| RunError(format!("cannot start the fleet-sweeper thread: {e}")))?
+    };
     wait_until_placeable(&store, &config.cell_id, incarnation);
 
     lifecycle::notify_ready();
@@ -203,6 +209,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     }
     cell.drain(&shutdown);
     poller.stop();
+    drop(sweeper_stop);
+    threads::join_logged("fleet-sweeper", sweeper);
     drop(record_stop);
     threads::join_logged("self-record", record_thread);
     http.stop();
@@ -268,20 +276,17 @@ struct SelfRecord {
     region: String,
     incarnation: i64,
     mode: Arc<CellMode>,
-    clock: SharedClock,
 }
 
 impl SelfRecord {
     /// Registers the cell; false (logged) when the store did not take it.
     fn register(&self) -> bool {
-        let now = self.clock.now_ms() as i64;
         match self.store.register_cell(
             &self.cell_id,
             &self.cell_url,
             &self.internal_url,
             &self.region,
             self.incarnation,
-            now,
         ) {
             Ok(()) => true,
             Err(e) => {
@@ -315,11 +320,7 @@ impl SelfRecord {
             }
             let wanted = self.mode.switch().flags.admit_mode;
             if recorded != Some(wanted) {
-                let now = self.clock.now_ms() as i64;
-                match self
-                    .store
-                    .set_admit_mode(&self.cell_id, wanted.as_str(), now)
-                {
+                match self.store.set_admit_mode(&self.cell_id, wanted.as_str()) {
                     Ok(()) => {
                         log::info!(
                             "orca_relay_self_admit_mode_recorded cell_id={} admit_mode={}",

@@ -982,3 +982,37 @@ impl Drop for DirectorPolls {
         self.stop();
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pausing the process: SIGSTOP, a wait, SIGCONT (a hypervisor pause, `docker pause`, `gdb -p`).
+
+/// The state letter of a process in `/proc/<pid>/stat` (`T` = stopped).
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the state follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+impl Relay {
+    /// Stops the process with SIGSTOP, runs `while_stopped`, keeps it stopped for `duration`
+    /// in all (from the moment the kernel reports it stopped), then continues it with SIGCONT.
+    pub fn freeze_for(&self, duration: Duration, while_stopped: impl FnOnce()) {
+        let pid = self.child.id();
+        // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
+        assert!(
+            wait_until(Duration::from_secs(5), || process_state(pid) == Some('T')),
+            "the relay did not stop"
+        );
+        let stopped_at = orca_relay::clock::instant();
+        while_stopped();
+        // The freeze itself (not a wait for a condition): the scenario is "stopped this long".
+        orca_relay::clock::sleep(duration.saturating_sub(stopped_at.elapsed()));
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
+        assert!(
+            wait_until(Duration::from_secs(5), || process_state(pid) != Some('T')),
+            "the relay did not continue"
+        );
+    }
+}
