@@ -24,6 +24,7 @@ use serde::Deserialize;
 
 use super::placement::FeedView;
 use crate::clock::SharedClock;
+use crate::logging::KeyedThrottle;
 use crate::metrics::Registry;
 use crate::store::{CellRow, Store};
 use crate::threads;
@@ -194,6 +195,8 @@ struct Poller {
     service_token: String,
     clock: SharedClock,
     registry: Registry,
+    /// Throttles the failure lines of each cell (`logging::KeyedThrottle`).
+    failures: KeyedThrottle,
 }
 
 impl Poller {
@@ -228,14 +231,22 @@ impl Poller {
             )
             .inc();
         match result {
-            Ok((cursor, view)) => self.board.succeed(&job.cell_id, cursor, view),
+            Ok((cursor, view)) => {
+                self.board.succeed(&job.cell_id, cursor, view);
+                if let Some(note) = self.failures.success(&job.cell_id) {
+                    log::info!(
+                        "orca_relay_director_feed_poll_recovered cell_id={}{note}",
+                        job.cell_id
+                    );
+                }
+            }
             Err(error) => {
                 let failures = self.board.fail(&job.cell_id);
-                // The first failure of a run, then every 60th: a dead cell polled every second
-                // logs once a minute, not every poll.
-                if failures == 1 || failures.is_multiple_of(60) {
+                // The first failure of a run, then at most once a minute with a count, then
+                // once on recovery: a dead cell polled every second is not a line a second.
+                if let Some(note) = self.failures.failure(&job.cell_id, self.clock.now_ms()) {
                     log::warn!(
-                        "orca_relay_director_feed_poll_failed cell_id={} result={} consecutive={failures}",
+                        "orca_relay_director_feed_poll_failed cell_id={} result={} consecutive={failures}{note}",
                         job.cell_id,
                         error.as_str()
                     );
@@ -288,6 +299,7 @@ impl FeedPoller {
             service_token: config.service_token,
             clock: config.clock,
             registry: config.registry,
+            failures: KeyedThrottle::new(),
         });
         let (job_sender, job_receiver) = mpsc::channel::<PollJob>();
         let job_receiver = Arc::new(Mutex::new(job_receiver));

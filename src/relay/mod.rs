@@ -198,6 +198,8 @@ pub struct RelayContext {
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
     pub mode: Arc<CellMode>,
+    /// Throttles the log lines of failed admission SQL across every relay thread.
+    pub admission_failures: Arc<crate::logging::SharedThrottle>,
     next_id: Arc<AtomicU64>,
     rejecting: Arc<AtomicU32>,
 }
@@ -236,6 +238,7 @@ impl RelayContext {
             slots,
             phase,
             metrics: RelayMetrics::new(registry),
+            admission_failures: Arc::default(),
             next_id: Arc::new(AtomicU64::new(1)),
             rejecting: Arc::new(AtomicU32::new(0)),
         }

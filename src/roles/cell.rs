@@ -225,9 +225,10 @@ impl CellRuntime {
                 heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
             let sink = setup.heartbeat;
             let period = Duration::from_millis(config.timings.heartbeat_ms);
+            let clock = clock.clone();
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, stop)
+                    heartbeat::run(sink, period, sample, clock, stop)
                 })
             })
         };
