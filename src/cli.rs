@@ -11,7 +11,8 @@ orca-relay: a WebSocket relay for desktops and their paired phones
 usage:
   orca-relay [run]              run the role from ORCA_RELAY_ROLE (combined, cell, director)
   orca-relay migrate            apply sql/ migrations to the configured database
-  orca-relay check-config       validate the environment and print the effective configuration
+  orca-relay check-config       validate the environment (every problem in one run) and print
+                                the effective configuration
   orca-relay budget FILE        print the database connection budget of a fleet (JSON or TOML)
   orca-relay client host [--director URL] [--relay-host-id ID] [--user-id ID] [--token JWT]
                                 a desktop peer: gets a placement, holds a control socket,
@@ -98,18 +99,13 @@ pub fn execute(command: Command) -> i32 {
             println!("orca-relay {}", env!("CARGO_PKG_VERSION"));
             0
         }
-        Command::CheckConfig => match Config::from_env() {
-            Ok(config) => {
-                for (name, value) in config.describe() {
-                    println!("{name}={value}");
-                }
-                0
-            }
-            Err(e) => {
-                eprintln!("orca-relay: {e}");
-                1
-            }
-        },
+        Command::CheckConfig => {
+            let lookup = |name: &str| std::env::var(name).ok();
+            let (code, out, err) = check_config(&lookup);
+            print!("{out}");
+            eprint!("{err}");
+            code
+        }
         Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
         Command::Migrate => with_config(|config| {
             crate::roles::migrate(&config).map_err(|e| e.to_string())?;
@@ -161,11 +157,43 @@ pub fn execute(command: Command) -> i32 {
     }
 }
 
+/// `check-config` over `lookup`: (exit code, stdout, stderr). Valid: every variable with its
+/// effective value (secrets masked), then `config ok: role=… (N variables set)`. Not valid:
+/// every problem, one line each, then `N problems`.
+pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, String) {
+    use std::fmt::Write as _;
+    let (mut out, mut err) = (String::new(), String::new());
+    match Config::from_lookup_all(lookup) {
+        Ok(config) => {
+            for (name, value) in config.describe() {
+                let _ = writeln!(out, "{name}={value}");
+            }
+            let _ = writeln!(
+                out,
+                "config ok: role={} ({} variables set)",
+                config.role.as_str(),
+                Config::variables_set(lookup)
+            );
+            (0, out, err)
+        }
+        Err(errors) => {
+            for error in &errors.0 {
+                let _ = writeln!(err, "orca-relay: {error}");
+            }
+            let _ = writeln!(err, "{}", errors.summary());
+            (1, out, err)
+        }
+    }
+}
+
 fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     let config = match Config::from_env() {
         Ok(config) => config,
-        Err(e) => {
-            eprintln!("orca-relay: {e}");
+        Err(errors) => {
+            // One line per problem.
+            for error in &errors.0 {
+                eprintln!("orca-relay: {error}");
+            }
             return 1;
         }
     };
