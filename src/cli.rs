@@ -16,15 +16,85 @@ usage:
   orca-relay budget FILE        print the database connection budget of a fleet (JSON or TOML)
   orca-relay client host [--director URL] [--relay-host-id ID] [--user-id ID] [--token JWT]
                                 a desktop peer: gets a placement, holds a control socket,
-                                prints an invite and echoes what phones send
+                                prints the phone's command and echoes what phones send;
+                                follows drains back to the director; stops on SIGINT/SIGTERM
   orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
                                 a phone peer: pipes stdin to the desktop and its answers to stdout
   orca-relay --help | --version
+  orca-relay COMMAND --help     help on one command
 
 Configuration comes from the environment (ORCA_RELAY_*, DATABASE_URL, RUST_LOG); on a VM the
 systemd unit reads it from /etc/orca-relay/<role>.env (examples in packaging/). An empty value
 means unset. With no configuration at all, `orca-relay` runs the combined role on SQLite under
 ./data with a generated self-hosted key.
+";
+
+const RUN_HELP: &str = "\
+usage: orca-relay run    (or orca-relay with no arguments)
+
+Runs the role named by ORCA_RELAY_ROLE (combined, cell, director) until SIGTERM, which drains.
+Configuration comes from the environment (see `orca-relay check-config --help` and the
+README's configuration table). A bad configuration stops it with one line per problem.
+";
+
+const MIGRATE_HELP: &str = "\
+usage: orca-relay migrate
+
+Applies the sql/ migrations to the configured database (DATABASE_URL, or SQLite under
+ORCA_RELAY_DATA_DIR), idempotently. Safe while other processes migrate the same database.
+";
+
+const CHECK_CONFIG_HELP: &str = "\
+usage: orca-relay check-config
+
+Validates the environment the way `run` does. Valid: prints every variable with its effective
+value (secrets masked, (unset) where a variable has no value) and a last line
+`config ok: role=... (N variables set)`; exit 0. Not valid: lists every problem, one line each
+(`missing X (unset)` for a required variable, `invalid X=\"value\"` with the accepted range),
+then `N problems`; exit 1.
+";
+
+const BUDGET_HELP: &str = "\
+usage: orca-relay budget FILE
+
+Prints the database connection budget of a fleet described in FILE (JSON or TOML), with and
+without deadManTripSlots. packaging/fleet-seed.json is an example.
+";
+
+const CLIENT_HELP: &str = "\
+usage: orca-relay client host [--director URL] [--relay-host-id ID] [--user-id ID] [--token JWT]
+       orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
+
+Small peers for trying a relay by hand; see `client host --help` and `client phone --help`.
+";
+
+const CLIENT_HOST_HELP: &str = "\
+usage: orca-relay client host [--director URL] [--relay-host-id ID] [--user-id ID] [--token JWT]
+
+A desktop peer. Asks the director for a placement (POST /v1/assign), holds a control socket on
+the cell it names, prints the command a phone runs (with a fresh invite) on stdout, and echoes
+every frame a phone sends. On a drain frame, a 4503 or 4409 close, a refused upgrade or a lost
+connection it asks the director again and reconnects (printing a new phone command), backing
+off while nothing answers. Stops on SIGINT or SIGTERM (exit 0); exits 1 on a refused token or a
+newer control for the same host. Standard input is not read.
+
+  --director URL        director base URL (default http://<ORCA_RELAY_HTTP_ADDR>)
+  --relay-host-id ID    16 characters [A-Za-z0-9_-] (default: random)
+  --user-id ID          the token's subject (default local-user)
+  --token JWT           a desktop token; by default one is minted from the combined role's
+                        self-hosted key (ORCA_RELAY_SELF_HOSTED_KEY or
+                        $ORCA_RELAY_DATA_DIR/self-hosted.key)
+";
+
+const CLIENT_PHONE_HELP: &str = "\
+usage: orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
+
+A phone peer: connects to the host through the cell with an invite, sends each line of stdin
+as a text frame and prints what the host answers. `client host` prints this command for you.
+
+  --cell URL            the cell's WebSocket URL (default ws://127.0.0.1:8080)
+  --relay-host-id ID    the host to reach
+  --invite TOKEN        an invite the host created
 ";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,11 +106,37 @@ pub enum Command {
     ClientHost(Vec<(String, String)>),
     ClientPhone(Vec<(String, String)>),
     Help,
+    /// `--help` after a subcommand: that subcommand's help text.
+    HelpFor(&'static str),
     Version,
+}
+
+/// The help text for the subcommand that `args` starts with, if it asks for help anywhere.
+fn subcommand_help(args: &[String]) -> Option<&'static str> {
+    let rest = args.get(1..).unwrap_or_default();
+    if !rest.iter().any(|a| a == "--help" || a == "-h") {
+        return None;
+    }
+    let second = args.get(1).map(String::as_str);
+    Some(match args.first().map(String::as_str)? {
+        "run" => RUN_HELP,
+        "migrate" => MIGRATE_HELP,
+        "check-config" => CHECK_CONFIG_HELP,
+        "budget" => BUDGET_HELP,
+        "client" => match second {
+            Some("host") => CLIENT_HOST_HELP,
+            Some("phone") => CLIENT_PHONE_HELP,
+            _ => CLIENT_HELP,
+        },
+        _ => return None,
+    })
 }
 
 /// Parses the arguments after the program name.
 pub fn parse(args: &[String]) -> Result<Command, String> {
+    if let Some(help) = subcommand_help(args) {
+        return Ok(Command::HelpFor(help));
+    }
     let first = args.first().map(String::as_str);
     match first {
         None => Ok(Command::Run),
@@ -95,6 +191,10 @@ pub fn execute(command: Command) -> i32 {
             print!("{HELP}");
             0
         }
+        Command::HelpFor(text) => {
+            print!("{text}");
+            0
+        }
         Command::Version => {
             println!("orca-relay {}", env!("CARGO_PKG_VERSION"));
             0
@@ -124,7 +224,8 @@ pub fn execute(command: Command) -> i32 {
         },
         Command::ClientHost(flags) => with_config(|config| {
             let options = host_options(&config, &flags)?;
-            crate::client::run_host(&options)
+            let stop = crate::client::stop_on_signals()?;
+            crate::client::run_host(&options, &stop)
         }),
         Command::ClientPhone(flags) => {
             let options = PhoneOptions {
@@ -275,5 +376,28 @@ mod tests {
         assert!(parse(&args(&["budget"])).is_err());
         assert!(parse(&args(&["client", "phone", "--invite"])).is_err());
         assert!(parse(&args(&["frobnicate"])).is_err());
+    }
+
+    #[test]
+    fn help_after_any_subcommand_is_that_subcommands_help() {
+        assert_eq!(
+            parse(&args(&["client", "phone", "--help"])),
+            Ok(Command::HelpFor(CLIENT_PHONE_HELP))
+        );
+        assert_eq!(
+            parse(&args(&["client", "phone", "--invite", "--help"])),
+            Ok(Command::HelpFor(CLIENT_PHONE_HELP)),
+            "not `--invite needs a value`"
+        );
+        assert_eq!(
+            parse(&args(&["client", "host", "-h"])),
+            Ok(Command::HelpFor(CLIENT_HOST_HELP))
+        );
+        assert_eq!(
+            parse(&args(&["check-config", "--help"])),
+            Ok(Command::HelpFor(CHECK_CONFIG_HELP))
+        );
+        assert_eq!(parse(&args(&["--help"])), Ok(Command::Help));
+        assert!(parse(&args(&["frobnicate", "--help"])).is_err());
     }
 }
