@@ -1,4 +1,5 @@
-//! Subcommands: `run`, `migrate`, `check-config`, `budget FILE`, `client host|phone`.
+//! Subcommands: `run`, `migrate`, `check-config`, `budget FILE`, `client host|phone`,
+//! `switch show|set|re-arm`.
 //!
 //! Arguments are parsed once into a [`Command`]; each command returns its exit code.
 
@@ -20,6 +21,8 @@ usage:
                                 follows drains back to the director; stops on SIGINT/SIGTERM
   orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
                                 a phone peer: pipes stdin to the desktop and its answers to stdout
+  orca-relay switch show | set --admit-mode reserve|db [--trip-slots N] | re-arm
+                                read or write this cell's switch file (next generation, atomic)
   orca-relay --help | --version
   orca-relay COMMAND --help     help on one command
 
@@ -86,6 +89,30 @@ newer control for the same host. Standard input is not read.
                         $ORCA_RELAY_DATA_DIR/self-hosted.key)
 ";
 
+const SWITCH_HELP: &str = "\
+usage: orca-relay switch show
+       orca-relay switch set [--admit-mode reserve|db] [--trip-slots N|none] [--generation N]
+       orca-relay switch re-arm [--generation N]
+
+Reads and writes this cell's switch file, run on the cell's machine with the cell's
+configuration (ORCA_RELAY_CELL_ID; ORCA_RELAY_SWITCH_FILE or $ORCA_RELAY_DATA_DIR/switch.json;
+ORCA_RELAY_HTTP_ADDR to ask the running cell what it applied), as the cell's user or root.
+
+  show      the file (generation and flags, or why the cell ignores it) and what the running
+            cell applied (generation, dead-man state, deadManTripSlots in force)
+  set       writes the flags given (the others keep their values) at the next generation
+            --admit-mode reserve|db   the admission mode
+            --trip-slots N|none       deadManTripSlots, 0 to 64; none removes the cap
+  re-arm    writes the same flags at the next generation: a tripped reserve cell re-arms
+  --generation N   write this generation instead of the next one (it must be above the file's
+                   and the running cell's)
+
+A write is validated with the cell's own parser, takes one generation above both the file's
+and the one the running cell applied, and is atomic (temporary file in the same directory,
+fsync, rename). The command then waits for the running cell to apply it (two switch polls at
+most) and exits 1 if it did not.
+";
+
 const CLIENT_PHONE_HELP: &str = "\
 usage: orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
 
@@ -105,6 +132,7 @@ pub enum Command {
     Budget(String),
     ClientHost(Vec<(String, String)>),
     ClientPhone(Vec<(String, String)>),
+    Switch(crate::switch_tool::SwitchAction),
     Help,
     /// `--help` after a subcommand: that subcommand's help text.
     HelpFor(&'static str),
@@ -123,6 +151,7 @@ fn subcommand_help(args: &[String]) -> Option<&'static str> {
         "migrate" => MIGRATE_HELP,
         "check-config" => CHECK_CONFIG_HELP,
         "budget" => BUDGET_HELP,
+        "switch" => SWITCH_HELP,
         "client" => match second {
             Some("host") => CLIENT_HOST_HELP,
             Some("phone") => CLIENT_PHONE_HELP,
@@ -154,6 +183,11 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
                 Some("phone") => Ok(Command::ClientPhone(flags)),
                 _ => Err("usage: orca-relay client host|phone [options]".into()),
             }
+        }
+        Some("switch") => {
+            let flags = parse_flags(&args[2.min(args.len())..])?;
+            crate::switch_tool::SwitchAction::parse(args.get(1).map(String::as_str), &flags)
+                .map(Command::Switch)
         }
         Some("--help" | "-h" | "help") => Ok(Command::Help),
         Some("--version" | "-V") => Ok(Command::Version),
@@ -227,6 +261,9 @@ pub fn execute(command: Command) -> i32 {
             let stop = crate::client::stop_on_signals()?;
             crate::client::run_host(&options, &stop)
         }),
+        Command::Switch(action) => {
+            with_config(|config| crate::switch_tool::run(&config, &action, &mut std::io::stdout()))
+        }
         Command::ClientPhone(flags) => {
             let options = PhoneOptions {
                 cell_url: flag(&flags, "cell")
