@@ -20,7 +20,11 @@ fn switch(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
     for (name, value) in env {
         command.env(name, value);
     }
-    let out = command.arg("switch").args(args).output().expect("run switch");
+    let out = command
+        .arg("switch")
+        .args(args)
+        .output()
+        .expect("run switch");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -98,9 +102,11 @@ fn switch_set_changes_what_a_running_combined_relay_applies() {
         "{stdout}"
     );
     // Nothing but the file is left in the data directory's switch namespace.
-    assert!(!std::fs::read_dir(&relay.data_dir.0)
+    assert!(!std::fs::read_dir(&relay.data_dir.0).unwrap().any(|e| e
         .unwrap()
-        .any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp")));
+        .file_name()
+        .to_string_lossy()
+        .contains(".tmp")));
 }
 
 #[test]
