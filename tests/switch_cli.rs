@@ -101,6 +101,22 @@ fn switch_set_changes_what_a_running_combined_relay_applies() {
         stdout.contains("file=generation 3 flags {\"admitMode\":\"db\"}"),
         "{stdout}"
     );
+    // Config management rolls the file back to an old generation: the cell ignores it, and
+    // the next write goes above what the cell applied, not above the file.
+    write_switch(
+        &relay.data_dir.0.join("switch.json"),
+        "combined",
+        1,
+        serde_json::json!({"admitMode":"db"}),
+    );
+    let (code, stdout, stderr) = switch(&env, &["set", "--admit-mode", "reserve"]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("wrote generation 4"), "{stdout}");
+    assert_eq!(metric(&relay, "orca_relay_switch_generation"), 4.0);
+    assert!(wait_until(Duration::from_secs(5), || metric(
+        &relay,
+        "orca_relay_admit_mode{kind=\"raw\"}"
+    ) == 1.0));
     // Nothing but the file is left in the data directory's switch namespace.
     assert!(!std::fs::read_dir(&relay.data_dir.0).unwrap().any(|e| e
         .unwrap()
