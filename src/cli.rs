@@ -184,6 +184,8 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
                 _ => Err("usage: orca-relay client host|phone [options]".into()),
             }
         }
+        // `fleet status` (the director's cell listing as one table) belongs here, next to
+        // `switch`; docs/OPERATIONS.md "Reading fleet status" is its placeholder.
         Some("switch") => {
             let flags = parse_flags(&args[2.min(args.len())..])?;
             crate::switch_tool::SwitchAction::parse(args.get(1).map(String::as_str), &flags)
