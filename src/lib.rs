@@ -35,3 +35,4 @@ pub mod relay;
 pub mod cli;
 pub mod client;
 pub mod roles;
+pub mod switch_tool;

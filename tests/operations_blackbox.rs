@@ -506,7 +506,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 #[test]
-fn check_config_names_the_one_bad_variable_and_exits_1() {
+fn check_config_names_the_one_bad_variable_on_one_line_and_exits_1() {
     let cases: &[(&str, &str)] = &[
         ("ORCA_RELAY_ROLE", "proxy"),
         ("ORCA_RELAY_CELL_ID", "bad id!"),
@@ -530,11 +530,13 @@ fn check_config_names_the_one_bad_variable_and_exits_1() {
             "{variable}={value:?}: {stderr}"
         );
         let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        // One line for the problem, then the summary line.
         assert_eq!(
             lines.len(),
-            1,
-            "{variable}={value:?}: one line, got {stderr:?}"
+            2,
+            "{variable}={value:?}: one problem line and the summary, got {stderr:?}"
         );
+        assert_eq!(lines[1], "1 problem", "{stderr}");
         assert!(
             lines[0].contains(variable),
             "{variable}={value:?}: the line must name the variable: {}",

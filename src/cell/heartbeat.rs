@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::clock::{Clock, SharedClock};
+use crate::logging::KeyedThrottle;
 use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
@@ -52,10 +54,18 @@ pub enum Sink {
 }
 
 /// The thread body: `sample` builds the current heartbeat; returns when `stop` fires. A beat
-/// goes out every `period`, and at once when `ready` differs from the last beat sent.
-pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: Receiver<()>) {
+/// goes out every `period`, and at once when `ready` differs from the last beat sent. A
+/// director that keeps failing is logged on its first failure, then at most once a minute with
+/// a count, and once when it answers again (`logging::KeyedThrottle`, driven by `clock`).
+pub fn run(
+    sink: Sink,
+    period: Duration,
+    sample: impl Fn() -> Heartbeat,
+    clock: SharedClock,
+    stop: Receiver<()>,
+) {
     let agent = ureq::AgentBuilder::new().timeout(HEARTBEAT_TIMEOUT).build();
-    let mut failing = false;
+    let failures = KeyedThrottle::new();
     // When the last beat was sent and the `ready` it carried.
     let mut last: Option<(std::time::Instant, bool)> = None;
     loop {
@@ -68,11 +78,7 @@ pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: R
         };
         if due {
             last = Some((crate::clock::instant(), beat.ready));
-            let ok = deliver(&sink, &agent, &beat);
-            if ok && failing {
-                log::info!("orca_relay_heartbeat_recovered cell_id={}", beat.cell_id);
-            }
-            failing = !ok;
+            deliver(&sink, &agent, &beat, &failures, clock.as_ref());
         }
         match stop.recv_timeout(READY_WATCH.min(period)) {
             Err(RecvTimeoutError::Timeout) => {}
@@ -81,27 +87,46 @@ pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: R
     }
 }
 
-/// Sends one beat to every sink; true when all accepted it.
-fn deliver(sink: &Sink, agent: &ureq::Agent, beat: &Heartbeat) -> bool {
+/// Sends one beat to every sink, logging failures and recoveries through `failures`.
+fn deliver(
+    sink: &Sink,
+    agent: &ureq::Agent,
+    beat: &Heartbeat,
+    failures: &KeyedThrottle,
+    clock: &dyn Clock,
+) {
+    let outcome = |target: &str, result: Result<(), String>| match result {
+        Ok(()) => {
+            if let Some(note) = failures.success(target) {
+                log::info!(
+                    "orca_relay_heartbeat_recovered cell_id={} director={target}{note}",
+                    beat.cell_id
+                );
+            }
+        }
+        Err(line) => {
+            if let Some(note) = failures.failure(target, clock.now_ms()) {
+                log::warn!("{line}{note}");
+            }
+        }
+    };
     match sink {
         Sink::Directors {
             urls,
             service_token,
         } => {
             // Every director hears the beat, even after one failed.
-            let failures = urls
-                .iter()
-                .filter(|url| !send(agent, url, service_token, beat))
-                .count();
-            failures == 0
+            for url in urls {
+                outcome(url, send(agent, url, service_token, beat));
+            }
         }
-        Sink::Store { store } => record_in_store(store, beat),
+        Sink::Store { store } => outcome("in-process", record_in_store(store, beat)),
     }
 }
 
 /// The combined role's beat: recorded in the store; a cell the store no longer knows (it was
 /// forgotten) is registered again from the beat and recorded.
-fn record_in_store(store: &Store, beat: &Heartbeat) -> bool {
+fn record_in_store(store: &Store, beat: &Heartbeat) -> Result<(), String> {
     let record = || {
         store.heartbeat(
             &beat.cell_id,
@@ -125,15 +150,16 @@ fn record_in_store(store: &Store, beat: &Heartbeat) -> bool {
         other => Ok(other),
     });
     match outcome {
-        Ok(HeartbeatOutcome::Accepted) => true,
-        Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => {
-            log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
-            false
-        }
-        Err(e) => {
-            log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
-            false
-        }
+        Ok(HeartbeatOutcome::Accepted) => Ok(()),
+        Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => Err(format!(
+            "orca_relay_heartbeat_stale cell_id={} director=in-process",
+            beat.cell_id
+        )),
+        Err(e) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director=in-process reason={}",
+            beat.cell_id,
+            e.reason_code()
+        )),
     }
 }
 
@@ -183,30 +209,34 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
     }
 }
 
-fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> bool {
+/// One POST; `Err` is the failure's log line (without the throttle's note).
+fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> Result<(), String> {
     let url = format!("{director}/v1/admin/cell-heartbeat");
     match agent
         .post(&url)
         .set("Authorization", &format!("Bearer {token}"))
         .send_json(beat)
     {
-        Ok(_) => true,
-        Err(ureq::Error::Status(409, _)) => {
-            log::warn!(
-                "orca_relay_heartbeat_stale cell_id={} director={director}",
-                beat.cell_id
-            );
-            false
-        }
-        Err(ureq::Error::Status(code, _)) => {
-            log::warn!("orca_relay_heartbeat_failed director={director} status={code}");
-            false
-        }
-        Err(e) => {
-            log::warn!("orca_relay_heartbeat_failed director={director} error={e}");
-            false
-        }
+        Ok(_) => Ok(()),
+        Err(ureq::Error::Status(409, _)) => Err(format!(
+            "orca_relay_heartbeat_stale cell_id={} director={director}",
+            beat.cell_id
+        )),
+        Err(ureq::Error::Status(code, _)) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director={director} status={code}",
+            beat.cell_id
+        )),
+        Err(e) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director={director} error={}",
+            beat.cell_id,
+            one_token(&e.to_string())
+        )),
     }
+}
+
+/// An error text as one `key=value` token: whitespace becomes `_`.
+fn one_token(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join("_")
 }
 
 #[cfg(test)]
@@ -223,12 +253,8 @@ mod tests {
         let (serving, seen) = (server.clone(), beats.clone());
         crate::threads::spawn("test-director", move || {
             while let Ok(mut request) = serving.recv() {
-                use std::io::Read;
                 let mut body = String::new();
-                let _ = request
-                    .as_reader()
-                    .take(64 * 1024)
-                    .read_to_string(&mut body);
+                let _ = request.as_reader().read_to_string(&mut body);
                 let value: serde_json::Value = serde_json::from_str(&body).unwrap();
                 seen.lock().unwrap().push(value["ready"].as_bool().unwrap());
                 let _ = request.respond(tiny_http::Response::from_string("{}"));
@@ -261,7 +287,6 @@ mod tests {
                 started_at: 1,
                 ready: ready.load(Ordering::SeqCst),
                 connections: 0,
-                internal_url: None,
             }
         };
         let (stop, stop_rx) = mpsc::channel();
@@ -271,7 +296,13 @@ mod tests {
         };
         // A period far longer than the test: only the flip can cause the second beat.
         let thread = crate::threads::spawn("test-heartbeat", move || {
-            run(sink, Duration::from_secs(3600), sample, stop_rx)
+            run(
+                sink,
+                Duration::from_secs(3600),
+                sample,
+                crate::clock::system(),
+                stop_rx,
+            )
         })
         .unwrap();
         wait_for("the first beat", || beats.lock().unwrap().len() == 1);

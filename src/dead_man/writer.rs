@@ -3,7 +3,7 @@
 //! and the thin channel shell that runs it on the `claim-loop` thread.
 //!
 //! Owns: what this process last wrote to the row (mode and time), whether a granted permit is
-//! still waiting for the watchdog, and the once-a-minute failure-log limiter.
+//! still waiting for the watchdog, and the once-a-minute failure-log throttle.
 //! Runs on: the `claim-loop` thread ([`run_claim_loop`]). The watchdog talks to it only through
 //! a [`WriterHandle`] (ticks, claim requests, slot releases, bounded: ticks coalesce while a
 //! write is slow, see [`Pending`]); answers go
@@ -28,9 +28,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::clock::Clock;
 use crate::config::Timings;
 use crate::dead_man::window::{ClaimResult, Mode};
+use crate::logging::FailureThrottle;
 
 /// Failed writes and claims are logged at most this often (SPEC §5.5: once a minute).
-pub const FAILURE_LOG_INTERVAL_MS: u64 = 60_000;
+pub const FAILURE_LOG_INTERVAL_MS: u64 = crate::logging::REPEAT_LOG_INTERVAL_MS;
 
 /// The claim transaction's answer (the SQL lives in `store/claim`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +137,7 @@ pub struct CellAdmitEffectiveWriter<S: EffectiveRowStore> {
     raw_mode: Mode,
     tripped: bool,
     permit_hold: bool,
-    last_failure_log_ms: Option<u64>,
+    failures: FailureThrottle,
 }
 
 impl<S: EffectiveRowStore> fmt::Debug for CellAdmitEffectiveWriter<S> {
@@ -162,7 +163,7 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
             raw_mode: Mode::Db,
             tripped: false,
             permit_hold: false,
-            last_failure_log_ms: None,
+            failures: FailureThrottle::with_interval(FAILURE_LOG_INTERVAL_MS),
         }
     }
 
@@ -226,7 +227,11 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
         if !self.switch_says_reserve || self.tripped || self.store.pool_has_waiters() {
             return ClaimDecision::NotNow;
         }
-        match self.store.claim_trip_slot(slots, now_ms) {
+        let answer = self.store.claim_trip_slot(slots, now_ms);
+        if answer.is_ok() {
+            self.database_answered();
+        }
+        match answer {
             Ok(ClaimAnswer::Permit) => {
                 self.row = Some(RowWritten {
                     mode: Mode::Db,
@@ -270,6 +275,7 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
     fn write(&mut self, mode: Mode, now_ms: u64) -> TickOutcome {
         match self.store.write_admit_effective(mode, now_ms) {
             Ok(()) => {
+                self.database_answered();
                 self.row = Some(RowWritten {
                     mode,
                     at_ms: now_ms,
@@ -292,16 +298,18 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
         }
     }
 
-    /// The failure line, if the once-a-minute limiter (shared by writes and claims) allows it.
+    /// The failure line, if the once-a-minute throttle (shared by writes and claims) lets one
+    /// through: the first failure of a run, then at most once a minute with ` repeats=N`.
     fn failure_line(&mut self, now_ms: u64, line: fmt::Arguments<'_>) -> Option<String> {
-        let due = self
-            .last_failure_log_ms
-            .is_none_or(|at| now_ms.saturating_sub(at) >= FAILURE_LOG_INTERVAL_MS);
-        if !due {
-            return None;
+        let note = self.failures.failure(now_ms)?;
+        Some(format!("{line}{note}"))
+    }
+
+    /// A write or claim the database answered: ends a run of failures with one line.
+    fn database_answered(&mut self) {
+        if let Some(note) = self.failures.success() {
+            log::info!("orca_relay_admit_effective_recovered{note}");
         }
-        self.last_failure_log_ms = Some(now_ms);
-        Some(line.to_string())
     }
 }
 
@@ -657,6 +665,8 @@ mod tests {
                         assert!(line.starts_with(
                             "orca_relay_admit_effective_write_failed mode=reserve error="
                         ));
+                        // After the first line, each says how many failed since the last.
+                        assert_eq!(line.ends_with(" repeats=60"), s > 0, "{line}");
                         logged_at.push(s);
                     }
                 }

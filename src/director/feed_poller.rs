@@ -43,6 +43,7 @@ use serde::Deserialize;
 use super::membership::{self, Judge};
 use super::placement::FeedView;
 use crate::clock::SharedClock;
+use crate::logging::KeyedThrottle;
 use crate::metrics::Registry;
 use crate::store::{CellRow, Store};
 use crate::threads;
@@ -430,6 +431,8 @@ struct Poller {
     clock: SharedClock,
     registry: Registry,
     period_ms: u64,
+    /// Throttles the failure lines of each cell (`logging::KeyedThrottle`).
+    failures: KeyedThrottle,
 }
 
 impl Poller {
@@ -464,7 +467,15 @@ impl Poller {
             )
             .inc();
         match result {
-            Ok((cursor, view)) => self.board.succeed(&job.cell_id, cursor, view),
+            Ok((cursor, view)) => {
+                self.board.succeed(&job.cell_id, cursor, view);
+                if let Some(note) = self.failures.success(&job.cell_id) {
+                    log::info!(
+                        "orca_relay_director_feed_poll_recovered cell_id={}{note}",
+                        job.cell_id
+                    );
+                }
+            }
             Err(error) => {
                 let failures = self.board.fail(
                     &job.cell_id,
@@ -472,11 +483,11 @@ impl Poller {
                     self.clock.monotonic_ms(),
                     self.period_ms,
                 );
-                // The first failure of a run, then every 60th: a dead cell polled every second
-                // logs once a minute, not every poll.
-                if failures == 1 || failures.is_multiple_of(60) {
+                // The first failure of a run, then at most once a minute with a count, then
+                // once on recovery: a dead cell polled every second is not a line a second.
+                if let Some(note) = self.failures.failure(&job.cell_id, self.clock.now_ms()) {
                     log::warn!(
-                        "orca_relay_director_feed_poll_failed cell_id={} result={} consecutive={failures} lane={}",
+                        "orca_relay_director_feed_poll_failed cell_id={} result={} consecutive={failures} lane={}{note}",
                         job.cell_id,
                         error.as_str(),
                         job.lane.as_str()
@@ -544,6 +555,7 @@ impl FeedPoller {
             clock: config.clock.clone(),
             registry: config.registry.clone(),
             period_ms: config.period.as_millis() as u64,
+            failures: KeyedThrottle::new(),
         });
         let live = JobQueue::new();
         let suspect = JobQueue::new();

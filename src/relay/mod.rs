@@ -232,6 +232,8 @@ pub struct RelayContext {
     pub mode: Arc<CellMode>,
     /// Sockets between accept and admission (or refusal).
     pub pending: Arc<ConnectionTable>,
+    /// Throttles the log lines of failed admission SQL across every relay thread.
+    pub admission_failures: Arc<crate::logging::SharedThrottle>,
     next_id: Arc<AtomicU64>,
 }
 
@@ -288,6 +290,7 @@ impl RelayContext {
             phase,
             metrics: RelayMetrics::new(registry),
             pending,
+            admission_failures: Arc::default(),
             next_id: Arc::new(AtomicU64::new(1)),
         }
     }

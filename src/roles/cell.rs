@@ -237,9 +237,10 @@ impl CellRuntime {
             );
             let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
+            let clock = clock.clone();
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, stop)
+                    heartbeat::run(sink, period, sample, clock, stop)
                 })
             })
         };
@@ -527,7 +528,41 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
         "Live bookings holding a connection unit.",
         move || vec![(vec![], bookings.len() as f64)],
     );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_switch_generation",
+        "Generation of the applied switch file (0: none applied, the defaults).",
+        move || vec![(vec![], mode.switch().generation as f64)],
+    );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_dead_man_trip_slots",
+        "deadManTripSlots in force from the applied switch; -1 when absent (no cap).",
+        move || {
+            let slots = mode.switch().flags.dead_man_trip_slots;
+            vec![(vec![], slots.map_or(-1.0, f64::from))]
+        },
+    );
+    let slots = context.slots.clone();
+    registry.sampled_gauge(
+        "orca_relay_connection_cap",
+        "ORCA_RELAY_CONNECTION_CAP: connection units this cell holds at most.",
+        move || vec![(vec![], f64::from(slots.cap()))],
+    );
+    // The startup handshake's series exist in every cell process: the `cell` role counts its
+    // run and attempts (`run` below); the combined role has no remote director, so both stay 0.
+    registry.counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[]);
+    registry.gauge(
+        "orca_relay_handshake_attempts",
+        HANDSHAKE_ATTEMPTS_HELP,
+        &[],
+    );
 }
+
+const HANDSHAKE_RUNS_HELP: &str =
+    "Startup handshakes run; 0 in the combined role, whose director is in-process.";
+const HANDSHAKE_ATTEMPTS_HELP: &str =
+    "Attempts the startup handshake has started; 0 in the combined role, which has none.";
 
 /// The `cell` role: bind both listeners, register with every director under the startup
 /// budget (SPEC §8), then serve until SIGTERM.
@@ -600,17 +635,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let request = RegisterRequest::new(&config.cell_id, &cell_url, &config.region, incarnation)
         .with_internal_url(&internal_url);
     registry
-        .counter(
-            "orca_relay_handshake_runs_total",
-            "Startup handshakes run.",
-            &[],
-        )
+        .counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[])
         .inc();
     // Registered before the first attempt and updated as each starts, so a scrape during a
     // slow handshake shows how far it got.
     let attempts = registry.gauge(
         "orca_relay_handshake_attempts",
-        "Attempts the startup handshake has started.",
+        HANDSHAKE_ATTEMPTS_HELP,
         &[],
     );
     let report = register_with_directors_observed(

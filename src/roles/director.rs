@@ -62,6 +62,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
+    super::register_process_metrics(&registry, &readiness, &clock);
     super::register_store_metrics(&registry, &store);
 
     // Migrations in the background: until they are applied `/ready` says starting and the

@@ -147,6 +147,7 @@ pub fn start_prober(
 ) -> Result<Prober, RunError> {
     let readiness = crate::readiness::Readiness::from_config(config);
     readiness.register_metrics(registry, clock.clone());
+    register_process_metrics(registry, &readiness, clock);
     let period_ms = config.timings.readiness_probe_ms;
     let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
         let verifier = verifier.clone();
@@ -321,6 +322,31 @@ pub fn raise_fd_limit() {
         Ok(_) => {}
         Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
     }
+}
+
+/// Metrics of the process itself, on every role: when it started (a restart shows as a new
+/// value) and whether `/ready` answers 200 now (degraded included).
+pub fn register_process_metrics(
+    registry: &crate::metrics::Registry,
+    readiness: &crate::readiness::Readiness,
+    clock: &SharedClock,
+) {
+    let started_s = clock.now_ms() as f64 / 1000.0;
+    registry.sampled_gauge(
+        "orca_relay_process_start_time_seconds",
+        "Start time of the process since the Unix epoch, in seconds.",
+        move || vec![(vec![], started_s)],
+    );
+    let readiness = readiness.clone();
+    let clock = clock.clone();
+    registry.sampled_gauge(
+        "orca_relay_ready",
+        "1 when /ready answers 200 (degraded included); 0 while starting, draining or failing.",
+        move || {
+            let ready = readiness.answer(clock.now_ms()).status == 200;
+            vec![(vec![], f64::from(u8::from(ready)))]
+        },
+    );
 }
 
 /// The store's metrics, on every role: pool connections, ceiling and waiters, and the SQL
