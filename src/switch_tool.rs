@@ -29,9 +29,10 @@ use serde_json::{Map, Value};
 
 use crate::cell::switch::{self, AdmitMode, Flags, Switch, SwitchError, MAX_TRIP_SLOTS};
 use crate::config::Config;
+use crate::local_file::LocalFileError;
 
-/// The largest switch file read (SPEC amendment: local files at most 64 KiB).
-pub const MAX_SWITCH_FILE_BYTES: u64 = 64 * 1024;
+/// The largest switch file read: the cell's own bound on every local file (64 KiB).
+pub const MAX_SWITCH_FILE_BYTES: u64 = crate::local_file::MAX_LOCAL_FILE_BYTES;
 
 /// What the operator asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,38 +123,17 @@ pub enum Current {
     },
     /// A file the cell ignores (it keeps its last applied values).
     Void(SwitchError),
-}
-
-/// Reads a regular file of at most `max` bytes without blocking on a FIFO or a device.
-pub fn read_bounded(path: &Path, max: u64) -> io::Result<Vec<u8>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
-    }
-    let mut bytes = Vec::new();
-    file.take(max + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("larger than {max} bytes"),
-        ));
-    }
-    Ok(bytes)
+    /// Something at the path that is not read (a FIFO, a device, a directory, too large,
+    /// unreadable): the cell ignores it too. The `cause=… detail=…` the cell logs for it.
+    Unreadable(String),
 }
 
 /// Reads and parses the current file.
 pub fn read_current(path: &Path, cell_id: &str) -> Current {
-    let bytes = match read_bounded(path, MAX_SWITCH_FILE_BYTES) {
+    let bytes = match crate::local_file::read_bounded(path, MAX_SWITCH_FILE_BYTES) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Current::Missing,
-        Err(e) => return Current::Void(SwitchError::Unreadable(e.to_string())),
+        Err(LocalFileError::Missing) => return Current::Missing,
+        Err(e) => return Current::Unreadable(format!("cause={} detail={}", e.cause(), e.detail())),
     };
     match switch::parse(&bytes, cell_id) {
         Ok((switch, unknown)) => {
@@ -203,7 +183,12 @@ pub fn plan(
                 e.cause()
             ))
         }
-        (Current::Void(_), _) => (Flags::default(), Map::new(), None),
+        (Current::Unreadable(reason), SwitchAction::ReArm { .. }) => {
+            return Err(format!(
+                "the switch file cannot be read ({reason}): the cell ignores it, so its flags cannot be re-armed; write new ones with switch set"
+            ))
+        }
+        (Current::Void(_) | Current::Unreadable(_), _) => (Flags::default(), Map::new(), None),
     };
     let (new_flags, explicit) = match action {
         SwitchAction::Show => unreachable!("handled above"),
@@ -423,6 +408,9 @@ fn describe_current(current: &Current) -> String {
         Current::Void(e) => {
             format!("void ({e}): the cell ignores it and keeps its last applied values")
         }
+        Current::Unreadable(reason) => {
+            format!("unreadable ({reason}): the cell ignores it and keeps its last applied values")
+        }
     }
 }
 
@@ -456,6 +444,7 @@ pub fn run(config: &Config, action: &SwitchAction, out: &mut dyn Write) -> Resul
         });
         return match current {
             Current::Void(_) => Err("the switch file is void".into()),
+            Current::Unreadable(_) => Err("the switch file cannot be read".into()),
             _ => Ok(()),
         };
     }
@@ -686,11 +675,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let big = dir.join("big.json");
         std::fs::write(&big, vec![b' '; (MAX_SWITCH_FILE_BYTES + 1) as usize]).unwrap();
-        assert!(read_bounded(&big, MAX_SWITCH_FILE_BYTES).is_err());
-        assert!(matches!(
+        assert_eq!(
+            read_current(&big, "c7"),
+            Current::Unreadable("cause=too_large detail=65537>65536".into())
+        );
+        assert_eq!(
             read_current(&dir, "c7"),
-            Current::Void(SwitchError::Unreadable(_))
-        ));
+            Current::Unreadable("cause=not_regular_file detail=directory".into())
+        );
         assert_eq!(read_current(&dir.join("none.json"), "c7"), Current::Missing);
         std::fs::remove_dir_all(&dir).unwrap();
     }
