@@ -595,11 +595,13 @@ impl Config {
             }
         };
         let database_url = r.check(
-            parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"]).map_err(|mut refused| {
-                // The URL carries the password: the error shows it masked.
-                refused.value = mask("DATABASE_URL", &refused.value);
-                refused
-            }),
+            parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"]).map_err(
+                |mut refused| {
+                    // The URL carries the password: the error shows it masked.
+                    refused.value = mask("DATABASE_URL", &refused.value);
+                    refused
+                },
+            ),
             None,
         );
         let database_ca_file = r.text(database_tls::CA_FILE_VARIABLE).map(PathBuf::from);
@@ -689,8 +691,7 @@ impl Config {
             .map(PathBuf::from)
             .unwrap_or_else(|| data_dir.join("switch.json"));
         let connection_cap = r.int("ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000) as u32;
-        let pending_upgrades_max =
-            r.int("ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000) as u32;
+        let pending_upgrades_max = r.int("ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000) as u32;
         let hour = 3_600_000;
         let http_idle_ms = r.int("ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour);
         let http_connections_max =

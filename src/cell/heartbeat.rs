@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::clock::{Clock, SharedClock};
 use crate::logging::KeyedThrottle;
+use crate::service_token::ServiceTokens;
 use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
@@ -46,7 +47,7 @@ pub struct Heartbeat {
 pub enum Sink {
     Directors {
         urls: Vec<String>,
-        service_token: String,
+        service_token: ServiceTokens,
     },
     /// The combined role: the director is in-process, the beat goes into the store (stamped
     /// with the database's clock); a cell the store does not know is registered first.
@@ -183,11 +184,15 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
             let body = serde_json::json!({"v": 1, "cellId": cell_id, "incarnation": incarnation});
             for director in urls {
                 let url = format!("{director}/v1/admin/cells/deregister");
-                match agent
-                    .post(&url)
-                    .set("Authorization", &format!("Bearer {service_token}"))
-                    .send_json(&body)
-                {
+                match service_token.call_http(
+                    director,
+                    |token| {
+                        agent
+                            .post(&url)
+                            .set("Authorization", &format!("Bearer {token}"))
+                            .send_json(&body).map_err(Box::new)
+                    },
+                                    ).map_err(|error| *error) {
                     Ok(_) => log::info!(
                         "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director={director}"
                     ),
@@ -210,12 +215,22 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
 }
 
 /// One POST; `Err` is the failure's log line (without the throttle's note).
-fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> Result<(), String> {
+fn send(
+    agent: &ureq::Agent,
+    director: &str,
+    tokens: &ServiceTokens,
+    beat: &Heartbeat,
+) -> Result<(), String> {
     let url = format!("{director}/v1/admin/cell-heartbeat");
-    match agent
-        .post(&url)
-        .set("Authorization", &format!("Bearer {token}"))
-        .send_json(beat)
+    match tokens
+        .call_http(director, |token| {
+            agent
+                .post(&url)
+                .set("Authorization", &format!("Bearer {token}"))
+                .send_json(beat)
+                .map_err(Box::new)
+        })
+        .map_err(|error| *error)
     {
         Ok(_) => Ok(()),
         Err(ureq::Error::Status(409, _)) => Err(format!(
@@ -287,12 +302,13 @@ mod tests {
                 started_at: 1,
                 ready: ready.load(Ordering::SeqCst),
                 connections: 0,
+                internal_url: None,
             }
         };
         let (stop, stop_rx) = mpsc::channel();
         let sink = Sink::Directors {
             urls: vec![url],
-            service_token: "t".into(),
+            service_token: ServiceTokens::single("t"),
         };
         // A period far longer than the test: only the flip can cause the second beat.
         let thread = crate::threads::spawn("test-heartbeat", move || {

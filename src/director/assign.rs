@@ -28,6 +28,7 @@ use crate::auth::Verifier;
 use crate::clock::SharedClock;
 use crate::http::{Reply, Request};
 use crate::metrics::{Counter, Registry};
+use crate::service_token::ServiceTokens;
 use crate::store::{Store, StoreError};
 
 /// Public bodies over 4 KiB are refused (SPEC §5.4).
@@ -105,14 +106,14 @@ pub trait CellClient: Send + Sync {
 /// `POST <internal_url>/internal/reserve` with the service token and a 2 s timeout.
 pub struct HttpCellClient {
     agent: ureq::Agent,
-    service_token: String,
+    service_token: ServiceTokens,
 }
 
 impl HttpCellClient {
-    pub fn new(service_token: impl Into<String>) -> HttpCellClient {
+    pub fn new(service_token: ServiceTokens) -> HttpCellClient {
         HttpCellClient {
             agent: ureq::AgentBuilder::new().timeout(RESERVE_TIMEOUT).build(),
-            service_token: service_token.into(),
+            service_token,
         }
     }
 }
@@ -131,10 +132,15 @@ impl CellClient for HttpCellClient {
             }],
         });
         let response = self
-            .agent
-            .post(&url)
-            .set("Authorization", &format!("Bearer {}", self.service_token))
-            .send_json(body);
+            .service_token
+            .call_http(internal_url, |token| {
+                self.agent
+                    .post(&url)
+                    .set("Authorization", &format!("Bearer {token}"))
+                    .send_json(body.clone())
+                    .map_err(Box::new)
+            })
+            .map_err(|error| *error);
         match response {
             Ok(response) => match response.into_string() {
                 Ok(text) => parse_reserve_answer(&text),

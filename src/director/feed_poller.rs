@@ -45,6 +45,7 @@ use super::placement::FeedView;
 use crate::clock::SharedClock;
 use crate::logging::KeyedThrottle;
 use crate::metrics::Registry;
+use crate::service_token::ServiceTokens;
 use crate::store::{CellRow, Store};
 use crate::threads;
 
@@ -427,7 +428,7 @@ fn feed_url(internal_url: &str, cursor: Option<&str>) -> String {
 struct Poller {
     board: FeedBoard,
     agent: ureq::Agent,
-    service_token: String,
+    service_token: ServiceTokens,
     clock: SharedClock,
     registry: Registry,
     period_ms: u64,
@@ -438,12 +439,17 @@ struct Poller {
 impl Poller {
     fn poll(&self, job: &PollJob) {
         let url = feed_url(&job.internal_url, job.cursor.as_deref());
-        let result = match self
-            .agent
-            .get(&url)
-            .set("Authorization", &format!("Bearer {}", self.service_token))
-            .call()
-        {
+        let answer = self
+            .service_token
+            .call_http(&job.internal_url, |token| {
+                self.agent
+                    .get(&url)
+                    .set("Authorization", &format!("Bearer {token}"))
+                    .call()
+                    .map_err(Box::new)
+            })
+            .map_err(|error| *error);
+        let result = match answer {
             Ok(response) => match response.into_string() {
                 Ok(body) => parse_answer(&job.cell_id, &body, self.clock.now_ms()),
                 Err(_) => Err(PollError::BadBody),
@@ -519,7 +525,7 @@ fn is_timeout(transport: &ureq::Transport) -> bool {
 pub struct FeedPollerConfig {
     pub board: FeedBoard,
     pub store: Store,
-    pub service_token: String,
+    pub service_token: ServiceTokens,
     pub clock: SharedClock,
     pub registry: Registry,
     /// `ORCA_RELAY_FEED_POLL_MS`.

@@ -38,7 +38,7 @@ use crate::relay::{self, Phase, RelayContext};
 use crate::store::Store;
 use crate::threads;
 
-use super::{sent_token, RunError};
+use super::{service_tokens, RunError};
 
 /// Everything a cell needs from its role.
 pub struct CellSetup<'a> {
@@ -604,7 +604,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         incarnation,
         heartbeat: Sink::Directors {
             urls: config.director_urls.clone(),
-            service_token: sent_token(&config),
+            service_token: service_tokens(&config),
         },
     })?);
     let handler = {
@@ -647,7 +647,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let report = register_with_directors_observed(
         &config.director_urls,
         &request,
-        &sent_token(&config),
+        &service_tokens(&config),
         &budget,
         clock.as_ref(),
         &crate::clock::sleep,

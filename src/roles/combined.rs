@@ -64,8 +64,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     if config.service_token.is_none() {
         config.service_token = Some(ServiceTokens::single(in_process_token()?));
     }
-    // The token this process sends (its own internal API accepts the whole list).
-    let service_token = super::sent_token(&config);
+    // The tokens this process sends (its own internal API accepts the whole list).
+    let service_token = super::service_tokens(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
 

@@ -46,8 +46,9 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let service_tokens = config.service_token.clone().ok_or_else(|| {
         RunError("ORCA_RELAY_SERVICE_TOKEN is required for the director role".into())
     })?;
-    // Calls to cells carry the first token; the admin API accepts any of them.
-    let service_token = service_tokens.sent().to_string();
+    // Calls to cells carry the first token, then the next to a cell that refuses it; the admin
+    // API accepts any of them.
+    let service_token = service_tokens.clone();
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
     // One connection now, so a database that refuses our TLS stops start-up with the cause

@@ -11,6 +11,7 @@ use std::net::TcpListener;
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
 use crate::config::{Config, Role};
+use crate::service_token::ServiceTokens;
 use crate::store::{Store, StoreConfig};
 
 /// Why a role could not start or stopped with an error; printed as one line.
@@ -111,15 +112,15 @@ pub fn verifier(config: &Config, clock: &SharedClock) -> Result<Verifier, RunErr
     ))
 }
 
-/// The service token this process sends on director↔cell calls: the first of
-/// `ORCA_RELAY_SERVICE_TOKEN`'s list (`""` when unset; config refuses that for cells and
-/// directors, and the combined role generates one).
-pub fn sent_token(config: &Config) -> String {
+/// The service tokens this process sends on director↔cell calls: the first of
+/// `ORCA_RELAY_SERVICE_TOKEN`'s list, then the next to a peer that refuses it (`""` when unset;
+/// config refuses that for cells and directors, and the combined role generates one). Clones
+/// share what they learn about each peer.
+pub fn service_tokens(config: &Config) -> ServiceTokens {
     config
         .service_token
-        .as_ref()
-        .map(|tokens| tokens.sent().to_string())
-        .unwrap_or_default()
+        .clone()
+        .unwrap_or_else(|| ServiceTokens::single(""))
 }
 
 /// Binds a listener, naming the variable on failure.

@@ -653,6 +653,8 @@ pub fn cell_env(
             format!("{}/jwks.json", jwks.url()),
         ),
         ("ORCA_RELAY_AUTH_ISSUER".into(), TEST_ISSUER.into()),
+        // The fake JWKS is plain HTTP; the operator's own commands run with this env too.
+        ("ORCA_RELAY_JWKS_ALLOW_HTTP".into(), "1".into()),
         ("ORCA_RELAY_DIRECTOR_URLS".into(), urls.join(",")),
     ]
 }
