@@ -1,5 +1,5 @@
 //! Subcommands: `run`, `migrate`, `check-config`, `budget FILE`, `client host|phone`,
-//! `switch show|set|re-arm`.
+//! `switch show|set|re-arm`, `fleet status`.
 //!
 //! Arguments are parsed once into a [`Command`]; each command returns its exit code.
 
@@ -23,6 +23,9 @@ usage:
                                 a phone peer: pipes stdin to the desktop and its answers to stdout
   orca-relay switch show | set --admit-mode reserve|db [--trip-slots N] | re-arm
                                 read or write this cell's switch file (next generation, atomic)
+  orca-relay fleet status [--director URL] [--json]
+                                every cell the director knows, one table row each, and a
+                                summary line (dead-man states, trip slots taken)
   orca-relay --help | --version
   orca-relay COMMAND --help     help on one command
 
@@ -113,6 +116,30 @@ fsync, rename). The command then waits for the running cell to apply it (two swi
 most) and exits 1 if it did not.
 ";
 
+const FLEET_HELP: &str = "\
+usage: orca-relay fleet status [--director URL] [--json]
+
+Every cell the director knows (GET /v1/admin/cells with the service token), one row each:
+CELL, REGION, STATE (ready, not ready, draining, retired), ADMIT RAW/EFF (the cell's raw
+admission mode and what its admit-effective row says), DEAD-MAN (off, armed, held, tripped),
+WINDOW LEFT (until an armed cell's window passes, as of its last report), SLOT (holds a trip
+slot, as the claim counts it), TRIP SLOTS (deadManTripSlots in force, none = no cap), HEARTBEAT
+(age), CONNS/CAP, DB POOL (connections in use / ceiling); `-` where the director has no data.
+Then one summary line: cells by state, dead-man states, trip slots taken / the fleet's slots
+(the largest deadManTripSlots in force). docs/OPERATIONS.md explains each column.
+
+  --director URL   the director's base URL (default: the first of ORCA_RELAY_DIRECTOR_URLS,
+                   else http://<ORCA_RELAY_HTTP_ADDR> when ORCA_RELAY_ROLE runs a director:
+                   director or combined)
+  --json           print the director's JSON listing as it came, for scripts
+
+Authenticates with ORCA_RELAY_SERVICE_TOKEN (a combined relay serves the listing only when it
+was started with one). The whole exchange has a 10 s deadline and the answer at most 8 MiB.
+States are coloured only when stdout is a terminal and NO_COLOR is unset or empty. Exit 0 when
+the fleet was read; otherwise one line naming the cause (unreachable, no answer within 10 s,
+401, another status, a bad answer) and exit 1.
+";
+
 const CLIENT_PHONE_HELP: &str = "\
 usage: orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
 
@@ -133,6 +160,7 @@ pub enum Command {
     ClientHost(Vec<(String, String)>),
     ClientPhone(Vec<(String, String)>),
     Switch(crate::switch_tool::SwitchAction),
+    FleetStatus(crate::fleet_status::FleetStatusOptions),
     Help,
     /// `--help` after a subcommand: that subcommand's help text.
     HelpFor(&'static str),
@@ -152,6 +180,7 @@ fn subcommand_help(args: &[String]) -> Option<&'static str> {
         "check-config" => CHECK_CONFIG_HELP,
         "budget" => BUDGET_HELP,
         "switch" => SWITCH_HELP,
+        "fleet" => FLEET_HELP,
         "client" => match second {
             Some("host") => CLIENT_HOST_HELP,
             Some("phone") => CLIENT_PHONE_HELP,
@@ -184,8 +213,9 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
                 _ => Err("usage: orca-relay client host|phone [options]".into()),
             }
         }
-        // `fleet status` (the director's cell listing as one table) belongs here, next to
-        // `switch`; docs/OPERATIONS.md "Reading fleet status" is its placeholder.
+        Some("fleet") => {
+            crate::fleet_status::FleetStatusOptions::parse(&args[1..]).map(Command::FleetStatus)
+        }
         Some("switch") => {
             let flags = parse_flags(&args[2.min(args.len())..])?;
             crate::switch_tool::SwitchAction::parse(args.get(1).map(String::as_str), &flags)
@@ -266,6 +296,16 @@ pub fn execute(command: Command) -> i32 {
         Command::Switch(action) => {
             with_config(|config| crate::switch_tool::run(&config, &action, &mut std::io::stdout()))
         }
+        Command::FleetStatus(options) => with_config(|config| {
+            use std::io::IsTerminal;
+            let stdout = std::io::stdout();
+            let colour = crate::fleet_status::use_colour(
+                stdout.is_terminal(),
+                std::env::var("NO_COLOR").ok().as_deref(),
+                std::env::var("TERM").ok().as_deref(),
+            );
+            crate::fleet_status::run(&config, &options, colour, &mut stdout.lock())
+        }),
         Command::ClientPhone(flags) => {
             let options = PhoneOptions {
                 cell_url: flag(&flags, "cell")
@@ -449,5 +489,27 @@ mod tests {
         );
         assert_eq!(parse(&args(&["--help"])), Ok(Command::Help));
         assert!(parse(&args(&["frobnicate", "--help"])).is_err());
+        assert_eq!(
+            parse(&args(&["fleet", "status", "--help"])),
+            Ok(Command::HelpFor(FLEET_HELP))
+        );
+        assert_eq!(
+            parse(&args(&["fleet", "status", "--director", "--help"])),
+            Ok(Command::HelpFor(FLEET_HELP))
+        );
+    }
+
+    #[test]
+    fn parses_fleet_status() {
+        use crate::fleet_status::FleetStatusOptions;
+        assert_eq!(
+            parse(&args(&["fleet", "status", "--json"])),
+            Ok(Command::FleetStatus(FleetStatusOptions {
+                director: None,
+                json: true
+            }))
+        );
+        assert!(parse(&args(&["fleet"])).is_err());
+        assert!(parse(&args(&["fleet", "status", "extra"])).is_err());
     }
 }

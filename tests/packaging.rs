@@ -35,6 +35,7 @@ const DIRECTOR_VARIABLES: &[&str] = &[
     "ORCA_RELAY_FEED_POLL_MS",
     "ORCA_RELAY_HEARTBEAT_FRESH_MS",
     "ORCA_RELAY_READINESS_PROBE_MS",
+    "ORCA_RELAY_TRIP_SLOT_STALE_MS",
 ];
 
 /// Read by `env_logger`, not by `Config`.

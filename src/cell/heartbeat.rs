@@ -3,6 +3,8 @@
 //! (the thread posts to each director in turn, each with a 10 s timeout). In the combined role
 //! the heartbeat goes straight into the store instead, since the director is in-process.
 //!
+//! Each beat carries the cell's `status` report (`cell::status_report`), an additive field.
+//!
 //! A change of the `ready` flag is sent at once (noticed within [`READY_WATCH`]) rather than at
 //! the next period: a cell that has just started serving is placeable within a fraction of a
 //! second instead of one `HEARTBEAT_MS` later, and one that stops being ready stops getting
@@ -40,6 +42,10 @@ pub struct Heartbeat {
     /// included, so the cell is booked and polled again without a restart.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub internal_url: Option<String>,
+    /// The same `status` object as the seat feed's (`cell::status_report`). A heartbeat is not
+    /// dead-man contact, so a director that cannot poll this cell still sees it held or tripped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<crate::cell::status_report::StatusReport>,
 }
 
 /// Where heartbeats go (and, on a clean exit, the deregistration).
@@ -303,6 +309,7 @@ mod tests {
                 ready: ready.load(Ordering::SeqCst),
                 connections: 0,
                 internal_url: None,
+                status: None,
             }
         };
         let (stop, stop_rx) = mpsc::channel();

@@ -10,6 +10,12 @@
 //! more than 16 KiB of a body, book anything from a request that is invalid as a whole, or
 //! block on a dependency.
 //!
+//! The seat feed's answer carries, besides SPEC §5.4's fields, a `status` object
+//! ([`crate::cell::status_report::StatusReport`]: dead-man state and window left, trip-slot
+//! claim and trip slots in force, connections and cap, pool in use and ceiling, ready), built
+//! from in-memory state only, for `GET /v1/admin/cells` and `orca-relay fleet status`. It is an
+//! additive field: directors that do not know it ignore it.
+//!
 //! Dead-man contact (SPEC §5.5) is recorded here: a reserve request with at least one `ok`
 //! outcome (a real booking), and a seat-feed poll carrying `reserver=1`. A poll without it (a
 //! dashboard, a director that only watches) is not contact. The time between two `reserver=1`
@@ -24,6 +30,7 @@ use serde_json::{json, Value};
 use crate::cell::bookings::{Bookings, Outcome, ReserveContext, ReserveItem, MAX_BOOKING_TTL_MS};
 use crate::cell::contact::Contact;
 use crate::cell::seats::{parse_cursor, ChangeKind, FeedBody, FeedHeader, SeatChange, SeatLog};
+use crate::cell::status_report::ReportFn;
 use crate::cell::switch::AdmitMode;
 use crate::clock::SharedClock;
 use crate::config::is_id;
@@ -73,6 +80,8 @@ pub struct InternalApiParts {
     pub seats: Arc<SeatLog>,
     pub contact: Contact,
     pub status: StatusFn,
+    /// The `status` object of the feed's answer (in-memory state only, no SQL).
+    pub report: ReportFn,
     pub clock: SharedClock,
 }
 
@@ -298,7 +307,15 @@ impl InternalApi {
             bookings: self.parts.bookings.len(),
             connections: status.connections,
         };
-        Reply::json(200, feed.to_json(&header).to_string())
+        let mut answer = feed.to_json(&header);
+        if let Value::Object(fields) = &mut answer {
+            let report = (self.parts.report)();
+            fields.insert(
+                "status".into(),
+                serde_json::to_value(report).unwrap_or(Value::Null),
+            );
+        }
+        Reply::json(200, answer.to_string())
     }
 }
 
@@ -375,6 +392,7 @@ fn parse_item(index: usize, item: &Value) -> Result<ReserveItem, String> {
 mod tests {
     use super::*;
     use crate::cell::state::ConnectionSlots;
+    use crate::cell::status_report::{DeadManReport, StatusReport};
     use crate::clock::{Clock, ManualClock};
     use crate::http::HttpServer;
     use std::net::TcpListener;
@@ -427,6 +445,13 @@ mod tests {
                     seats: seats.clone(),
                     contact: contact.clone(),
                     status: status_fn,
+                    report: Arc::new(|| StatusReport {
+                        dead_man: DeadManReport::Armed,
+                        window_ms: 61_000,
+                        window_left_ms: Some(61_000),
+                        trip_slots: Some(2),
+                        ..StatusReport::default()
+                    }),
                     clock: clock.clone(),
                 },
                 &registry,
@@ -731,6 +756,19 @@ mod tests {
             text.contains("orca_relay_dead_man_contact_interval_ms_bucket{le=\"2000\"} 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn every_feed_answer_carries_the_cells_status_report() {
+        let h = Harness::start(10, 16);
+        for query in ["?reserver=1", "", "?since=77:0"] {
+            let (code, answer) = h.seats(query);
+            assert_eq!(code, 200, "{query}");
+            assert_eq!(answer["status"]["deadMan"], "armed", "{query}: {answer}");
+            assert_eq!(answer["status"]["windowLeftMs"], 61_000);
+            assert_eq!(answer["status"]["tripSlots"], 2);
+            assert_eq!(answer["admitModeRaw"], "reserve", "SPEC §5.4's fields stay");
+        }
     }
 
     #[test]

@@ -71,6 +71,7 @@ impl Watchdog {
                 &[],
             )
             .set(window.window_ms() as i64);
+        self.mode.set_window_ms(window.window_ms());
         let silence: Gauge = self.registry.gauge(
             "orca_relay_dead_man_silence_ms",
             "Time since the last director contact while the switch says reserve.",
@@ -127,6 +128,8 @@ impl Watchdog {
             let reserve = window.raw_mode() == Mode::Reserve;
             self.mode.set_raw_reserve(reserve);
             self.mode.set_dead_man(view(window.state()));
+            self.mode
+                .set_silence_started_ms(window.silence_started_ms());
             silence.set(if says_reserve {
                 window.silence_ms() as i64
             } else {

@@ -6,8 +6,14 @@
 //!   clean exit (SPEC §11): its registration and runtime row go at once, so the feed poller
 //!   stops polling it and placement forgets it without waiting for it to retire;
 //! - `GET /v1/admin/cells`: every cell this director knows, with its membership (live,
-//!   draining, retired) and what the database and the feed poller say about it
-//!   ([`fleet_listing`], `{"v":1,…}`; `orca-relay fleet status` reads it).
+//!   draining, retired), what the database and the feed poller say about it, the cell's own
+//!   status report (from its feed or its heartbeat), whether it holds a trip slot, and a
+//!   fleet summary ([`fleet_listing`], `{"v":1,…}`; `orca-relay fleet status` reads it).
+//!
+//! The combined role serves only the listing ([`AdminContext::listing_only`]): its cell is
+//! in-process, so registration and heartbeats have no caller. Without a configured
+//! `ORCA_RELAY_SERVICE_TOKEN` it answers 401 `service_token_not_configured`, since nobody
+//! outside the process knows the token it generated.
 //!
 //! Runs on the HTTP workers; each request is a token check, a bounded body read and one or two
 //! store calls. Must never: read a body before the token matched (constant-time compare), read
@@ -29,7 +35,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::feed_poller::{FeedBoard, FeedStatus};
-use super::membership::{self, Judge};
+use super::membership::{self, Judge, Membership};
+use crate::cell::status_report::{DeadManReport, StatusReport};
 use crate::clock::SharedClock;
 use crate::config::is_id;
 use crate::http::{BodyError, Reply, Request};
@@ -73,6 +80,10 @@ struct HeartbeatBody {
     connections: i64,
     #[serde(default)]
     internal_url: Option<String>,
+    /// The cell's status report (`cell::status_report`), read on its own: a report this
+    /// director cannot read is dropped, the heartbeat is still recorded.
+    #[serde(default)]
+    status: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -100,6 +111,20 @@ pub struct AdminContext {
     /// What the feed poller last saw of each cell (for `GET /v1/admin/cells`).
     board: FeedBoard,
     membership: Judge,
+    /// `ORCA_RELAY_TRIP_SLOT_STALE_MS`: an admit-effective `db` row older than this no longer
+    /// holds a trip slot (what the claim counts, `store::claim`).
+    trip_slot_stale_ms: u64,
+    routes: AdminRoutes,
+}
+
+/// Which admin routes this process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AdminRoutes {
+    /// The director role: the whole admin API.
+    All,
+    /// The combined role: only `GET /v1/admin/cells`; `token_configured` says whether the
+    /// operator set `ORCA_RELAY_SERVICE_TOKEN` (else the process generated one nobody knows).
+    ListingOnly { token_configured: bool },
 }
 
 fn bad_request(reason: impl Into<String>) -> Reply {
@@ -169,6 +194,7 @@ impl AdminContext {
         registry: &Registry,
         board: FeedBoard,
         membership: Judge,
+        trip_slot_stale_ms: u64,
     ) -> AdminContext {
         AdminContext {
             store,
@@ -177,7 +203,17 @@ impl AdminContext {
             registry: registry.clone(),
             board,
             membership,
+            trip_slot_stale_ms,
+            routes: AdminRoutes::All,
         }
+    }
+
+    /// The combined role's admin API: `GET /v1/admin/cells` only (any other `/v1/admin/` path
+    /// is not answered here). `token_configured`: `ORCA_RELAY_SERVICE_TOKEN` was set; without
+    /// it the listing answers 401 `service_token_not_configured`.
+    pub fn listing_only(mut self, token_configured: bool) -> AdminContext {
+        self.routes = AdminRoutes::ListingOnly { token_configured };
+        self
     }
 
     fn count(&self, route: &str, status: u16) {
@@ -195,6 +231,15 @@ impl AdminContext {
         let path = request.path;
         if !path.starts_with("/v1/admin/") {
             return None;
+        }
+        if let AdminRoutes::ListingOnly { token_configured } = self.routes {
+            if path != CELLS_PATH {
+                return None;
+            }
+            if !token_configured {
+                self.count("cells", 401);
+                return Some(Reply::error(401, "service_token_not_configured"));
+            }
         }
         let route = match path {
             REGISTER_PATH => "register",
@@ -365,7 +410,20 @@ impl AdminContext {
             other => Ok(other),
         });
         match outcome {
-            Ok(HeartbeatOutcome::Accepted) => ok(),
+            Ok(HeartbeatOutcome::Accepted) => {
+                if let Some(report) = body
+                    .status
+                    .and_then(|status| serde_json::from_value::<StatusReport>(status).ok())
+                {
+                    self.board.record_report(
+                        &body.cell_id,
+                        body.incarnation,
+                        report,
+                        self.clock.now_ms(),
+                    );
+                }
+                ok()
+            }
             Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => {
                 log::warn!(
                     "orca_relay_director_heartbeat_stale cell_id={} incarnation={}",
@@ -414,8 +472,11 @@ impl AdminContext {
                     &cells,
                     &self.board.status(),
                     &self.membership,
-                    self.clock.monotonic_ms(),
-                    self.clock.now_ms(),
+                    ListingClock {
+                        monotonic_now_ms: self.clock.monotonic_ms(),
+                        now_ms: self.clock.now_ms(),
+                    },
+                    self.trip_slot_stale_ms,
                 );
                 Reply::json(200, listing.to_string())
             }
@@ -448,17 +509,43 @@ impl AdminContext {
     }
 }
 
-/// `GET /v1/admin/cells`, version 1: every registered cell, ordered by id. Ages are the
-/// database's (`…AgeMs`), except the feed's, which is this director's own. A field this
-/// director has no data for is `null`. Documented in README ("Fleet membership").
+/// The director's clocks for one listing: the monotonic one judges membership against its own
+/// uptime, the wall one ages what this director stamped (feed answers, reports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListingClock {
+    pub monotonic_now_ms: u64,
+    pub now_ms: u64,
+}
+
+/// Whether `cell` holds a trip slot, judged the way the claim counts (`store::claim`): its
+/// admit-effective row says `db`, the operator's record says `reserve`, and the row was
+/// refreshed within `TRIP_SLOT_STALE_MS` (database clock). A cell on an older image, or one
+/// without a cap, takes a slot this way too.
+pub fn holds_trip_slot(cell: &CellRow, trip_slot_stale_ms: u64) -> bool {
+    cell.admit_mode == MODE_RESERVE
+        && cell.effective.as_ref().is_some_and(|effective| {
+            effective.mode == MODE_DB
+                && effective.age_ms <= i64::try_from(trip_slot_stale_ms).unwrap_or(i64::MAX)
+        })
+}
+
+/// `GET /v1/admin/cells`, version 1: every registered cell, ordered by id, and a `summary`. Ages
+/// are the database's (`…AgeMs`), except the feed's and the status report's, which are this
+/// director's own. A field this director has no data for is `null`. Documented in README
+/// ("Fleet membership") and docs/OPERATIONS.md ("Reading fleet status").
 pub fn fleet_listing(
     cells: &[CellRow],
     feeds: &HashMap<String, FeedStatus>,
     judge: &Judge,
-    monotonic_now_ms: u64,
-    now_ms: u64,
+    clock: ListingClock,
+    trip_slot_stale_ms: u64,
 ) -> Value {
+    let ListingClock {
+        monotonic_now_ms,
+        now_ms,
+    } = clock;
     let retire_after = judge.retire_after(monotonic_now_ms);
+    let mut summary = Summary::default();
     let listed: Vec<Value> = cells
         .iter()
         .map(|cell| {
@@ -467,10 +554,22 @@ pub fn fleet_listing(
             let draining = view
                 .is_some_and(|view| view.draining && view.incarnation == cell.incarnation);
             let state = membership::membership(cell, draining, retire_after);
+            // Only the running incarnation's report: a restarted cell's old one is not it.
+            let received = feed
+                .and_then(|feed| feed.report.as_ref())
+                .filter(|received| received.incarnation == cell.incarnation);
+            let holds_slot = holds_trip_slot(cell, trip_slot_stale_ms);
+            let ready = cell.runtime.as_ref().map(|runtime| runtime.ready);
+            summary.count(
+                state,
+                ready,
+                received.map(|received| &received.report),
+                holds_slot,
+            );
             json!({
                 "cellId": cell.cell_id,
                 "state": state.as_str(),
-                "ready": cell.runtime.as_ref().map(|runtime| runtime.ready),
+                "ready": ready,
                 "region": cell.region,
                 "cellUrl": cell.cell_url,
                 "internalUrl": cell.internal_url,
@@ -493,8 +592,9 @@ pub fn fleet_listing(
                     "incarnation": effective.cell_incarnation,
                     "ageMs": effective.age_ms,
                 })),
+                "holdsTripSlot": holds_slot,
                 "feed": feed.map(|feed| json!({
-                    "lane": if state == membership::Membership::Retired {
+                    "lane": if state == Membership::Retired {
                         "none"
                     } else {
                         feed.lane.as_str()
@@ -511,6 +611,17 @@ pub fn fleet_listing(
                         "connections": view.connections,
                     })),
                 })),
+                "status": received.map(|received| {
+                    let mut status = serde_json::to_value(&received.report).unwrap_or(Value::Null);
+                    if let Value::Object(fields) = &mut status {
+                        fields.insert("source".into(), received.source.as_str().into());
+                        fields.insert(
+                            "ageMs".into(),
+                            now_ms.saturating_sub(received.received_ms).into(),
+                        );
+                    }
+                    status
+                }),
             })
         })
         .collect();
@@ -521,9 +632,81 @@ pub fn fleet_listing(
             "retireMs": judge.rules.retire_ms,
             "forgetMs": judge.rules.forget_ms,
             "retirementJudged": retire_after.is_some(),
+            "tripSlotStaleMs": trip_slot_stale_ms,
         },
         "cells": listed,
+        "summary": summary.to_json(),
     })
+}
+
+/// The listing's `summary`: cells by membership, live cells ready, cells by dead-man state
+/// (retired cells, whose last report is old, are counted by membership only), slots taken and
+/// the fleet's slot count.
+#[derive(Debug, Default)]
+struct Summary {
+    cells: u64,
+    live: u64,
+    draining: u64,
+    retired: u64,
+    ready: u64,
+    off: u64,
+    armed: u64,
+    held: u64,
+    tripped: u64,
+    unknown: u64,
+    slots_taken: u64,
+    /// The largest `deadManTripSlots` in force on a cell that is not retired: with mixed values
+    /// the effective cap is the largest (SPEC §5.5); `None` when no such cell has a cap.
+    slots: Option<u32>,
+}
+
+impl Summary {
+    fn count(
+        &mut self,
+        state: Membership,
+        ready: Option<bool>,
+        report: Option<&StatusReport>,
+        holds_slot: bool,
+    ) {
+        self.cells += 1;
+        self.slots_taken += u64::from(holds_slot);
+        match state {
+            Membership::Live => self.live += 1,
+            Membership::Draining => self.draining += 1,
+            Membership::Retired => {
+                self.retired += 1;
+                return;
+            }
+        }
+        if state == Membership::Live && ready == Some(true) {
+            self.ready += 1;
+        }
+        let dead_man = report.map_or(DeadManReport::Unknown, |report| report.dead_man);
+        *match dead_man {
+            DeadManReport::Off => &mut self.off,
+            DeadManReport::Armed => &mut self.armed,
+            DeadManReport::Held => &mut self.held,
+            DeadManReport::Tripped => &mut self.tripped,
+            DeadManReport::Unknown => &mut self.unknown,
+        } += 1;
+        if let Some(slots) = report.and_then(|report| report.trip_slots) {
+            self.slots = Some(self.slots.map_or(slots, |known| known.max(slots)));
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "cells": self.cells,
+            "byState": {"live": self.live, "draining": self.draining, "retired": self.retired},
+            "ready": self.ready,
+            "byDeadMan": {
+                "off": self.off, "armed": self.armed, "held": self.held,
+                "tripped": self.tripped, "unknown": self.unknown,
+            },
+            "slotsTaken": self.slots_taken,
+            "slots": self.slots,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -605,6 +788,7 @@ mod tests {
                     view: Some(view(false)),
                     consecutive_failures: 0,
                     lane: Lane::Live,
+                    report: None,
                 },
             ),
             (
@@ -613,6 +797,7 @@ mod tests {
                     view: Some(view(true)),
                     consecutive_failures: 0,
                     lane: Lane::Live,
+                    report: None,
                 },
             ),
             (
@@ -621,6 +806,7 @@ mod tests {
                     view: None,
                     consecutive_failures: 12,
                     lane: Lane::Suspect,
+                    report: None,
                 },
             ),
         ]);
@@ -631,12 +817,16 @@ mod tests {
             },
             started_monotonic_ms: 0,
         };
-        let listing = fleet_listing(&cells, &feeds, &judge, 700_000, 10_000);
+        let at = |monotonic_now_ms| ListingClock {
+            monotonic_now_ms,
+            now_ms: 10_000,
+        };
+        let listing = fleet_listing(&cells, &feeds, &judge, at(700_000), 600_000);
         assert_eq!(listing["v"], 1);
         assert_eq!(
             listing["director"],
             json!({"uptimeMs": 700_000, "retireMs": 600_000, "forgetMs": 86_400_000,
-                   "retirementJudged": true})
+                   "retirementJudged": true, "tripSlotStaleMs": 600_000})
         );
         let listed = listing["cells"].as_array().unwrap();
         assert_eq!(
@@ -649,6 +839,8 @@ mod tests {
                               "ready": true, "connections": 3},
                 "admitMode": {"mode": "reserve", "updatedAt": 500},
                 "admitEffective": {"mode": "reserve", "incarnation": 7, "ageMs": 4_000},
+                "holdsTripSlot": false,
+                "status": null,
                 "feed": {"lane": "live", "consecutiveFailures": 0, "lastSuccessAgeMs": 500,
                          "incarnation": 7, "admitModeRaw": "reserve",
                          "admitModeEffective": "reserve", "draining": false,
@@ -662,8 +854,155 @@ mod tests {
         assert_eq!(listed[2]["feed"]["lastSuccessAgeMs"], Value::Null);
         assert_eq!(listed[3]["feed"], Value::Null, "never polled");
         // Before the director has been up RETIRE_MS, the silent cell is not retired.
-        let early = fleet_listing(&cells, &feeds, &judge, 1_000, 10_000);
+        let early = fleet_listing(&cells, &feeds, &judge, at(1_000), 600_000);
         assert_eq!(early["director"]["retirementJudged"], false);
         assert_eq!(early["cells"][2]["state"], "live");
+    }
+
+    #[test]
+    fn the_listing_shows_each_cells_report_and_sums_up_states_and_slots() {
+        use crate::cell::status_report::StatusReport;
+        use crate::director::feed_poller::{Lane, ReceivedReport, ReportSource};
+        use crate::director::membership::Rules;
+        use crate::store::AdmitEffective;
+
+        // (id, silent ms, operator's record, effective row (mode, age), dead-man, slots)
+        let cell = |id: &str, silent: i64, record: &str, row: Option<(&str, i64)>| CellRow {
+            cell_id: id.into(),
+            cell_url: format!("wss://{id}"),
+            internal_url: Some(format!("http://{id}")),
+            region: "eu".into(),
+            incarnation: 7,
+            registered_at: 1_000,
+            registered_age_ms: silent,
+            runtime: None,
+            admit_mode: record.into(),
+            admit_mode_updated_at: None,
+            effective: row.map(|(mode, age_ms)| AdmitEffective {
+                cell_incarnation: 7,
+                mode: mode.into(),
+                updated_at: 0,
+                age_ms,
+            }),
+        };
+        let cells = [
+            cell("armed", 100, "reserve", Some(("reserve", 100))),
+            cell("held", 100, "reserve", Some(("reserve", 100))),
+            cell("tripped", 100, "reserve", Some(("db", 100))),
+            cell("stale-db", 100, "reserve", Some(("db", 700_000))),
+            cell("db-flip", 100, "db", Some(("db", 100))),
+            cell("old-image", 100, "reserve", Some(("db", 100))),
+            cell("gone", 900_000, "reserve", Some(("reserve", 100))),
+        ];
+        let report = |dead_man, slots: Option<u32>, incarnation, received_ms| FeedStatus {
+            view: None,
+            consecutive_failures: 0,
+            lane: Lane::Live,
+            report: Some(ReceivedReport {
+                report: StatusReport {
+                    dead_man,
+                    window_ms: 90_000,
+                    window_left_ms: Some(if dead_man == DeadManReport::Armed {
+                        42_000
+                    } else {
+                        0
+                    }),
+                    trip_slots: slots,
+                    ..StatusReport::default()
+                },
+                incarnation,
+                source: ReportSource::Heartbeat,
+                received_ms,
+            }),
+        };
+        let feeds = HashMap::from([
+            (
+                "armed".to_string(),
+                report(DeadManReport::Armed, Some(2), 7, 9_000),
+            ),
+            (
+                "held".to_string(),
+                report(DeadManReport::Held, Some(2), 7, 9_500),
+            ),
+            (
+                "tripped".to_string(),
+                report(DeadManReport::Tripped, Some(2), 7, 9_800),
+            ),
+            (
+                "stale-db".to_string(),
+                report(DeadManReport::Off, None, 6, 9_000),
+            ),
+            (
+                "db-flip".to_string(),
+                report(DeadManReport::Off, None, 7, 9_000),
+            ),
+            (
+                "gone".to_string(),
+                report(DeadManReport::Armed, Some(9), 7, 1_000),
+            ),
+        ]);
+        let judge = Judge {
+            rules: Rules {
+                retire_ms: 600_000,
+                forget_ms: 86_400_000,
+            },
+            started_monotonic_ms: 0,
+        };
+        let clock = ListingClock {
+            monotonic_now_ms: 700_000,
+            now_ms: 10_000,
+        };
+        let listing = fleet_listing(&cells, &feeds, &judge, clock, 600_000);
+        let by_id = |id: &str| {
+            listing["cells"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|cell| cell["cellId"] == id)
+                .unwrap()
+                .clone()
+        };
+        let held = by_id("held");
+        assert_eq!(held["status"]["deadMan"], "held");
+        assert_eq!(held["status"]["source"], "heartbeat");
+        assert_eq!(held["status"]["ageMs"], 500, "the director's own clock");
+        assert_eq!(by_id("armed")["status"]["windowLeftMs"], 42_000);
+        assert_eq!(
+            by_id("stale-db")["status"],
+            Value::Null,
+            "a report of an earlier incarnation is not this process's"
+        );
+        assert_eq!(by_id("old-image")["status"], Value::Null, "no report");
+        let holders: Vec<&str> = [
+            "armed",
+            "held",
+            "tripped",
+            "stale-db",
+            "db-flip",
+            "old-image",
+            "gone",
+        ]
+        .into_iter()
+        .filter(|id| by_id(id)["holdsTripSlot"] == true)
+        .collect();
+        assert_eq!(
+            holders,
+            ["tripped", "old-image"],
+            "what the claim counts: a fresh db row of a cell recorded reserve"
+        );
+        assert_eq!(
+            listing["summary"],
+            json!({
+                "cells": 7,
+                "byState": {"live": 6, "draining": 0, "retired": 1},
+                "ready": 0,
+                "byDeadMan": {"off": 1, "armed": 1, "held": 1, "tripped": 1, "unknown": 2},
+                "slotsTaken": 2,
+                "slots": 2,
+            }),
+            "the retired cell's old cap of 9 is not the fleet's"
+        );
+        let none = fleet_listing(&cells[4..5], &feeds, &judge, clock, 600_000);
+        assert_eq!(none["summary"]["slots"], Value::Null, "no cap anywhere");
     }
 }

@@ -4,7 +4,8 @@
 //! cells armed, so it goes on from the last known cell list while the database is down.
 //!
 //! Owns: the [`FeedBoard`] (per cell: the cursor, the modes, `draining`, the counts, the last
-//! success, the failures in a row and the lane), which [`super::placement`] reads through
+//! success, the failures in a row, the lane, and the cell's latest status report from its feed
+//! or its heartbeat), which [`super::placement`] reads through
 //! [`FeedBoard::snapshot`] and `GET /v1/admin/cells` through [`FeedBoard::status`].
 //!
 //! **Two lanes** (SPEC §11: unreachable entries never delay a live cell's contact beyond
@@ -42,6 +43,7 @@ use serde::Deserialize;
 
 use super::membership::{self, Judge};
 use super::placement::FeedView;
+use crate::cell::status_report::StatusReport;
 use crate::clock::SharedClock;
 use crate::logging::KeyedThrottle;
 use crate::metrics::Registry;
@@ -109,6 +111,9 @@ struct CellFeed {
     /// The suspect lane polls this cell no earlier than this (monotonic ms).
     next_attempt_ms: u64,
     lane: Lane,
+    /// The cell's latest status report, from whichever arrived last: a feed answer or a
+    /// heartbeat (`cell::status_report`: a cell this director cannot poll still heartbeats).
+    report: Option<ReceivedReport>,
 }
 
 impl Default for CellFeed {
@@ -121,8 +126,37 @@ impl Default for CellFeed {
             responsive: false,
             next_attempt_ms: 0,
             lane: Lane::Suspect,
+            report: None,
         }
     }
+}
+
+/// Where a status report came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportSource {
+    Feed,
+    Heartbeat,
+}
+
+impl ReportSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReportSource::Feed => "feed",
+            ReportSource::Heartbeat => "heartbeat",
+        }
+    }
+}
+
+/// A cell's status report as this director received it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedReport {
+    pub report: StatusReport,
+    /// The incarnation of the process that sent it (a report of an earlier one is not shown).
+    pub incarnation: i64,
+    pub source: ReportSource,
+    /// When it arrived, on this director's clock (ms since the epoch): its age is the
+    /// director's own measurement, never compared with the cell's clock.
+    pub received_ms: u64,
 }
 
 /// What `GET /v1/admin/cells` shows of one cell's feed.
@@ -132,6 +166,8 @@ pub struct FeedStatus {
     pub view: Option<FeedView>,
     pub consecutive_failures: u32,
     pub lane: Lane,
+    /// The latest status report (feed or heartbeat).
+    pub report: Option<ReceivedReport>,
 }
 
 /// What the poller knows of every cell; a cheap clone of one `Arc<Mutex<…>>`, locked only to
@@ -181,6 +217,7 @@ impl FeedBoard {
                         view: feed.view.clone(),
                         consecutive_failures: feed.consecutive_failures,
                         lane: feed.lane,
+                        report: feed.report.clone(),
                     },
                 )
             })
@@ -222,9 +259,42 @@ impl FeedBoard {
         (lane, Some(job))
     }
 
-    fn succeed(&self, cell_id: &str, cursor: String, view: FeedView) {
+    /// Keeps the status report a cell's heartbeat carried (received at `now_ms`, this
+    /// director's clock), unless a later one has arrived.
+    pub fn record_report(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        report: StatusReport,
+        now_ms: u64,
+    ) {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
+        keep_latest(
+            &mut feed.report,
+            ReceivedReport {
+                report,
+                incarnation,
+                source: ReportSource::Heartbeat,
+                received_ms: now_ms,
+            },
+        );
+    }
+
+    fn succeed(&self, cell_id: &str, cursor: String, view: FeedView, report: Option<StatusReport>) {
+        let mut cells = self.lock();
+        let feed = cells.entry(cell_id.to_string()).or_default();
+        if let Some(report) = report {
+            keep_latest(
+                &mut feed.report,
+                ReceivedReport {
+                    report,
+                    incarnation: view.incarnation,
+                    source: ReportSource::Feed,
+                    received_ms: view.last_success_ms,
+                },
+            );
+        }
         feed.cursor = Some(cursor);
         feed.view = Some(view);
         feed.in_flight = false;
@@ -260,6 +330,17 @@ impl FeedBoard {
     /// as small as the fleet. A poll in flight for one of them just finds no entry.
     fn retain(&self, registered: &HashSet<&str>) {
         self.lock().retain(|id, _| registered.contains(id.as_str()));
+    }
+}
+
+/// Replaces `slot` with `received` unless `slot` holds a report that arrived later (a feed
+/// answer and a heartbeat can cross).
+fn keep_latest(slot: &mut Option<ReceivedReport>, received: ReceivedReport) {
+    if slot
+        .as_ref()
+        .is_none_or(|held| held.received_ms <= received.received_ms)
+    {
+        *slot = Some(received);
     }
 }
 
@@ -357,6 +438,10 @@ struct FeedAnswer {
     draining: bool,
     #[serde(default)]
     counts: Counts,
+    /// The cell's status report (an additive field; older cells have none). Read on its own,
+    /// so a report this director cannot read never costs the poll.
+    #[serde(default)]
+    status: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -391,8 +476,11 @@ impl PollError {
     }
 }
 
-/// Parses one answer of `cell_id`'s feed into its next cursor and view.
-fn parse_answer(cell_id: &str, body: &str, now_ms: u64) -> Result<(String, FeedView), PollError> {
+/// One parsed answer: the next cursor, the view, and the status report when it had one.
+type Parsed = (String, FeedView, Option<StatusReport>);
+
+/// Parses one answer of `cell_id`'s feed into its next cursor, its view and its report.
+fn parse_answer(cell_id: &str, body: &str, now_ms: u64) -> Result<Parsed, PollError> {
     let answer: FeedAnswer = serde_json::from_str(body).map_err(|_| PollError::BadBody)?;
     if answer.cell_id != cell_id {
         // The registered internal URL reaches another cell: believing it would book seats
@@ -400,6 +488,9 @@ fn parse_answer(cell_id: &str, body: &str, now_ms: u64) -> Result<(String, FeedV
         return Err(PollError::WrongCell);
     }
     let cursor = format!("{}:{}", answer.incarnation, answer.seq);
+    let report = answer
+        .status
+        .and_then(|status| serde_json::from_value::<StatusReport>(status).ok());
     Ok((
         cursor,
         FeedView {
@@ -412,6 +503,7 @@ fn parse_answer(cell_id: &str, body: &str, now_ms: u64) -> Result<(String, FeedV
             connections: answer.counts.connections,
             last_success_ms: now_ms,
         },
+        report,
     ))
 }
 
@@ -473,8 +565,8 @@ impl Poller {
             )
             .inc();
         match result {
-            Ok((cursor, view)) => {
-                self.board.succeed(&job.cell_id, cursor, view);
+            Ok((cursor, view, report)) => {
+                self.board.succeed(&job.cell_id, cursor, view, report);
                 if let Some(note) = self.failures.success(&job.cell_id) {
                     log::info!(
                         "orca_relay_director_feed_poll_recovered cell_id={}{note}",
@@ -716,8 +808,9 @@ mod tests {
             "counts":{"seated":3,"bookings":1,"connections":5,"future":9},
             "changes":[{"kind":"join","userId":"u","relayHostId":"h","epoch":1}],
             "somethingNew":{"x":1}}"#;
-        let (cursor, view) = parse_answer("c7", body, 99).expect("parses");
+        let (cursor, view, report) = parse_answer("c7", body, 99).expect("parses");
         assert_eq!(cursor, "1700:42");
+        assert_eq!(report, None, "an older cell sends no status");
         assert_eq!(
             view,
             FeedView {
@@ -759,14 +852,15 @@ mod tests {
     }
 
     fn answer(cell_id: &str, now_ms: u64) -> (String, FeedView) {
-        parse_answer(
+        let (cursor, view, _) = parse_answer(
             cell_id,
             &format!(
                 r#"{{"cellId":"{cell_id}","incarnation":5,"seq":2,"admitModeRaw":"db","admitModeEffective":"db"}}"#
             ),
             now_ms,
         )
-        .unwrap()
+        .unwrap();
+        (cursor, view)
     }
 
     #[test]
@@ -781,7 +875,7 @@ mod tests {
             "already in flight"
         );
         let (cursor, view) = answer("c7", 10);
-        board.succeed("c7", cursor, view.clone());
+        board.succeed("c7", cursor, view.clone(), None);
         assert_eq!(board.snapshot().get("c7"), Some(&view));
         let (lane, job) = board.schedule("c7", "http://c7", 0, 0);
         assert_eq!(lane, Lane::Live, "answered: the live lane");
@@ -816,7 +910,7 @@ mod tests {
             "refused, never answered: suspect"
         );
         let (cursor, view) = answer("c1", 0);
-        board.succeed("c1", cursor, view);
+        board.succeed("c1", cursor, view, None);
         board.fail("c1", PollError::Transport, 0, 1_000);
         assert_eq!(
             board.schedule("c1", "http://c1", 0, 0).0,
@@ -875,6 +969,45 @@ mod tests {
         );
         queue.close();
         assert!(queue.pop().is_none());
+    }
+
+    #[test]
+    fn the_latest_report_wins_whether_it_came_by_feed_or_heartbeat() {
+        use crate::cell::status_report::DeadManReport;
+        let report = |dead_man| StatusReport {
+            dead_man,
+            ..StatusReport::default()
+        };
+        let body = |state: &str| {
+            format!(
+                r#"{{"cellId":"c7","incarnation":5,"seq":1,"admitModeRaw":"reserve",
+                "admitModeEffective":"reserve","status":{{"deadMan":"{state}","windowMs":9}}}}"#
+            )
+        };
+        let (cursor, view, parsed) = parse_answer("c7", &body("armed"), 1_000).unwrap();
+        assert_eq!(parsed.as_ref().map(|r| r.window_ms), Some(9));
+        let board = FeedBoard::new();
+        board.succeed("c7", cursor, view, parsed);
+        let status = |board: &FeedBoard| board.status()["c7"].report.clone().unwrap();
+        assert_eq!(status(&board).source, ReportSource::Feed);
+        assert_eq!(status(&board).incarnation, 5);
+        board.record_report("c7", 5, report(DeadManReport::Held), 2_000);
+        assert_eq!(status(&board).report.dead_man, DeadManReport::Held);
+        assert_eq!(
+            (status(&board).source, status(&board).received_ms),
+            (ReportSource::Heartbeat, 2_000)
+        );
+        board.record_report("c7", 5, report(DeadManReport::Armed), 1_500);
+        assert_eq!(
+            status(&board).report.dead_man,
+            DeadManReport::Held,
+            "an answer that crossed a later one does not replace it"
+        );
+        // A report this director cannot read costs the report, never the poll.
+        let odd = r#"{"cellId":"c7","incarnation":5,"seq":2,"admitModeRaw":"db",
+            "admitModeEffective":"db","status":{"windowMs":"soon"}}"#;
+        let (_, _, parsed) = parse_answer("c7", odd, 3_000).expect("the poll still succeeds");
+        assert_eq!(parsed, None);
     }
 
     #[test]

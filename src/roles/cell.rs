@@ -21,6 +21,8 @@ use crate::auth::Verifier;
 use crate::cell::contact::Contact;
 use crate::cell::heartbeat::{self, Heartbeat, Sink};
 use crate::cell::internal_api::{CellStatus, InternalApi, InternalApiParts};
+use crate::cell::mode::DeadManView;
+use crate::cell::status_report::{self, PoolReport, ReportFn, StatusReport};
 use crate::cell::switch::{run_switch_watcher, AdmitMode};
 use crate::clock::SharedClock;
 use crate::config::Config;
@@ -227,13 +229,15 @@ impl CellRuntime {
         // The heartbeat starts with [`CellRuntime::serve`]: until the startup registration has
         // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
         // then nothing but the registration goes out).
+        // What the feed and the heartbeat report of this cell (`fleet status`).
+        let report = report_fn(&context, &contact, &setup.readiness, &setup.store, &clock);
         let heartbeat: PendingHeartbeat = {
             let sample = heartbeat_sampler(
                 config,
                 &context,
                 &setup.readiness,
                 (&setup.cell_url, &setup.internal_url),
-                &clock,
+                (&clock, &report),
             );
             let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
@@ -254,6 +258,7 @@ impl CellRuntime {
                     seats: context.seats.clone(),
                     contact: contact.clone(),
                     status: status_fn(&context),
+                    report: report.clone(),
                     clock: clock.clone(),
                 },
                 &setup.registry,
@@ -450,12 +455,60 @@ fn status_fn(context: &RelayContext) -> crate::cell::internal_api::StatusFn {
     })
 }
 
+/// The cell's status report (`cell::status_report`), from in-memory state only: the mode and
+/// dead-man published by the watchdog and the claim loop, the last contact, the connection
+/// units, the pool's counters and readiness. No SQL: the seat feed calls it on every poll.
+fn report_fn(
+    context: &RelayContext,
+    contact: &Contact,
+    readiness: &Readiness,
+    store: &Store,
+    clock: &SharedClock,
+) -> ReportFn {
+    let mode = context.mode.clone();
+    let slots = context.slots.clone();
+    let contact = contact.clone();
+    let readiness = readiness.clone();
+    let store = store.clone();
+    let clock = clock.clone();
+    Arc::new(move || {
+        let now = clock.now_ms();
+        let state = mode.dead_man();
+        let window_ms = mode.window_ms();
+        // The watchdog's effective contact at its last tick, or a contact since.
+        let silence_started = mode.silence_started_ms().max(contact.last().unwrap_or(0));
+        let switch = mode.switch();
+        let pool = store.pool_stats();
+        let mode_name = |reserve: bool| if reserve { "reserve" } else { "db" };
+        StatusReport {
+            admit_mode_raw: mode_name(mode.raw_is_reserve()).into(),
+            admit_mode_effective: mode_name(mode.effective_is_reserve()).into(),
+            dead_man: state.into(),
+            window_ms,
+            window_left_ms: status_report::window_left_ms(state, window_ms, silence_started, now),
+            silent_ms: status_report::silent_ms(state, silence_started, now),
+            holds_trip_slot: state == DeadManView::Tripped && !mode.effective_is_reserve(),
+            trip_slots: switch.flags.dead_man_trip_slots,
+            switch_generation: switch.generation,
+            connections: slots.used() as u64,
+            connection_cap: u64::from(slots.cap()),
+            pool: PoolReport {
+                in_use: pool.open.saturating_sub(pool.idle),
+                ceiling: pool.ceiling,
+                max: pool.max,
+                waiters: pool.waiters,
+            },
+            ready: readiness.answer(now).status == 200,
+        }
+    })
+}
+
 fn heartbeat_sampler(
     config: &Config,
     context: &RelayContext,
     readiness: &Readiness,
     (cell_url, internal_url): (&str, &str),
-    clock: &SharedClock,
+    (clock, report): (&SharedClock, &ReportFn),
 ) -> impl Fn() -> Heartbeat + Send + 'static {
     let cell_id = config.cell_id.clone();
     let cell_url = cell_url.to_string();
@@ -465,6 +518,7 @@ fn heartbeat_sampler(
     let readiness = readiness.clone();
     let slots = context.slots.clone();
     let clock = clock.clone();
+    let report = report.clone();
     move || Heartbeat {
         v: 1,
         cell_id: cell_id.clone(),
@@ -475,6 +529,7 @@ fn heartbeat_sampler(
         ready: readiness.answer(clock.now_ms()).status == 200,
         connections: slots.used() as i64,
         internal_url: Some(internal_url.clone()),
+        status: Some(report()),
     }
 }
 

@@ -15,6 +15,11 @@
 //! Without `ORCA_RELAY_SERVICE_TOKEN` a random in-process token protects the cell's internal
 //! API; the director side holds the same one.
 //!
+//! Of the director's admin API the combined role serves only `GET /v1/admin/cells` (the fleet
+//! listing `orca-relay fleet status` reads: here, the one cell), behind the configured service
+//! token. Without one the listing answers 401 `service_token_not_configured`: the generated
+//! token is known to nobody outside the process.
+//!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
 //! `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `http-acceptor` and `http-<n>`,
 //! `signals`. The main thread waits for SIGTERM and runs the drain: the cell drains (the poller
@@ -31,6 +36,7 @@ use crate::cell::mode::CellMode;
 use crate::cell::switch::AdmitMode;
 use crate::clock;
 use crate::config::Config;
+use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
 use crate::director::membership::{self, Judge};
@@ -61,6 +67,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::raise_fd_limit();
+    // The fleet listing is served only with a token the operator knows.
+    let token_configured = config.service_token.is_some();
     if config.service_token.is_none() {
         config.service_token = Some(ServiceTokens::single(in_process_token()?));
     }
@@ -125,6 +133,16 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         Placement::Fleet(fleet),
         &registry,
     ));
+    let admin = AdminContext::new(
+        store.clone(),
+        clock.clone(),
+        super::service_tokens(&config),
+        &registry,
+        board.clone(),
+        membership,
+        config.timings.trip_slot_stale_ms,
+    )
+    .listing_only(token_configured);
     let handler = {
         let registry = registry.clone();
         let readiness = readiness.clone();
@@ -134,6 +152,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             if let Some(reply) = cell
                 .route(request)
                 .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .or_else(|| admin.handle(request))
             {
                 return reply;
             }

@@ -141,6 +141,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
             &registry,
             board,
             membership,
+            config.timings.trip_slot_stale_ms,
         ),
         readiness: readiness.clone(),
         registry: registry.clone(),
