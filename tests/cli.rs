@@ -195,6 +195,9 @@ fn every_subcommand_answers_help() {
         &["client", "host", "-h"],
         &["client", "phone", "--help"],
         &["client", "phone", "--cell", "ws://x", "--help"],
+        &["fleet", "--help"],
+        &["fleet", "status", "--help"],
+        &["fleet", "status", "--director", "--help"],
     ] {
         let out = orca_relay(&[], args);
         let stdout = String::from_utf8_lossy(&out.stdout);

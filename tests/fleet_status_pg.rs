@@ -271,7 +271,7 @@ fn fleet_status_shows_armed_held_tripped_draining_and_retired_cells_and_their_sl
             dead_man(e) == "armed"
                 && e["status"]["windowLeftMs"]
                     .as_u64()
-                    .is_some_and(|left| (2_000..6_000).contains(&left))
+                    .is_some_and(|left| (1_500..6_000).contains(&left))
         },
     );
     let first_left = first["status"]["windowLeftMs"].as_u64().unwrap();
