@@ -64,10 +64,6 @@ enum Order {
     Stop,
 }
 
-fn now_ms() -> i64 {
-    clock::system().now_ms() as i64
-}
-
 fn cell_id(i: usize) -> String {
     format!("storm-c{i:02}")
 }
@@ -176,7 +172,7 @@ fn claim_until_answered(store: &Store, id: &str, slots: u32, rng: &mut u64) -> A
     };
     while begun.elapsed() < ANSWER_DEADLINE {
         let attempt = clock::instant();
-        let outcome = store.claim_trip_slot(id, 1, slots, now_ms(), STALE_MS);
+        let outcome = store.claim_trip_slot(id, 1, slots, STALE_MS);
         answer.attempts.push(attempt.elapsed());
         match outcome {
             Ok(ClaimOutcome::Permit { .. }) => {
@@ -309,7 +305,7 @@ fn uncontended_claims(store: &Store, admin: &mut postgres::Client, n: usize) -> 
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let started = clock::instant();
-        let outcome = store.claim_trip_slot("storm-solo", 1, 1, now_ms(), STALE_MS);
+        let outcome = store.claim_trip_slot("storm-solo", 1, 1, STALE_MS);
         out.push(started.elapsed());
         assert!(
             matches!(outcome, Ok(ClaimOutcome::Permit { .. })),
@@ -412,14 +408,13 @@ fn main() {
     let url = pg::fresh_database("claim_storm");
     let setup = store_for(&url, "setup");
     setup.migrate().expect("migrate");
-    let now = now_ms();
     for i in 0..CLAIMANTS {
         setup
-            .set_admit_mode(&cell_id(i), "reserve", now)
+            .set_admit_mode(&cell_id(i), "reserve")
             .expect("admit mode");
     }
     setup
-        .set_admit_mode("storm-solo", "reserve", now)
+        .set_admit_mode("storm-solo", "reserve")
         .expect("admit mode");
     let mut admin = pg::connect(&url);
     println!("claim_storm: load average before: {}", load_average());

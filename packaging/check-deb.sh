@@ -37,6 +37,11 @@ expect -rw-r--r-- usr/share/doc/orca-relay/examples/cell.env
 expect -rw-r--r-- usr/share/doc/orca-relay/examples/director.env
 expect -rw-r--r-- usr/share/doc/orca-relay/examples/fleet-seed.json
 expect -rw-r--r-- usr/share/doc/orca-relay/examples/fleet-seed.toml
+expect -rw-r--r-- usr/share/doc/orca-relay/PROTOCOL.md
+expect -rw-r--r-- usr/share/doc/orca-relay/OPERATIONS.md
+expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay.rules.yml
+expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay.rules.test.yml
+expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay-dashboard.json
 
 # Every migration in the tree is in the package.
 sql_count=0

@@ -13,6 +13,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// A source of "now" in milliseconds since the Unix epoch, never decreasing.
 pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> u64;
+
+    /// Milliseconds on a monotonic clock with an arbitrary origin: for measuring this process's
+    /// own gaps (the watchdog's tick gap after a pause), never for comparing with other
+    /// machines or the database. It keeps running while the process is stopped.
+    fn monotonic_ms(&self) -> u64;
 }
 
 /// A cheap-to-clone handle to a clock.
@@ -47,7 +52,14 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> u64 {
-        self.anchor_wall_ms + self.anchor.elapsed().as_millis() as u64
+        self.anchor_wall_ms + self.monotonic_ms()
+    }
+
+    /// `CLOCK_MONOTONIC` since the clock was made: it advances while the process is stopped
+    /// (SIGSTOP), which is what lets the watchdog see its own pause.
+    #[allow(clippy::disallowed_methods)]
+    fn monotonic_ms(&self) -> u64 {
+        self.anchor.elapsed().as_millis() as u64
     }
 }
 
@@ -81,6 +93,12 @@ impl ManualClock {
 
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
+        self.ms.load(Ordering::SeqCst)
+    }
+
+    /// The same counter as [`ManualClock::now_ms`]: a test that advances the clock by a minute
+    /// in one step looks to the watchdog like a one-minute pause.
+    fn monotonic_ms(&self) -> u64 {
         self.ms.load(Ordering::SeqCst)
     }
 }

@@ -2,11 +2,19 @@
 //!
 //! An empty string means unset: systemd env files and container platforms deliver unset values
 //! as `''`, and reading `''` as 0 would silently disable a window. A bad value is a
-//! [`ConfigError`] that names the variable, the value and the accepted range; `run` and
-//! `check-config` both stop on it with that one line.
+//! [`ConfigError`] that names the variable, the value and the accepted range; a required
+//! variable that is unset is a [`ConfigError`] of kind [`Problem::Missing`], never
+//! `invalid X=""`. Reading never stops at the first problem: [`Config::from_lookup_all`]
+//! collects every one ([`ConfigErrors`]), so `check-config` lists them all in one run and
+//! `run` stops with one line per problem.
 //!
-//! The parsing is pure: [`Config::from_lookup`] takes a lookup function, so tests never touch
-//! the process environment.
+//! The parsing is pure: [`Config::from_lookup_all`] takes a lookup function, so tests never
+//! touch the process environment.
+//!
+//! Adding a variable is four local edits: its field in [`Config`] (or [`Timings`]), one
+//! `r.int(…)` / `r.url(…)` / `r.addr(…)` / `r.text(…)` line in [`Config::from_lookup_all`]
+//! (a [`Reader`] records a bad value and hands back the default, so the rest is still read),
+//! its name in [`VARIABLES`], and its line in [`Config::describe`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -41,25 +49,72 @@ impl Role {
     }
 }
 
+/// What is wrong with a variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Problem {
+    /// A required variable is unset (or `''`).
+    Missing,
+    /// The variable is set to a value outside what is accepted.
+    Invalid,
+}
+
 /// A configuration error: one line naming the variable, the value and what is accepted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     pub variable: String,
     pub value: String,
     pub expected: String,
+    pub problem: Problem,
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid {}={:?}: expected {}",
-            self.variable, self.value, self.expected
-        )
+        match self.problem {
+            Problem::Missing => write!(
+                f,
+                "missing {} (unset): expected {}",
+                self.variable, self.expected
+            ),
+            Problem::Invalid => write!(
+                f,
+                "invalid {}={:?}: expected {}",
+                self.variable, self.value, self.expected
+            ),
+        }
     }
 }
 
 impl std::error::Error for ConfigError {}
+
+/// Every problem of one reading of the environment, in the order the variables are read.
+/// Never empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl ConfigErrors {
+    /// `1 problem`, `3 problems`: the summary line of `check-config`.
+    pub fn summary(&self) -> String {
+        match self.0.len() {
+            1 => "1 problem".to_string(),
+            n => format!("{n} problems"),
+        }
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    /// One line per problem.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (n, error) in self.0.iter().enumerate() {
+            if n > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
 
 /// The timing knobs. Production values by default; tests and operators may shrink them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +215,12 @@ pub struct Config {
     pub handshake_timeout_ms: u64,
     pub handshake_attempts: u32,
     pub drain_grace_ms: u64,
+    /// Director: a cell not heard from (heartbeat or registration, database clock) for this
+    /// long is retired: no longer polled or placed on (judged once the director has been up
+    /// this long).
+    pub cell_retire_ms: u64,
+    /// Director: a cell silent this long is forgotten: all its rows are deleted.
+    pub cell_forget_ms: u64,
     pub timings: Timings,
 }
 
@@ -195,6 +256,8 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
     "ORCA_RELAY_HANDSHAKE_ATTEMPTS",
     "ORCA_RELAY_DRAIN_GRACE_MS",
+    "ORCA_RELAY_CELL_RETIRE_MS",
+    "ORCA_RELAY_CELL_FORGET_MS",
     "ORCA_RELAY_DEAD_MAN_BASE_MS",
     "ORCA_RELAY_DEAD_MAN_SPREAD_MS",
     "ORCA_RELAY_TRIP_CLAIM_RETRY_MS",
@@ -216,6 +279,9 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_LEASE_TTL_MS",
 ];
 
+/// How `check-config` shows a variable that is unset and has no default.
+pub const UNSET: &str = "(unset)";
+
 const SECRET_VARIABLES: &[&str] = &[
     "ORCA_RELAY_SELF_HOSTED_KEY",
     "ORCA_RELAY_SERVICE_TOKEN",
@@ -234,6 +300,90 @@ fn error(name: &str, value: &str, expected: impl Into<String>) -> ConfigError {
         variable: name.to_string(),
         value: value.to_string(),
         expected: expected.into(),
+        problem: Problem::Invalid,
+    }
+}
+
+fn missing(name: &str, expected: impl Into<String>) -> ConfigError {
+    ConfigError {
+        variable: name.to_string(),
+        value: String::new(),
+        expected: expected.into(),
+        problem: Problem::Missing,
+    }
+}
+
+/// Reads variables and collects every problem instead of stopping at the first: a bad value
+/// is recorded and the variable's default stands in, so the rest of the environment is still
+/// read (and checked against something sensible).
+pub struct Reader<'a> {
+    lookup: &'a dyn Fn(&str) -> Option<String>,
+    problems: Vec<ConfigError>,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(lookup: &'a dyn Fn(&str) -> Option<String>) -> Self {
+        Reader {
+            lookup,
+            problems: Vec::new(),
+        }
+    }
+
+    /// The trimmed value, `None` when unset or `''`.
+    pub fn text(&self, name: &str) -> Option<String> {
+        get(self.lookup, name)
+    }
+
+    /// The value of a parse, or `fallback` with the problem recorded.
+    pub fn check<T>(&mut self, result: Result<T, ConfigError>, fallback: T) -> T {
+        match result {
+            Ok(value) => value,
+            Err(problem) => {
+                self.problems.push(problem);
+                fallback
+            }
+        }
+    }
+
+    /// An integer in `min..=max`; unset gives `default`, a bad value is recorded.
+    pub fn int(&mut self, name: &str, default: u64, min: u64, max: u64) -> u64 {
+        let parsed = parse_int_in(self.lookup, name, default, min, max);
+        self.check(parsed, default)
+    }
+
+    /// An address; unset gives `default`.
+    pub fn addr(&mut self, name: &str, default: SocketAddr) -> SocketAddr {
+        let parsed = parse_addr(self.lookup, name, &default.to_string());
+        self.check(parsed, default)
+    }
+
+    /// An optional URL with one of `schemes`.
+    pub fn url(&mut self, name: &str, schemes: &[&str]) -> Option<String> {
+        let parsed = parse_url(self.lookup, name, schemes);
+        self.check(parsed, None)
+    }
+
+    /// Records a bad value.
+    pub fn invalid(&mut self, name: &str, value: &str, expected: impl Into<String>) {
+        self.problems.push(error(name, value, expected));
+    }
+
+    /// Records a required variable that is unset.
+    pub fn missing(&mut self, name: &str, expected: impl Into<String>) {
+        self.problems.push(missing(name, expected));
+    }
+
+    /// Problems recorded so far.
+    pub fn problem_count(&self) -> usize {
+        self.problems.len()
+    }
+
+    fn finish<T>(self, value: T) -> Result<T, ConfigErrors> {
+        if self.problems.is_empty() {
+            Ok(value)
+        } else {
+            Err(ConfigErrors(self.problems))
+        }
     }
 }
 
@@ -370,211 +520,286 @@ fn parse_database_tls(
 }
 
 impl Config {
-    /// Reads the configuration from the process environment.
-    pub fn from_env() -> Result<Config, ConfigError> {
-        Config::from_lookup(&|name| std::env::var(name).ok())
+    /// Reads the configuration from the process environment: every problem, or the config.
+    pub fn from_env() -> Result<Config, ConfigErrors> {
+        Config::from_lookup_all(&|name| std::env::var(name).ok())
     }
 
-    /// Reads the configuration through `lookup` (pure; tests pass a map).
+    /// Reads the configuration through `lookup` (pure; tests pass a map); the first problem
+    /// only. [`Config::from_lookup_all`] has them all.
     pub fn from_lookup(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let role = match get(lookup, "ORCA_RELAY_ROLE").as_deref() {
+        Config::from_lookup_all(lookup).map_err(|errors| {
+            errors
+                .0
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| error("environment", "", "a valid configuration"))
+        })
+    }
+
+    /// How many of [`VARIABLES`] are set (not unset, not `''`) in `lookup`.
+    pub fn variables_set(lookup: &dyn Fn(&str) -> Option<String>) -> usize {
+        VARIABLES
+            .iter()
+            .filter(|name| get(lookup, name).is_some())
+            .count()
+    }
+
+    /// Reads the configuration through `lookup`, collecting every problem.
+    pub fn from_lookup_all(
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigErrors> {
+        let mut r = Reader::new(lookup);
+        let role = match r.text("ORCA_RELAY_ROLE").as_deref() {
             None | Some("combined") => Role::Combined,
             Some("cell") => Role::Cell,
             Some("director") => Role::Director,
             Some(other) => {
-                return Err(error(
-                    "ORCA_RELAY_ROLE",
-                    other,
-                    "one of combined, cell, director",
-                ))
+                r.invalid("ORCA_RELAY_ROLE", other, "one of combined, cell, director");
+                // Read the rest as the default role would.
+                Role::Combined
             }
         };
-        let cell_id = get(lookup, "ORCA_RELAY_CELL_ID").unwrap_or_else(|| "combined".into());
+        let cell_id = r
+            .text("ORCA_RELAY_CELL_ID")
+            .unwrap_or_else(|| "combined".into());
         if !is_id(&cell_id, 128) {
-            return Err(error(
+            r.invalid(
                 "ORCA_RELAY_CELL_ID",
                 &cell_id,
                 "1-128 characters from [A-Za-z0-9_-]",
-            ));
+            );
         }
-        let region = get(lookup, "ORCA_RELAY_REGION").unwrap_or_else(|| "default".into());
-        let ws_addr = parse_addr(lookup, "ORCA_RELAY_WS_ADDR", "127.0.0.1:8080")?;
-        let http_addr = parse_addr(lookup, "ORCA_RELAY_HTTP_ADDR", "127.0.0.1:8081")?;
-        let cell_url = parse_url(lookup, "ORCA_RELAY_CELL_URL", &["ws", "wss"])?
+        let region = r
+            .text("ORCA_RELAY_REGION")
+            .unwrap_or_else(|| "default".into());
+        let ws_addr = r.addr("ORCA_RELAY_WS_ADDR", ([127, 0, 0, 1], 8080).into());
+        let http_addr = r.addr("ORCA_RELAY_HTTP_ADDR", ([127, 0, 0, 1], 8081).into());
+        let cell_url = r
+            .url("ORCA_RELAY_CELL_URL", &["ws", "wss"])
             .unwrap_or_else(|| format!("ws://{ws_addr}"));
-        let internal_url = parse_url(lookup, "ORCA_RELAY_INTERNAL_URL", &["http", "https"])?
+        let internal_url = r
+            .url("ORCA_RELAY_INTERNAL_URL", &["http", "https"])
             .unwrap_or_else(|| format!("http://{http_addr}"));
-        let director_urls = match get(lookup, "ORCA_RELAY_DIRECTOR_URLS") {
+        let director_urls = match r.text("ORCA_RELAY_DIRECTOR_URLS") {
             None => Vec::new(),
             Some(raw) => {
-                let mut urls = Vec::new();
-                for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                    if !is_url_with_scheme(part, &["http", "https"]) {
-                        return Err(error(
-                            "ORCA_RELAY_DIRECTOR_URLS",
-                            &raw,
-                            "a comma-separated list of http:// or https:// URLs",
-                        ));
-                    }
-                    urls.push(part.trim_end_matches('/').to_string());
+                let parts: Vec<&str> = raw
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|p| !p.is_empty())
+                    .collect();
+                if parts
+                    .iter()
+                    .all(|part| is_url_with_scheme(part, &["http", "https"]))
+                {
+                    parts
+                        .iter()
+                        .map(|part| part.trim_end_matches('/').to_string())
+                        .collect()
+                } else {
+                    r.invalid(
+                        "ORCA_RELAY_DIRECTOR_URLS",
+                        &raw,
+                        "a comma-separated list of http:// or https:// URLs",
+                    );
+                    Vec::new()
                 }
-                urls
             }
         };
-        let database_url = parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"]).map_err(
-            |mut refused| {
-                // The URL carries the password: the error shows it masked.
-                refused.value = mask("DATABASE_URL", &refused.value);
-                refused
-            },
-        )?;
-        let database_ca_file = get(lookup, database_tls::CA_FILE_VARIABLE).map(PathBuf::from);
+        let database_url = r.check(
+            parse_url(lookup, "DATABASE_URL", &["postgres", "postgresql"]).map_err(
+                |mut refused| {
+                    // The URL carries the password: the error shows it masked.
+                    refused.value = mask("DATABASE_URL", &refused.value);
+                    refused
+                },
+            ),
+            None,
+        );
+        let database_ca_file = r.text(database_tls::CA_FILE_VARIABLE).map(PathBuf::from);
         let database_tls = match &database_url {
-            Some(url) => Some(parse_database_tls(url, database_ca_file.as_deref())?),
+            Some(url) => {
+                let parsed = parse_database_tls(url, database_ca_file.as_deref()).map(Some);
+                r.check(parsed, None)
+            }
             None => None,
         };
-        let data_dir =
-            PathBuf::from(get(lookup, "ORCA_RELAY_DATA_DIR").unwrap_or_else(|| "./data".into()));
+        let data_dir = PathBuf::from(
+            r.text("ORCA_RELAY_DATA_DIR")
+                .unwrap_or_else(|| "./data".into()),
+        );
         let default_pool = if role == Role::Director { 3 } else { 10 };
-        let pool_max =
-            parse_int_in(lookup, "ORCA_RELAY_DATABASE_POOL_MAX", default_pool, 1, 100)? as u32;
-        let pool_reserve_max = parse_int_in(
-            lookup,
+        let problems_before = r.problem_count();
+        let pool_max = r.int("ORCA_RELAY_DATABASE_POOL_MAX", default_pool, 1, 100) as u32;
+        // Against a bad POOL_MAX the ceiling is checked against the widest pool, not the
+        // default that stood in for it, so one mistake is not reported twice.
+        let ceiling_bound = if r.problem_count() > problems_before {
+            100
+        } else {
+            pool_max as u64
+        };
+        let pool_reserve_max = r.int(
             "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX",
             pool_max as u64,
             1,
-            pool_max as u64,
-        )? as u32;
-        let jwks_allow_http = parse_flag(lookup, "ORCA_RELAY_JWKS_ALLOW_HTTP")?;
-        let jwks_url = parse_jwks_url(lookup, jwks_allow_http)?;
-        let auth_issuer = get(lookup, "ORCA_RELAY_AUTH_ISSUER");
-        if jwks_url.is_some() && auth_issuer.is_none() {
-            return Err(error(
-                "ORCA_RELAY_AUTH_ISSUER",
-                "",
-                "the token issuer whenever ORCA_RELAY_JWKS_URL is set",
-            ));
-        }
-        let auth_audience =
-            get(lookup, "ORCA_RELAY_AUTH_AUDIENCE").unwrap_or_else(|| "orca-relay".into());
-        let self_hosted_key = get(lookup, "ORCA_RELAY_SELF_HOSTED_KEY");
+            ceiling_bound,
+        ) as u32;
+        let jwks_allow_http = r.check(parse_flag(lookup, "ORCA_RELAY_JWKS_ALLOW_HTTP"), false);
+        let jwks_url = r.check(parse_jwks_url(lookup, jwks_allow_http), None);
+        let auth_issuer = r.text("ORCA_RELAY_AUTH_ISSUER");
+        let auth_audience = r
+            .text("ORCA_RELAY_AUTH_AUDIENCE")
+            .unwrap_or_else(|| "orca-relay".into());
+        let self_hosted_key = r.text("ORCA_RELAY_SELF_HOSTED_KEY");
         if let Some(key) = &self_hosted_key {
             if role != Role::Combined {
-                return Err(error(
+                r.invalid(
                     "ORCA_RELAY_SELF_HOSTED_KEY",
                     "<set>",
                     "unset outside the combined role (cells and directors use ORCA_RELAY_JWKS_URL)",
-                ));
-            }
-            if !(32..=256).contains(&key.len()) {
-                return Err(error(
+                );
+            } else if !(32..=256).contains(&key.len()) {
+                r.invalid(
                     "ORCA_RELAY_SELF_HOSTED_KEY",
                     "<masked>",
                     "a secret of 32 to 256 characters",
-                ));
+                );
             }
         }
-        let service_token = match get(lookup, "ORCA_RELAY_SERVICE_TOKEN") {
+        // A comma list: the first is sent, any is accepted. The refusal never shows a token.
+        let service_token = match r.text("ORCA_RELAY_SERVICE_TOKEN") {
             None => None,
-            Some(raw) => Some(
-                ServiceTokens::parse(&raw)
-                    .map_err(|expected| error("ORCA_RELAY_SERVICE_TOKEN", "<masked>", expected))?,
-            ),
+            Some(raw) => match ServiceTokens::parse(&raw) {
+                Ok(tokens) => Some(tokens),
+                Err(expected) => {
+                    r.invalid("ORCA_RELAY_SERVICE_TOKEN", "<masked>", expected);
+                    None
+                }
+            },
         };
-        if role != Role::Combined && service_token.is_none() {
-            return Err(error(
+        if role != Role::Combined && r.text("ORCA_RELAY_SERVICE_TOKEN").is_none() {
+            r.missing(
                 "ORCA_RELAY_SERVICE_TOKEN",
-                "",
                 "a shared bearer secret (required for the cell and director roles)",
-            ));
+            );
         }
-        if role != Role::Combined && jwks_url.is_none() {
-            return Err(error(
+        // The JWKS and its issuer: both required for a cell or director; the issuer whenever a
+        // JWKS is set. A JWKS URL that is set but invalid still needs its issuer.
+        let jwks_set = r.text("ORCA_RELAY_JWKS_URL").is_some();
+        if role != Role::Combined && !jwks_set {
+            r.missing(
                 "ORCA_RELAY_JWKS_URL",
-                "",
                 "the auth JWKS URL (required for the cell and director roles)",
-            ));
+            );
         }
-        let switch_file = get(lookup, "ORCA_RELAY_SWITCH_FILE")
+        if (jwks_set || role != Role::Combined) && auth_issuer.is_none() {
+            r.missing(
+                "ORCA_RELAY_AUTH_ISSUER",
+                "the token issuer (required with ORCA_RELAY_JWKS_URL, and so for the cell and director roles)",
+            );
+        }
+        let switch_file = r
+            .text("ORCA_RELAY_SWITCH_FILE")
             .map(PathBuf::from)
             .unwrap_or_else(|| data_dir.join("switch.json"));
-        let connection_cap =
-            parse_int_in(lookup, "ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000)? as u32;
-        let pending_upgrades_max =
-            parse_int_in(lookup, "ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000)? as u32;
-        let splice_workers = parse_int_in(
-            lookup,
+        let connection_cap = r.int("ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000) as u32;
+        let pending_upgrades_max = r.int("ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000) as u32;
+        let splice_workers = r.int(
             "ORCA_RELAY_SPLICE_WORKERS",
             default_splice_workers(),
             1,
             MAX_SPLICE_WORKERS,
-        )? as u32;
+        ) as u32;
         let hour = 3_600_000;
-        let http_idle_ms = parse_int_in(lookup, "ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour)?;
+        let http_idle_ms = r.int("ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour);
         let http_connections_max =
-            parse_int_in(lookup, "ORCA_RELAY_HTTP_CONNECTIONS_MAX", 1024, 1, 100_000)? as u32;
-        let readiness_jwks_grace_ms = parse_int_in(
-            lookup,
-            "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
-            900_000,
-            0,
-            hour,
-        )?;
-        let readiness_sql_grace_ms = parse_int_in(
-            lookup,
-            "ORCA_RELAY_READINESS_SQL_GRACE_MS",
-            180_000,
-            0,
-            hour,
-        )?;
-        let handshake_timeout_ms = parse_int_in(
-            lookup,
+            r.int("ORCA_RELAY_HTTP_CONNECTIONS_MAX", 1024, 1, 100_000) as u32;
+        let readiness_jwks_grace_ms = r.int("ORCA_RELAY_READINESS_JWKS_GRACE_MS", 900_000, 0, hour);
+        let readiness_sql_grace_ms = r.int("ORCA_RELAY_READINESS_SQL_GRACE_MS", 180_000, 0, hour);
+        let handshake_timeout_ms = r.int(
             "ORCA_RELAY_HANDSHAKE_TIMEOUT_MS",
             12_000,
             1,
             u32::MAX as u64,
-        )?;
-        let handshake_attempts =
-            parse_int_in(lookup, "ORCA_RELAY_HANDSHAKE_ATTEMPTS", 3, 1, 1_000)? as u32;
-        let drain_grace_ms = parse_int_in(lookup, "ORCA_RELAY_DRAIN_GRACE_MS", 30_000, 0, hour)?;
+        );
+        let handshake_attempts = r.int("ORCA_RELAY_HANDSHAKE_ATTEMPTS", 3, 1, 1_000) as u32;
+        let drain_grace_ms = r.int("ORCA_RELAY_DRAIN_GRACE_MS", 30_000, 0, hour);
+        // Retire: 1 s (tests) to 7 days; forget: from the retire age (a cell is retired before
+        // it is forgotten) to 90 days.
+        let day = 86_400_000;
+        let cell_retire_ms = r.int("ORCA_RELAY_CELL_RETIRE_MS", 600_000, 1_000, 7 * day);
+        let cell_forget_ms = r.int(
+            "ORCA_RELAY_CELL_FORGET_MS",
+            day.max(cell_retire_ms),
+            cell_retire_ms,
+            90 * day,
+        );
 
         let d = Timings::default();
-        let knob = |name: &str, default: u64| parse_int_in(lookup, name, default, 1, 86_400_000);
         let timings = Timings {
-            dead_man_base_ms: knob("ORCA_RELAY_DEAD_MAN_BASE_MS", d.dead_man_base_ms)?,
-            dead_man_spread_ms: parse_int_in(
-                lookup,
+            dead_man_base_ms: r.int("ORCA_RELAY_DEAD_MAN_BASE_MS", d.dead_man_base_ms, 1, day),
+            dead_man_spread_ms: r.int(
                 "ORCA_RELAY_DEAD_MAN_SPREAD_MS",
                 d.dead_man_spread_ms,
                 0,
-                86_400_000,
-            )?,
-            trip_claim_retry_ms: knob("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", d.trip_claim_retry_ms)?,
-            trip_slot_stale_ms: knob("ORCA_RELAY_TRIP_SLOT_STALE_MS", d.trip_slot_stale_ms)?,
-            tripped_row_force_refresh_ms: knob(
+                day,
+            ),
+            trip_claim_retry_ms: r.int(
+                "ORCA_RELAY_TRIP_CLAIM_RETRY_MS",
+                d.trip_claim_retry_ms,
+                1,
+                day,
+            ),
+            trip_slot_stale_ms: r.int(
+                "ORCA_RELAY_TRIP_SLOT_STALE_MS",
+                d.trip_slot_stale_ms,
+                1,
+                day,
+            ),
+            tripped_row_force_refresh_ms: r.int(
                 "ORCA_RELAY_TRIPPED_ROW_FORCE_REFRESH_MS",
                 d.tripped_row_force_refresh_ms,
-            )?,
-            admit_effective_refresh_ms: knob(
+                1,
+                day,
+            ),
+            admit_effective_refresh_ms: r.int(
                 "ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS",
                 d.admit_effective_refresh_ms,
-            )?,
-            seat_memory_ms: knob("ORCA_RELAY_SEAT_MEMORY_MS", d.seat_memory_ms)?,
-            switch_poll_ms: knob("ORCA_RELAY_SWITCH_POLL_MS", d.switch_poll_ms)?,
-            heartbeat_ms: knob("ORCA_RELAY_HEARTBEAT_MS", d.heartbeat_ms)?,
-            heartbeat_fresh_ms: knob("ORCA_RELAY_HEARTBEAT_FRESH_MS", d.heartbeat_fresh_ms)?,
-            feed_poll_ms: knob("ORCA_RELAY_FEED_POLL_MS", d.feed_poll_ms)?,
-            readiness_probe_ms: knob("ORCA_RELAY_READINESS_PROBE_MS", d.readiness_probe_ms)?,
-            ping_ms: knob("ORCA_RELAY_PING_MS", d.ping_ms)?,
-            silence_ms: knob("ORCA_RELAY_SILENCE_MS", d.silence_ms)?,
-            first_frame_ms: knob("ORCA_RELAY_FIRST_FRAME_MS", d.first_frame_ms)?,
-            attach_deadline_ms: knob("ORCA_RELAY_ATTACH_DEADLINE_MS", d.attach_deadline_ms)?,
-            wedge_ms: knob("ORCA_RELAY_WEDGE_MS", d.wedge_ms)?,
-            lease_renew_ms: knob("ORCA_RELAY_LEASE_RENEW_MS", d.lease_renew_ms)?,
-            lease_ttl_ms: knob("ORCA_RELAY_LEASE_TTL_MS", d.lease_ttl_ms)?,
+                1,
+                day,
+            ),
+            seat_memory_ms: r.int("ORCA_RELAY_SEAT_MEMORY_MS", d.seat_memory_ms, 1, day),
+            switch_poll_ms: r.int("ORCA_RELAY_SWITCH_POLL_MS", d.switch_poll_ms, 1, day),
+            heartbeat_ms: r.int("ORCA_RELAY_HEARTBEAT_MS", d.heartbeat_ms, 1, day),
+            heartbeat_fresh_ms: r.int(
+                "ORCA_RELAY_HEARTBEAT_FRESH_MS",
+                d.heartbeat_fresh_ms,
+                1,
+                day,
+            ),
+            feed_poll_ms: r.int("ORCA_RELAY_FEED_POLL_MS", d.feed_poll_ms, 1, day),
+            readiness_probe_ms: r.int(
+                "ORCA_RELAY_READINESS_PROBE_MS",
+                d.readiness_probe_ms,
+                1,
+                day,
+            ),
+            ping_ms: r.int("ORCA_RELAY_PING_MS", d.ping_ms, 1, day),
+            silence_ms: r.int("ORCA_RELAY_SILENCE_MS", d.silence_ms, 1, day),
+            first_frame_ms: r.int("ORCA_RELAY_FIRST_FRAME_MS", d.first_frame_ms, 1, day),
+            attach_deadline_ms: r.int(
+                "ORCA_RELAY_ATTACH_DEADLINE_MS",
+                d.attach_deadline_ms,
+                1,
+                day,
+            ),
+            wedge_ms: r.int("ORCA_RELAY_WEDGE_MS", d.wedge_ms, 1, day),
+            lease_renew_ms: r.int("ORCA_RELAY_LEASE_RENEW_MS", d.lease_renew_ms, 1, day),
+            lease_ttl_ms: r.int("ORCA_RELAY_LEASE_TTL_MS", d.lease_ttl_ms, 1, day),
         };
 
-        Ok(Config {
+        r.finish(Config {
             role,
             cell_id,
             region,
@@ -606,6 +831,8 @@ impl Config {
             handshake_timeout_ms,
             handshake_attempts,
             drain_grace_ms,
+            cell_retire_ms,
+            cell_forget_ms,
             timings,
         })
     }
@@ -620,7 +847,7 @@ impl Config {
 
     /// The effective configuration as `variable=value` lines with secrets masked.
     pub fn describe(&self) -> BTreeMap<&'static str, String> {
-        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".to_string());
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| UNSET.to_string());
         let t = &self.timings;
         let mut out = BTreeMap::new();
         out.insert("ORCA_RELAY_ROLE", self.role.as_str().to_string());
@@ -630,7 +857,14 @@ impl Config {
         out.insert("ORCA_RELAY_HTTP_ADDR", self.http_addr.to_string());
         out.insert("ORCA_RELAY_CELL_URL", self.cell_url.clone());
         out.insert("ORCA_RELAY_INTERNAL_URL", self.internal_url.clone());
-        out.insert("ORCA_RELAY_DIRECTOR_URLS", self.director_urls.join(","));
+        out.insert(
+            "ORCA_RELAY_DIRECTOR_URLS",
+            if self.director_urls.is_empty() {
+                UNSET.to_string()
+            } else {
+                self.director_urls.join(",")
+            },
+        );
         out.insert("DATABASE_URL", opt(&self.database_url));
         out.insert(
             database_tls::CA_FILE_VARIABLE,
@@ -689,6 +923,8 @@ impl Config {
             self.handshake_attempts.to_string(),
         );
         out.insert("ORCA_RELAY_DRAIN_GRACE_MS", self.drain_grace_ms.to_string());
+        out.insert("ORCA_RELAY_CELL_RETIRE_MS", self.cell_retire_ms.to_string());
+        out.insert("ORCA_RELAY_CELL_FORGET_MS", self.cell_forget_ms.to_string());
         for (name, value) in [
             ("ORCA_RELAY_DEAD_MAN_BASE_MS", t.dead_man_base_ms),
             ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", t.dead_man_spread_ms),
@@ -720,7 +956,7 @@ impl Config {
         }
         for secret in SECRET_VARIABLES {
             if let Some(value) = out.get_mut(secret) {
-                if value != "(unset)" {
+                if value != UNSET {
                     *value = mask(secret, value);
                 }
             }
@@ -782,6 +1018,8 @@ mod tests {
         assert_eq!(config.pending_upgrades_max, 256);
         assert_eq!(config.http_idle_ms, 30_000);
         assert_eq!(config.http_connections_max, 1024);
+        assert_eq!(config.cell_retire_ms, 600_000);
+        assert_eq!(config.cell_forget_ms, 86_400_000);
         assert_eq!(config.splice_workers as u64, default_splice_workers());
         assert_eq!(
             parse(&[("ORCA_RELAY_SPLICE_WORKERS", "")])
@@ -795,6 +1033,40 @@ mod tests {
                 .splice_workers,
             3
         );
+    }
+
+    #[test]
+    fn membership_ages_are_bounded_and_forget_is_never_before_retire() {
+        let config = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", "2000"),
+            ("ORCA_RELAY_CELL_FORGET_MS", "5000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (config.cell_retire_ms, config.cell_forget_ms),
+            (2_000, 5_000)
+        );
+        let config = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", ""),
+            ("ORCA_RELAY_CELL_FORGET_MS", ""),
+        ])
+        .unwrap();
+        assert_eq!(
+            (config.cell_retire_ms, config.cell_forget_ms),
+            (600_000, 86_400_000)
+        );
+        let err = parse(&[
+            ("ORCA_RELAY_CELL_RETIRE_MS", "60000"),
+            ("ORCA_RELAY_CELL_FORGET_MS", "59999"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid ORCA_RELAY_CELL_FORGET_MS=\"59999\": expected an integer from 60000 to 7776000000"
+        );
+        let err = parse(&[("ORCA_RELAY_CELL_RETIRE_MS", "999")]).unwrap_err();
+        assert_eq!(err.variable, "ORCA_RELAY_CELL_RETIRE_MS");
+        assert!(err.to_string().contains("from 1000 to 604800000"), "{err}");
     }
 
     #[test]
@@ -911,6 +1183,106 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(config.pool_max, 3, "directors default to a pool of 3");
+    }
+
+    fn parse_all(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup_all(&move |name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn every_problem_is_reported_in_one_reading() {
+        let errors = parse_all(&[
+            ("ORCA_RELAY_ROLE", "cell"),
+            ("ORCA_RELAY_CELL_ID", "c 7"),
+            ("ORCA_RELAY_DATABASE_POOL_MAX", "0"),
+            ("ORCA_RELAY_PING_MS", "soon"),
+            ("ORCA_RELAY_DIRECTOR_URLS", "director.internal"),
+        ])
+        .unwrap_err();
+        let found: Vec<(&str, Problem)> = errors
+            .0
+            .iter()
+            .map(|e| (e.variable.as_str(), e.problem))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                ("ORCA_RELAY_CELL_ID", Problem::Invalid),
+                ("ORCA_RELAY_DIRECTOR_URLS", Problem::Invalid),
+                ("ORCA_RELAY_DATABASE_POOL_MAX", Problem::Invalid),
+                ("ORCA_RELAY_SERVICE_TOKEN", Problem::Missing),
+                ("ORCA_RELAY_JWKS_URL", Problem::Missing),
+                ("ORCA_RELAY_AUTH_ISSUER", Problem::Missing),
+                ("ORCA_RELAY_PING_MS", Problem::Invalid),
+            ]
+        );
+        assert_eq!(errors.summary(), "7 problems");
+        assert_eq!(errors.to_string().lines().count(), 7);
+        // `from_lookup` keeps answering with the first.
+        let first =
+            parse(&[("ORCA_RELAY_ROLE", "cell"), ("ORCA_RELAY_CELL_ID", "c 7")]).unwrap_err();
+        assert_eq!(first.variable, "ORCA_RELAY_CELL_ID");
+    }
+
+    #[test]
+    fn unset_is_missing_and_never_invalid_empty() {
+        for role in ["cell", "director"] {
+            let errors = parse_all(&[
+                ("ORCA_RELAY_ROLE", role),
+                ("ORCA_RELAY_SERVICE_TOKEN", ""),
+                ("ORCA_RELAY_JWKS_URL", "  "),
+            ])
+            .unwrap_err();
+            assert_eq!(errors.0.len(), 3, "{errors}");
+            for error in &errors.0 {
+                assert_eq!(error.problem, Problem::Missing);
+                let line = error.to_string();
+                assert!(line.starts_with("missing ORCA_RELAY_"), "{line}");
+                assert!(line.contains("(unset)"), "{line}");
+                assert!(!line.contains("\"\""), "{line}");
+            }
+        }
+        let error = parse_all(&[("ORCA_RELAY_JWKS_URL", "https://auth/jwks")]).unwrap_err();
+        assert_eq!(error.0[0].variable, "ORCA_RELAY_AUTH_ISSUER");
+        assert_eq!(error.0[0].problem, Problem::Missing);
+        assert_eq!(error.summary(), "1 problem");
+    }
+
+    #[test]
+    fn a_bad_pool_max_does_not_make_a_good_ceiling_look_bad() {
+        let errors = parse_all(&[
+            ("ORCA_RELAY_DATABASE_POOL_MAX", "200"),
+            ("ORCA_RELAY_DATABASE_POOL_RESERVE_MAX", "50"),
+        ])
+        .unwrap_err();
+        assert_eq!(errors.0.len(), 1, "{errors}");
+        assert_eq!(errors.0[0].variable, "ORCA_RELAY_DATABASE_POOL_MAX");
+    }
+
+    #[test]
+    fn unset_variables_without_a_default_read_the_same() {
+        let described = parse(&[]).unwrap().describe();
+        for name in [
+            "ORCA_RELAY_DIRECTOR_URLS",
+            "DATABASE_URL",
+            "ORCA_RELAY_JWKS_URL",
+            "ORCA_RELAY_AUTH_ISSUER",
+            "ORCA_RELAY_SELF_HOSTED_KEY",
+            "ORCA_RELAY_SERVICE_TOKEN",
+        ] {
+            assert_eq!(described[name], UNSET, "{name}");
+        }
+        assert!(described.values().all(|v| !v.is_empty()));
+        let counted = Config::variables_set(&|name| match name {
+            "ORCA_RELAY_REGION" => Some("eu".into()),
+            "ORCA_RELAY_CELL_ID" => Some(" ".into()),
+            _ => None,
+        });
+        assert_eq!(counted, 1, "'' and blanks are unset");
     }
 
     #[test]

@@ -34,4 +34,6 @@ pub mod relay;
 // Floor 5-6: role wiring and the command line.
 pub mod cli;
 pub mod client;
+pub mod fleet_status;
 pub mod roles;
+pub mod switch_tool;

@@ -105,9 +105,16 @@ pub fn send_notification(socket: &OsStr, message: &str) -> io::Result<()> {
         )
     })?;
     let sender = UnixDatagram::unbound()?;
-    let sent = match address {
-        NotifyAddress::Path(path) => sender.send_to(message.as_bytes(), path)?,
-        NotifyAddress::Abstract(name) => send_to_abstract(&sender, &name, message)?,
+    let sent = loop {
+        let attempt = match &address {
+            NotifyAddress::Path(path) => sender.send_to(message.as_bytes(), path),
+            NotifyAddress::Abstract(name) => send_to_abstract(&sender, name, message),
+        };
+        match attempt {
+            // An interrupted send sent nothing: send the datagram again.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            result => break result?,
+        }
     };
     if sent != message.len() {
         return Err(io::Error::new(

@@ -46,12 +46,69 @@ impl Gauge {
     }
 }
 
+/// A histogram with fixed upper bounds (`le`), cumulative as Prometheus renders it. Observing
+/// is a few relaxed atomic adds.
+#[derive(Clone, Debug)]
+pub struct Histogram(Arc<HistogramInner>);
+
+#[derive(Debug)]
+struct HistogramInner {
+    bounds: Vec<u64>,
+    /// One count per bound (not cumulative), then the overflow (+Inf).
+    buckets: Vec<AtomicU64>,
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &[u64]) -> Histogram {
+        Histogram(Arc::new(HistogramInner {
+            bounds: bounds.to_vec(),
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn observe(&self, value: u64) {
+        let index = self
+            .0
+            .bounds
+            .iter()
+            .position(|bound| value <= *bound)
+            .unwrap_or(self.0.bounds.len());
+        self.0.buckets[index].fetch_add(1, Ordering::Relaxed);
+        self.0.sum.fetch_add(value, Ordering::Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.0
+            .buckets
+            .iter()
+            .map(|bucket| bucket.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Observations above `bound` (which must be one of the bounds, or it counts from the
+    /// next one up).
+    pub fn count_above(&self, bound: u64) -> u64 {
+        self.0
+            .bounds
+            .iter()
+            .zip(&self.0.buckets)
+            .filter(|(b, _)| **b > bound)
+            .map(|(_, bucket)| bucket.load(Ordering::Relaxed))
+            .sum::<u64>()
+            + self.0.buckets[self.0.bounds.len()].load(Ordering::Relaxed)
+    }
+}
+
 #[derive(Default)]
 struct Family {
     help: String,
     kind: &'static str,
     counters: BTreeMap<Labels, Counter>,
     gauges: BTreeMap<Labels, Gauge>,
+    histograms: BTreeMap<Labels, Histogram>,
     samplers: Vec<Sampler>,
 }
 
@@ -111,6 +168,24 @@ impl Registry {
         })
     }
 
+    /// The histogram of `name` with these labels and upper bounds, created empty on first use
+    /// (later calls get the first one's bounds).
+    pub fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        label_pairs: &[(&str, &str)],
+        bounds: &[u64],
+    ) -> Histogram {
+        self.with_family(name, help, "histogram", |family| {
+            family
+                .histograms
+                .entry(labels(label_pairs))
+                .or_insert_with(|| Histogram::new(bounds))
+                .clone()
+        })
+    }
+
     /// A gauge family whose values are sampled at render time.
     pub fn sampled_gauge(
         &self,
@@ -137,6 +212,36 @@ impl Registry {
             }
             for (labels, gauge) in &family.gauges {
                 let _ = writeln!(out, "{name}{} {}", render_labels(labels), gauge.get());
+            }
+            for (labels, histogram) in &family.histograms {
+                let mut cumulative = 0;
+                let inner = &histogram.0;
+                for (bound, bucket) in inner.bounds.iter().zip(&inner.buckets) {
+                    cumulative += bucket.load(Ordering::Relaxed);
+                    let mut with_le = labels.clone();
+                    with_le.push(("le".to_string(), bound.to_string()));
+                    let _ = writeln!(out, "{name}_bucket{} {cumulative}", render_labels(&with_le));
+                }
+                let mut with_le = labels.clone();
+                with_le.push(("le".to_string(), "+Inf".to_string()));
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{} {}",
+                    render_labels(&with_le),
+                    histogram.count()
+                );
+                let _ = writeln!(
+                    out,
+                    "{name}_sum{} {}",
+                    render_labels(labels),
+                    inner.sum.load(Ordering::Relaxed)
+                );
+                let _ = writeln!(
+                    out,
+                    "{name}_count{} {}",
+                    render_labels(labels),
+                    histogram.count()
+                );
             }
             for sampler in &family.samplers {
                 for (labels, value) in sampler() {
@@ -202,5 +307,24 @@ mod tests {
         registry.counter("x_total", "x", &[("a", "1")]).inc();
         registry.counter("x_total", "x", &[("a", "1")]).inc();
         assert_eq!(registry.counter("x_total", "x", &[("a", "1")]).get(), 2);
+    }
+
+    #[test]
+    fn histograms_render_cumulative_buckets_sum_and_count() {
+        let registry = Registry::new();
+        let h = registry.histogram("x_ms", "x.", &[], &[100, 1_000]);
+        for value in [50, 100, 101, 5_000] {
+            h.observe(value);
+        }
+        assert_eq!(h.count(), 4);
+        assert_eq!(h.count_above(100), 2);
+        assert_eq!(h.count_above(1_000), 1);
+        let text = registry.render();
+        assert!(text.contains("# TYPE x_ms histogram"), "{text}");
+        assert!(text.contains("x_ms_bucket{le=\"100\"} 2"), "{text}");
+        assert!(text.contains("x_ms_bucket{le=\"1000\"} 3"), "{text}");
+        assert!(text.contains("x_ms_bucket{le=\"+Inf\"} 4"), "{text}");
+        assert!(text.contains("x_ms_sum 5251"), "{text}");
+        assert!(text.contains("x_ms_count 4"), "{text}");
     }
 }

@@ -80,11 +80,8 @@ fn held_while_the_only_slot_is_taken_then_trips_once_the_peer_frees_it() {
     let setup = start_cell(serde_json::json!({"admitMode":"reserve","deadManTripSlots":1}));
     let relay = &setup.relay;
     // The peer holds the only slot: its operator record says reserve, its own row says db.
-    setup.store.set_admit_mode(PEER, "reserve", now()).unwrap();
-    setup
-        .store
-        .write_admit_effective(PEER, 1, "db", now())
-        .unwrap();
+    setup.store.set_admit_mode(PEER, "reserve").unwrap();
+    setup.store.write_admit_effective(PEER, 1, "db").unwrap();
 
     let mut director = DirectorPolls::start(relay);
     assert!(wait_until(Duration::from_secs(5), || metric(
@@ -168,7 +165,7 @@ fn held_while_the_only_slot_is_taken_then_trips_once_the_peer_frees_it() {
     // re-registers its desktop, closing no socket.
     setup
         .store
-        .write_admit_effective(PEER, 1, "reserve", now())
+        .write_admit_effective(PEER, 1, "reserve")
         .unwrap();
     let tripped = relay
         .wait_for_log(
@@ -291,4 +288,89 @@ fn without_the_flag_the_cell_trips_as_before() {
         .unwrap()
         .is_some_and(|row| row.mode == "reserve")));
     director.stop();
+}
+
+/// Drain's admit-effective write is the cell's last (SPEC §11 "Slot liveness"): a tripped cell
+/// stopped with SIGTERM leaves its row `reserve`, so its slot is free at once, not after
+/// `TRIP_SLOT_STALE_MS`. Twenty times in a row, each time with a heartbeat to a slow director
+/// in flight (joining that thread takes a while, and the watchdog used to keep writing `db`
+/// meanwhile), and each time a held peer takes the slot on its next claim.
+#[test]
+fn a_tripped_cell_that_exits_frees_its_slot_every_time() {
+    let jwks = jwks_server();
+    // Registrations are answered at once, heartbeats only after 400 ms: one is always in flight.
+    let director = FakeServer::start(|seen| {
+        if seen.path.ends_with("/cell-heartbeat") {
+            orca_relay::clock::sleep(Duration::from_millis(400));
+        }
+        (200, r#"{"v":1,"ok":true}"#.to_string())
+    });
+    let dir = Arc::new(TempDir::new("drain-slot"));
+    write_switch(
+        &dir.0.join("switch.json"),
+        CELL,
+        1,
+        serde_json::json!({"admitMode":"reserve","deadManTripSlots":1}),
+    );
+    let mut env = cell_env(CELL, &jwks, &[&director]);
+    env.extend(
+        [
+            ("ORCA_RELAY_DEAD_MAN_BASE_MS", "600"),
+            ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "0"),
+            ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", "100"),
+            ("ORCA_RELAY_SWITCH_POLL_MS", "50"),
+            ("ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS", "100"),
+            ("ORCA_RELAY_HEARTBEAT_MS", "100"),
+            ("ORCA_RELAY_DRAIN_GRACE_MS", "0"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    let store = Store::open(&StoreConfig::new(None, dir.0.join("relay.db"))).unwrap();
+    store.migrate().unwrap();
+    // Both cells are reserve cells by the operator's record: a `db` row of either holds a slot.
+    store.set_admit_mode(CELL, "reserve").unwrap();
+    store.set_admit_mode(PEER, "reserve").unwrap();
+    for round in 0..20 {
+        let mut relay = Relay::start_in(dir.clone(), &env_refs(&env));
+        assert!(
+            relay
+                .wait_for_log(
+                    "orca_relay_cell_reserve_dead_man_tripped",
+                    Duration::from_secs(10)
+                )
+                .is_some(),
+            "round {round}: no trip\n{}",
+            relay.log_text()
+        );
+        assert!(wait_until(Duration::from_secs(5), || store
+            .admit_effective(CELL)
+            .unwrap()
+            .is_some_and(|row| row.mode == "db")));
+        // The peer is held: the only slot is this cell's.
+        assert!(matches!(
+            store.claim_trip_slot(PEER, 1, 1, 600_000).unwrap(),
+            orca_relay::store::ClaimOutcome::Refused { others_holding: 1 }
+        ));
+
+        relay.signal("TERM");
+        assert_eq!(relay.wait_exit(Duration::from_secs(10)), Some(0));
+        let row = store.admit_effective(CELL).unwrap().unwrap();
+        assert_eq!(
+            row.mode,
+            "reserve",
+            "round {round}: the exited cell's row still holds the slot\n{}",
+            relay.log_text()
+        );
+        // The held peer's next claim takes the slot at once.
+        assert!(
+            matches!(
+                store.claim_trip_slot(PEER, 1, 1, 600_000).unwrap(),
+                orca_relay::store::ClaimOutcome::Permit { others_holding: 0 }
+            ),
+            "round {round}"
+        );
+        // The peer is re-armed (writes reserve), so the next round's cell can trip again.
+        store.write_admit_effective(PEER, 1, "reserve").unwrap();
+    }
 }

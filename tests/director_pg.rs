@@ -782,25 +782,24 @@ fn a_held_reserve_cell_gets_nothing_on_the_database_path_a_tripped_one_does() {
     // No seat feed answer: the cell cannot be booked, only the database path is left.
     cell.state.feed_broken.store(true, Ordering::SeqCst);
     director.enrol(&cell, "reserve");
-    let now = clock::system().now_ms() as i64;
 
     // Held: its own row says reserve.
     store
-        .write_admit_effective(&cell.id, cell.incarnation, "reserve", now)
+        .write_admit_effective(&cell.id, cell.incarnation, "reserve")
         .unwrap();
     let (user, host) = new_host();
     assert_unavailable(&director.assign(&user, &host), "relay_capacity_exhausted");
 
     // A `db` row left by an earlier process says nothing about this one.
     store
-        .write_admit_effective(&cell.id, cell.incarnation - 1, "db", now)
+        .write_admit_effective(&cell.id, cell.incarnation - 1, "db")
         .unwrap();
     assert_unavailable(&director.assign(&user, &host), "relay_capacity_exhausted");
     assert!(store.assignment(&user, &host).unwrap().is_none());
 
     // Tripped: its row says db for its current incarnation.
     store
-        .write_admit_effective(&cell.id, cell.incarnation, "db", now)
+        .write_admit_effective(&cell.id, cell.incarnation, "db")
         .unwrap();
     assert_eq!(
         placement(&director.assign(&user, &host)),

@@ -91,6 +91,11 @@ impl Fleet {
     /// Starts the director, waits for its migrations, then starts each `(cell id, switch
     /// admitMode)` with generation 1 of its switch file.
     fn start(prefix: &str, cells: &[(&str, &str)]) -> Fleet {
+        Fleet::start_with(prefix, cells, &[])
+    }
+
+    /// As [`Fleet::start`], with `cell_env` added to every cell's environment.
+    fn start_with(prefix: &str, cells: &[(&str, &str)], cell_env: &[(&str, &str)]) -> Fleet {
         let jwks = jwks_server();
         let database_url = common::pg::fresh_database(prefix);
         let jwks_url = format!("{}/jwks.json", jwks.url());
@@ -133,6 +138,7 @@ impl Fleet {
                     ("ORCA_RELAY_SWITCH_POLL_MS", &SWITCH_POLL_MS.to_string()),
                     ("ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS", "200"),
                 ]));
+                env.extend(owned(cell_env));
                 Relay::start_in(dir, &env_refs(&env))
             })
             .collect();
@@ -474,4 +480,93 @@ fn hostile_input_against_a_cell_changes_nothing() {
     for (cause, _) in &writes {
         assert_eq!(unreadable(cell, cause), 1, "{cause} said once in all");
     }
+}
+
+/// SPEC §11 "A draining cell is never a pin": the drain frame sends desktops back to the
+/// director, which must place them on another cell at once, not answer 503
+/// `relay_home_cell_unavailable` until the draining cell is gone. Then the cell deregisters on
+/// its clean exit: the director forgets it at once, without waiting for it to retire.
+#[test]
+fn a_desktop_of_a_draining_cell_is_placed_elsewhere_within_a_second() {
+    let mut fleet = Fleet::start_with(
+        "drain_pin",
+        &[("cell-d", "reserve"), ("cell-e", "db")],
+        &[("ORCA_RELAY_DRAIN_GRACE_MS", "10000")],
+    );
+    fleet.record_admit_mode("cell-d", "reserve");
+    fleet.record_admit_mode("cell-e", "db");
+    fleet.wait_placeable(&fleet.cells[1], "cell-e", false);
+    fleet.wait_placeable(&fleet.cells[0], "cell-d", true);
+    let (director, store) = (&fleet.director, &fleet.store);
+    let (first, rest) = fleet.cells.split_at_mut(1);
+    let (d, e) = (&mut first[0], &rest[0]);
+
+    // Booked on the reserve cell, connected, pinned there while it runs.
+    let (_user, host, token) = desktop(20);
+    let (url, epoch) = assign(director, &token, &host);
+    assert_eq!(url, cell_url(d));
+    let (mut control, _) = hello(d, &token, &host, epoch).expect("booked hello");
+    assert_eq!(
+        assign(director, &token, &host),
+        (cell_url(d), epoch),
+        "pinned"
+    );
+
+    // SIGTERM: the cell tells its desktops to go back to the director.
+    d.signal("TERM");
+    let drain = read_json(&mut control);
+    assert_eq!(drain["type"], "drain", "{drain}");
+    assert_eq!(drain["recovery"], "resolve-director");
+
+    // The desktop asks (as a client would, retrying fast): a new placement within 1 s.
+    let asked = orca_relay::clock::instant();
+    let mut answers = Vec::new();
+    let placed = loop {
+        let (status, body) = director.post(
+            "/v1/assign",
+            Some(&token),
+            &json!({"v":1,"relayHostId":host,"reconnect":true}).to_string(),
+        );
+        if status == 200 {
+            let value: Value = serde_json::from_str(&body).unwrap();
+            let url = value["cellUrl"].as_str().unwrap().to_string();
+            if url == cell_url(e) {
+                break (url, value["assignmentEpoch"].as_i64().unwrap());
+            }
+        }
+        answers.push((status, body));
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "no new placement within 1 s; answers: {answers:?}"
+        );
+        orca_relay::clock::sleep(Duration::from_millis(50));
+    };
+    let elapsed = asked.elapsed();
+    assert!(placed.1 > epoch, "a new epoch: {placed:?}");
+    eprintln!("drain_pin: placed on cell-e {elapsed:?} after asking ({answers:?} before)");
+    let (_moved, _) = hello(e, &token, &host, placed.1).expect("admitted on cell-e");
+
+    // The old control goes; the draining cell finishes early and deregisters on its way out.
+    let _ = control.close(None);
+    assert_eq!(d.wait_exit(DEADLINE), Some(0), "{}", d.log_text());
+    assert!(d
+        .wait_for_log("orca_relay_cell_deregistered cell_id=cell-d", DEADLINE)
+        .is_some());
+    assert!(director
+        .wait_for_log(
+            "orca_relay_director_cell_deregistered cell_id=cell-d",
+            DEADLINE
+        )
+        .is_some());
+    let cells = store.list_cells().unwrap();
+    assert_eq!(
+        cells.iter().map(|c| c.cell_id.as_str()).collect::<Vec<_>>(),
+        vec!["cell-e"],
+        "the exited cell is no longer registered"
+    );
+    // Its row says reserve (the drain's last write): it holds no trip slot.
+    assert_eq!(
+        store.admit_effective("cell-d").unwrap().map(|row| row.mode),
+        Some("reserve".to_string())
+    );
 }

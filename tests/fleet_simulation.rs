@@ -10,6 +10,12 @@
 //! cell's database brownouts (pool waiters, which skip refreshes and claims) are injected by
 //! the scenario instead of coming from its pool.
 //!
+//! Cells are also paused now and then (SIGSTOP, a VM pause: 5 s to 5 min, often longer than the
+//! window), as the watchdog's [`PauseGuard`] sees it: no tick while stopped, and the director's
+//! next poll lands one poll period after the process resumes, so on the resume tick the last
+//! contact is as old as the pause. A pause alone must never trip or hold a cell: every trip and
+//! every held line must come from a silence that overlapped a real outage or partition.
+//!
 //! After every simulated second the test asserts, from the database itself, that the live slot
 //! holders (reserve cells whose own row says `db`, refreshed within `TRIP_SLOT_STALE_MS`) never
 //! outnumber `deadManTripSlots`, that each running cell's row agrees with its dead-man state,
@@ -24,6 +30,7 @@ use orca_relay::cell::mode::CellMode;
 use orca_relay::clock::{Clock, ManualClock};
 use orca_relay::config::Timings;
 use orca_relay::dead_man::claim_loop::StoreRow;
+use orca_relay::dead_man::pause::PauseGuard;
 use orca_relay::dead_man::window::{Action, ClaimResult, DeadManState, Mode, TickInput, Window};
 use orca_relay::dead_man::writer::{
     CellAdmitEffectiveWriter, ClaimAnswer, ClaimDecision, EffectiveRowStore, WriterTimings,
@@ -84,9 +91,11 @@ impl EffectiveRowStore for SimRow {
     }
 }
 
-/// One running process of a cell: its watchdog's window and its claim loop's writer.
+/// One running process of a cell: its watchdog's window and pause guard, its claim loop's
+/// writer.
 struct Process {
     window: Window,
+    pause: PauseGuard,
     writer: CellAdmitEffectiveWriter<SimRow>,
     last_contact_ms: Option<u64>,
 }
@@ -103,6 +112,11 @@ struct Cell {
     partitioned_until_ms: u64,
     /// This cell's database pool has waiters until then.
     brownout_until_ms: u64,
+    /// The process is stopped (SIGSTOP) until then: no tick, no contact.
+    paused_until_ms: u64,
+    /// The last second at which this cell really could not hear its director (an outage or a
+    /// partition): a trip or a held line needs a silence that overlaps one.
+    last_unreachable_ms: u64,
     brownout: Arc<AtomicBool>,
     /// Connected desktops: only churn and restarts lower it, never a trip.
     desktops: u64,
@@ -122,6 +136,11 @@ struct Tally {
     rearms_while_tripped: u64,
     outages: u64,
     brownouts: u64,
+    pauses: u64,
+    /// Pauses longer than the longest window (120 s).
+    pauses_past_window: u64,
+    /// Ticks that found a pause and held off judging silence.
+    pauses_detected: u64,
     /// Steps at which the live holders filled every slot.
     steps_at_cap: u64,
     /// Slots freed because a holder that was down let its row go stale.
@@ -160,17 +179,18 @@ impl Fleet {
         ));
         std::fs::create_dir_all(&dir).expect("create the simulation directory");
         let path = dir.join("relay.db");
-        let store = Store::open(&StoreConfig::new(None, path.clone())).expect("open SQLite");
+        // The database's clock (`relay_now_ms()`, which stamps and judges the slot rows) is
+        // the simulation's clock: simulated hours pass in seconds.
+        let clock = ManualClock::starting_at(T0);
+        let store = Store::open_with_clock(&StoreConfig::new(None, path.clone()), clock.clone())
+            .expect("open SQLite");
         store.migrate().expect("migrate");
         let probe = rusqlite::Connection::open(&path).expect("open the probe connection");
-        let clock = ManualClock::starting_at(T0);
         let cells = (0..CELLS)
             .map(|i| {
                 let id = format!("sim-c{i:02}");
                 // The operator's record of the switch: every cell of this fleet is reserve.
-                store
-                    .set_admit_mode(&id, "reserve", T0 as i64)
-                    .expect("admit mode");
+                store.set_admit_mode(&id, "reserve").expect("admit mode");
                 Cell {
                     id,
                     generation: 1,
@@ -179,6 +199,8 @@ impl Fleet {
                     up_at_ms: T0,
                     partitioned_until_ms: 0,
                     brownout_until_ms: 0,
+                    paused_until_ms: 0,
+                    last_unreachable_ms: 0,
                     brownout: Arc::new(AtomicBool::new(false)),
                     desktops: 0,
                 }
@@ -219,8 +241,10 @@ impl Fleet {
             row,
             brownout: cell.brownout.clone(),
         };
+        // The watchdog ticks every second; after a pause contact gets one feed-poll period.
         cell.process = Some(Process {
             window: Window::new(&cell.id, &self.timings),
+            pause: PauseGuard::new(1_000, self.timings.feed_poll_ms),
             writer: CellAdmitEffectiveWriter::new(row, WriterTimings::from_timings(&self.timings)),
             last_contact_ms: None,
         });
@@ -256,6 +280,18 @@ impl Fleet {
             let cell = &self.cells[index];
             cell.brownout
                 .store(now < cell.brownout_until_ms, Ordering::Relaxed);
+            // A pause of the process (a VM migration, a debugger): 5 s to 5 min, about once
+            // per cell-hour; the director stays up unless an outage happens to overlap.
+            if now >= cell.paused_until_ms && self.rng.one_in(3_600) {
+                let pause = self.rng.between(5, 300) * 1_000;
+                self.cells[index].paused_until_ms = now + pause;
+                self.tally.pauses += 1;
+                self.tally.pauses_past_window += (pause > 120_000) as u64;
+            }
+            let cell = &mut self.cells[index];
+            if now < self.director_down_until_ms || now < cell.partitioned_until_ms {
+                cell.last_unreachable_ms = now;
+            }
             // A restart, about 1.5 times per cell over two hours in total fleet-wide: down
             // for 0-15 minutes (past 10, a tripped holder's row goes stale while it is away).
             if self.rng.one_in(5_400) {
@@ -264,6 +300,7 @@ impl Fleet {
                 self.tally.restarts_while_tripped += tripped as u64;
                 let cell = &mut self.cells[index];
                 cell.process = None;
+                cell.paused_until_ms = 0; // a stopped process can be killed too
                 cell.desktops = 0; // the process exit closes every socket
                 cell.up_at_ms = now + self.rng.between(0, 900) * 1_000;
                 continue;
@@ -278,7 +315,7 @@ impl Fleet {
                 self.tally.rearms_while_tripped += tripped as u64;
                 self.cells[index].generation += 1;
                 self.store
-                    .set_admit_mode(&self.cells[index].id, "reserve", now as i64)
+                    .set_admit_mode(&self.cells[index].id, "reserve")
                     .expect("admit mode");
             }
             // Desktop churn.
@@ -305,15 +342,35 @@ impl Fleet {
         let slots = self.slots;
         let director_up = now >= self.director_down_until_ms;
         let cell = &mut self.cells[index];
+        if now < cell.paused_until_ms {
+            return; // stopped: no tick, no poll answered
+        }
         let generation = cell.generation;
-        let contact = director_up && now >= cell.partitioned_until_ms;
+        // The director's poll reaches a resumed process one poll period after it resumes.
+        let contact = director_up
+            && now >= cell.partitioned_until_ms
+            && now >= cell.paused_until_ms + self.timings.feed_poll_ms;
         let desktops_before = cell.desktops;
+        let last_unreachable_ms = cell.last_unreachable_ms;
         let Some(process) = cell.process.as_mut() else {
             return;
         };
         if contact {
             process.last_contact_ms = Some(now);
         }
+        if !process.pause.observe(now).judge_silence {
+            self.tally.pauses_detected += 1;
+            return;
+        }
+        let id = cell.id.clone();
+        let check = |silent_ms: u64| {
+            assert!(
+                last_unreachable_ms >= now.saturating_sub(silent_ms),
+                "{id} tripped or held at {now} after a silence of {silent_ms} ms with its director \
+                 reachable throughout (last unreachable at {last_unreachable_ms}): a pause read \
+                 as director silence"
+            );
+        };
         let actions = process.window.tick(TickInput {
             now_ms: now,
             switch_generation: generation,
@@ -352,13 +409,17 @@ impl Fleet {
                         now,
                     ));
                 }
-                Action::Trip { .. } => {
+                Action::Trip { silent_ms, .. } => {
                     // What the watchdog does on a trip: raw mode db, the writer told at once,
                     // re-registration started. Nothing here closes a socket.
+                    check(silent_ms);
                     self.tally.trips += 1;
                     process.writer.tick(now, true, Mode::Db, true);
                 }
-                Action::LogHeld { .. } => self.tally.held_lines += 1,
+                Action::LogHeld { silent_ms, .. } => {
+                    check(silent_ms);
+                    self.tally.held_lines += 1;
+                }
                 Action::ReleaseSlot { .. } => {
                     self.tally.released_permits += 1;
                     process.writer.release_slot(now);
@@ -468,6 +529,8 @@ impl Fleet {
                 let expected = match state {
                     DeadManState::Tripped => "db",
                     DeadManState::Armed | DeadManState::Held => "reserve",
+                    // Started, then stopped before its first tick: nothing written yet.
+                    DeadManState::Off if self.now() < self.cells[index].paused_until_ms => continue,
                     DeadManState::Off => unreachable!("the switch always says reserve"),
                 };
                 let id = &self.cells[index].id;
@@ -510,6 +573,8 @@ fn the_cap_holds_across_seeded_fleet_histories() {
             "seed {seed}: every permit was for the current silence and tripped"
         );
         assert!(tally.brownouts > 0, "{tally:?}");
+        assert!(tally.pauses_past_window > 0, "{tally:?}");
+        assert!(tally.pauses_detected > 0, "{tally:?}");
     }
     assert!(
         stale_frees > 0,

@@ -46,7 +46,7 @@ fn run(
     let result = register_with_directors(
         memberships,
         &request(),
-        SERVICE_TOKEN,
+        &orca_relay::service_token::ServiceTokens::single(SERVICE_TOKEN),
         budget,
         clock.as_ref(),
         &record_and_sleep,

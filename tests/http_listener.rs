@@ -48,3 +48,40 @@ fn stalled_clients_do_not_delay_health_and_are_closed() {
     assert_eq!(relay.get("/health").0, 200);
     assert_eq!(relay.get("/ready").0, 200);
 }
+
+/// A keep-alive connection that asks every second is answered every time, also after
+/// `tiny_http`'s accept thread has ended (10 s without a new connection) and the workers have
+/// moved to a fresh server: its requests still reach the server that accepted it. This is a
+/// director's feed poller, which reuses one connection per cell: one unanswered poll is a
+/// 2 s timeout, enough to break the cell's contact bound (2 × FEED_POLL_MS).
+#[test]
+fn a_keep_alive_connection_is_answered_across_the_accept_restart() {
+    let relay = Relay::combined(&[]);
+    let mut stream = TcpStream::connect(&relay.http).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut answers = 0;
+    let started = orca_relay::clock::instant();
+    while started.elapsed() < Duration::from_secs(14) {
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 512];
+        while !String::from_utf8_lossy(&head).contains("{\"ok\":true}") {
+            let n = stream.read(&mut buf).unwrap_or_else(|e| {
+                panic!(
+                    "request {} after {:?} went unanswered: {e}",
+                    answers + 1,
+                    started.elapsed()
+                )
+            });
+            assert!(n > 0, "the connection closed after {answers} answers");
+            head.extend_from_slice(&buf[..n]);
+        }
+        answers += 1;
+        orca_relay::clock::sleep(Duration::from_secs(1));
+    }
+    assert!(answers >= 12, "{answers}");
+}

@@ -239,8 +239,16 @@ fn parse_prometheus(text: &str) -> BTreeMap<String, Family> {
             .next()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("bad value, {}", at()));
+        // A histogram's samples are `<family>_bucket`, `<family>_sum` and `<family>_count`.
+        let histogram_family = ["_bucket", "_sum", "_count"].iter().find_map(|suffix| {
+            let family = name.strip_suffix(suffix)?;
+            families
+                .get(family)
+                .is_some_and(|f| f.kind.as_deref() == Some("histogram"))
+                .then(|| family.to_string())
+        });
         let family = families
-            .get_mut(name)
+            .get_mut(histogram_family.as_deref().unwrap_or(name))
             .unwrap_or_else(|| panic!("sample of an undeclared family, {}", at()));
         assert!(
             family.help.is_some() && family.kind.is_some(),
@@ -498,7 +506,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 #[test]
-fn check_config_names_the_one_bad_variable_and_exits_1() {
+fn check_config_names_the_one_bad_variable_on_one_line_and_exits_1() {
     let cases: &[(&str, &str)] = &[
         ("ORCA_RELAY_ROLE", "proxy"),
         ("ORCA_RELAY_CELL_ID", "bad id!"),
@@ -522,11 +530,13 @@ fn check_config_names_the_one_bad_variable_and_exits_1() {
             "{variable}={value:?}: {stderr}"
         );
         let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        // One line for the problem, then the summary line.
         assert_eq!(
             lines.len(),
-            1,
-            "{variable}={value:?}: one line, got {stderr:?}"
+            2,
+            "{variable}={value:?}: one problem line and the summary, got {stderr:?}"
         );
+        assert_eq!(lines[1], "1 problem", "{stderr}");
         assert!(
             lines[0].contains(variable),
             "{variable}={value:?}: the line must name the variable: {}",

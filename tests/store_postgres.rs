@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use common::pg;
-use common::store_cases::{self as cases, NOW, STALE_MS};
+use common::store_cases::{self as cases, Db, STALE_MS};
 use orca_relay::clock;
 use orca_relay::store::claim::TRIP_SLOT_LOCK_KEY;
 use orca_relay::store::{Backend, ClaimOutcome, Store, StoreConfig};
@@ -26,12 +26,31 @@ fn config(url: &str, application_name: &str) -> StoreConfig {
     }
 }
 
-fn migrated(name: &str) -> Store {
+fn migrated_store(name: &str) -> (Store, String) {
     let url = pg::fresh_database(name);
     let store = Store::open(&config(&url, "orca-relay:test:store")).expect("open");
     assert_eq!(store.backend(), Backend::Postgres);
     store.migrate().expect("migrate");
-    store
+    (store, url)
+}
+
+/// A migrated store on a fresh database. PostgreSQL's `now()` cannot be moved, so moving the
+/// database's clock forward moves every stamp in the cell tables back instead.
+fn migrated(name: &str) -> Db {
+    let (store, url) = migrated_store(name);
+    let mut admin = pg::connect(&url);
+    let advance = move |ms: i64| {
+        let shift = format!(
+            "UPDATE relay_cells SET registered_at = registered_at - {ms};
+             UPDATE relay_cell_runtime SET last_heartbeat_at = last_heartbeat_at - {ms};
+             UPDATE relay_cell_admit_modes SET updated_at = updated_at - {ms};
+             UPDATE relay_cell_admit_effective SET updated_at = updated_at - {ms};
+             UPDATE relay_assignment_activity_leases SET expires_at = expires_at - {ms};"
+        );
+        admin.batch_execute(&shift).expect("move the stamps back");
+    };
+    let admin = std::sync::Mutex::new(advance);
+    Db::new(store, move |ms| (admin.lock().unwrap())(ms))
 }
 
 /// Waits until `check` holds, polling with a short pause, or fails after `what` took 20 s.
@@ -61,6 +80,9 @@ scenarios!(
     cells_register_heartbeat_and_list,
     admit_modes_and_effective_rows,
     every_statement_is_counted,
+    deregistration_removes_only_that_incarnation,
+    silent_cells_are_forgotten_with_all_their_rows,
+    expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
     a_stale_holder_frees_exactly_one_slot,
     a_holder_whose_switch_says_db_does_not_count,
@@ -257,14 +279,14 @@ fn a_claim_answers_lock_busy_while_another_transaction_holds_the_lock() {
     let url = pg::fresh_database("lockbusy");
     let store = Store::open(&config(&url, "orca-relay:test:lockbusy")).unwrap();
     store.migrate().unwrap();
-    store.set_admit_mode("c1", "reserve", NOW).unwrap();
+    store.set_admit_mode("c1", "reserve").unwrap();
     let mut holder = pg::connect(&url);
     let mut tx = holder.transaction().unwrap();
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&TRIP_SLOT_LOCK_KEY])
         .unwrap();
     let started = clock::instant();
     assert_eq!(
-        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        store.claim_trip_slot("c1", 1, 2, STALE_MS).unwrap(),
         ClaimOutcome::LockBusy
     );
     assert!(
@@ -278,7 +300,7 @@ fn a_claim_answers_lock_busy_while_another_transaction_holds_the_lock() {
     );
     tx.commit().unwrap();
     assert_eq!(
-        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        store.claim_trip_slot("c1", 1, 2, STALE_MS).unwrap(),
         ClaimOutcome::Permit { others_holding: 0 }
     );
 }

@@ -6,7 +6,8 @@ mod common;
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
-use common::store_cases::{self as cases, NOW, STALE_MS};
+use common::store_cases::{self as cases, Db, NOW, STALE_MS};
+use orca_relay::clock::ManualClock;
 use orca_relay::store::{Backend, ClaimOutcome, Store, StoreConfig};
 use orca_relay::threads;
 
@@ -23,11 +24,13 @@ fn fresh_path(name: &str) -> PathBuf {
     common::temp_dir(name).join("nested").join("relay.db")
 }
 
-fn migrated(name: &str) -> Store {
-    let store = Store::open(&config(fresh_path(name))).expect("open");
+/// A migrated store on a new file whose `relay_now_ms()` reads a manual clock.
+fn migrated(name: &str) -> Db {
+    let clock = ManualClock::starting_at(NOW as u64);
+    let store = Store::open_with_clock(&config(fresh_path(name)), clock.clone()).expect("open");
     assert_eq!(store.backend(), Backend::Sqlite);
     store.migrate().expect("migrate");
-    store
+    Db::new(store, move |ms| clock.advance(ms as u64))
 }
 
 macro_rules! scenarios {
@@ -48,6 +51,9 @@ scenarios!(
     cells_register_heartbeat_and_list,
     admit_modes_and_effective_rows,
     every_statement_is_counted,
+    deregistration_removes_only_that_incarnation,
+    silent_cells_are_forgotten_with_all_their_rows,
+    expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
     a_stale_holder_frees_exactly_one_slot,
     a_holder_whose_switch_says_db_does_not_count,
@@ -101,12 +107,12 @@ fn a_claim_answers_lock_busy_instead_of_waiting_for_the_write_lock() {
     let path = fresh_path("busy");
     let store = Store::open(&config(path.clone())).unwrap();
     store.migrate().unwrap();
-    store.set_admit_mode("c1", "reserve", NOW).unwrap();
+    store.set_admit_mode("c1", "reserve").unwrap();
     let holder = rusqlite::Connection::open(&path).unwrap();
     holder.execute_batch("BEGIN IMMEDIATE").unwrap();
     let started = orca_relay::clock::instant();
     assert_eq!(
-        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        store.claim_trip_slot("c1", 1, 2, STALE_MS).unwrap(),
         ClaimOutcome::LockBusy
     );
     assert!(
@@ -120,7 +126,7 @@ fn a_claim_answers_lock_busy_instead_of_waiting_for_the_write_lock() {
         "a busy claim writes nothing"
     );
     assert_eq!(
-        store.claim_trip_slot("c1", 1, 2, NOW, STALE_MS).unwrap(),
+        store.claim_trip_slot("c1", 1, 2, STALE_MS).unwrap(),
         ClaimOutcome::Permit { others_holding: 0 }
     );
 }
@@ -134,4 +140,33 @@ fn eight_cells_racing_on_one_file_get_exactly_two_permits() {
         .unwrap();
     let open = move || Store::open(&config(path.clone())).expect("open");
     cases::eight_cells_racing_get_exactly_two_permits(&open, 30);
+}
+
+/// On SQLite the database's clock is exact, so the stale window's edge can be tested to the
+/// millisecond: a holder's row exactly `TRIP_SLOT_STALE_MS` old still holds; one ms more and
+/// its slot is free. Both are judged on the database's clock (`relay_now_ms()` reads the manual
+/// clock), never on the claimant's.
+#[test]
+fn the_stale_edge_is_exact_on_the_database_clock() {
+    let db = migrated("stale_edge");
+    db.set_admit_mode("holder", "reserve").unwrap();
+    db.set_admit_mode("claimant", "reserve").unwrap();
+    db.write_admit_effective("holder", 1, "db").unwrap();
+    db.advance(STALE_MS);
+    assert_eq!(
+        db.claim_trip_slot("claimant", 1, 1, STALE_MS).unwrap(),
+        ClaimOutcome::Refused { others_holding: 1 },
+        "exactly the stale window: still live"
+    );
+    db.advance(1);
+    assert_eq!(
+        db.claim_trip_slot("claimant", 1, 1, STALE_MS).unwrap(),
+        ClaimOutcome::Permit { others_holding: 0 }
+    );
+    let row = db.admit_effective("claimant").unwrap().unwrap();
+    assert_eq!(
+        (row.updated_at, row.age_ms),
+        (NOW + STALE_MS + 1, 0),
+        "the claim stamped its row with the database's clock"
+    );
 }

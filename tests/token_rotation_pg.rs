@@ -1,24 +1,24 @@
 //! Rotating the service token without an outage (SPEC §11 "Security"), with the real binaries
 //! on a real PostgreSQL: one `director` and two reserve `cell`s, restarted one at a time as an
 //! operator rolls an env file through the fleet. `ORCA_RELAY_SERVICE_TOKEN` is a comma list:
-//! the first token is sent, any is accepted. The roll (README "Rotating the service token"):
+//! the first token is sent, any is accepted, and a peer that answers 401 is asked again with
+//! the next token, which is then remembered for it. The roll (README "Rotating the service
+//! token"), the issue's own sequence:
 //!
 //! | step | director | cells |
 //! |---|---|---|
 //! | 0 | `A` | `A` |
-//! | 1 | `A,B` (accepts B, still sends A) | `A` |
-//! | 2 | `A,B` | `B,A`, one cell after the other (send B) |
+//! | 1 | `B,A` (accepts both, sends B; falls back to A for each cell, once) | `A` |
+//! | 2 | `B,A` | `B,A`, one cell after the other (send B) |
 //! | 3 | `B` (sends B, drops A) | `B,A` |
 //! | 4 | `B` | `B`, one after the other |
 //!
 //! After every step every kind of call still succeeds: registration (each restarted cell),
-//! heartbeats, seat-feed polls, and a director→cell booking that a desktop then uses; and no
-//! process ever answered or received a 401 (logs and counters, read before each process is
-//! stopped). At the end the old token is refused everywhere.
-//!
-//! Why the director's first list is `A,B` and not `B,A`: under "first is sent" a director on
-//! `B,A` sends B to cells that still accept only A, and every poll and booking would fail.
-//! Accept first, then send, then drop.
+//! heartbeats, seat-feed polls, and a director→cell booking that a desktop then uses. No call
+//! fails on its token anywhere; the only 401s are the ones a cell still on `A` answers to the
+//! director's first `B` in step 1, at most a few per cell however many polls follow (the
+//! director remembers that the cell takes `A`), and the director says so once per cell
+//! (`orca_relay_service_token_fallback`). At the end the old token is refused everywhere.
 
 mod common;
 mod harness;
@@ -86,6 +86,8 @@ struct Fleet {
     director_addr: String,
     director: Option<Relay>,
     cells: Vec<(String, Arc<TempDir>, Option<Relay>)>,
+    /// Per cell: it has answered the director's first token with 401 (step 1) since it started.
+    refused_once: Vec<bool>,
     store: Store,
     _jwks: FakeServer,
 }
@@ -144,6 +146,7 @@ impl Fleet {
         // Start-up includes the registration with the director, under the token sent now.
         let cell = Relay::start_in(dir.clone(), &env_refs(&env));
         self.cells[index].2 = Some(cell);
+        self.refused_once[index] = false;
     }
 
     fn director(&self) -> &Relay {
@@ -156,15 +159,15 @@ impl Fleet {
 
     /// Checks that `relay` never refused or was refused a token, then stops it with SIGTERM
     /// (a rolling restart) and waits for it to exit 0.
-    fn retire(relay: &mut Relay, what: &str) {
-        assert_no_token_failure(relay, what);
+    fn retire(relay: &mut Relay, what: &str, refusals_allowed: bool) {
+        assert_no_token_failure(relay, what, refusals_allowed);
         relay.signal("TERM");
         assert_eq!(relay.wait_exit(DEADLINE), Some(0), "{what} exit");
     }
 
     fn restart_director(&mut self, tokens: &str) {
         let mut old = self.director.take().expect("a running director");
-        Fleet::retire(&mut old, "the director");
+        Fleet::retire(&mut old, "the director", false);
         drop(old);
         self.start_director(tokens);
     }
@@ -172,7 +175,7 @@ impl Fleet {
     fn restart_cell(&mut self, index: usize, tokens: &str) {
         let mut old = self.cells[index].2.take().expect("a running cell");
         let what = format!("cell {}", self.cells[index].0);
-        Fleet::retire(&mut old, &what);
+        Fleet::retire(&mut old, &what, self.refused_once[index]);
         drop(old);
         self.start_cell(index, tokens);
     }
@@ -252,24 +255,46 @@ impl Fleet {
         );
         let _ = control.close(None);
 
-        assert_no_token_failure(director, &format!("{step}: the director"));
+        assert_no_token_failure(director, &format!("{step}: the director"), false);
         for index in 0..self.cells.len() {
-            assert_no_token_failure(self.cell(index), &format!("{step}: cell {index}"));
+            assert_no_token_failure(
+                self.cell(index),
+                &format!("{step}: cell {index}"),
+                self.refused_once[index],
+            );
         }
     }
 }
 
-fn assert_no_token_failure(relay: &Relay, what: &str) {
+/// Refusals a cell still on the old token may answer when a director starts sending the new
+/// one first: the first feed poll and perhaps a booking or a second poll in flight before the
+/// director learnt which token the cell takes. Without that memory it would be one per poll.
+const FALLBACK_REFUSALS_MAX: f64 = 3.0;
+
+/// No call failed on its token. With `refusals_allowed` (a cell on the old token while the
+/// director leads with the new one), the cell's 401s are allowed, but only a few.
+fn assert_no_token_failure(relay: &Relay, what: &str, refusals_allowed: bool) {
     let log = relay.log_text();
     for needle in TOKEN_FAILURES {
+        if refusals_allowed && ["unauthorized", "status=401"].contains(needle) {
+            continue;
+        }
         assert!(
             !log.contains(needle),
             "{what}: a call failed on its token ({needle}):\n{log}"
         );
     }
     let (_, metrics) = relay.get("/metrics");
+    if refusals_allowed {
+        let refusals = metric(relay, "orca_relay_cell_internal_unauthorized_total");
+        assert!(
+            refusals <= FALLBACK_REFUSALS_MAX,
+            "{what}: {refusals} refused calls: the director does not remember the token a cell takes"
+        );
+    }
     for line in metrics.lines().filter(|line| !line.starts_with('#')) {
-        let refused = (line.starts_with("orca_relay_cell_internal_unauthorized_total")
+        let refused = ((!refusals_allowed
+            && line.starts_with("orca_relay_cell_internal_unauthorized_total"))
             || line.contains("status=\"401\"")
             || line.contains("result=\"http_error\"")
             || line.contains("outcome=\"failed\""))
@@ -292,6 +317,7 @@ fn the_service_token_rotates_process_by_process_with_no_call_failing() {
         jwks_url: format!("{}/jwks.json", jwks.url()),
         director_addr: free_addr(),
         director: None,
+        refused_once: vec![false; 2],
         cells: ["rot-a", "rot-b"]
             .iter()
             .map(|cell_id| {
@@ -325,9 +351,30 @@ fn the_service_token_rotates_process_by_process_with_no_call_failing() {
     }
     fleet.check_every_call("step 0 (all on A)");
 
-    // Step 1: the director accepts B as well; it still sends A.
-    fleet.restart_director(&format!("{A},{B}"));
-    fleet.check_every_call("step 1 (director A,B)");
+    // Step 1: the director accepts B and sends it first; the cells, still on A, refuse it once
+    // each and are called with A from then on.
+    fleet.restart_director(&format!("{B},{A}"));
+    fleet.refused_once = vec![true; 2];
+    fleet.check_every_call("step 1 (director B,A)");
+    for (cell_id, _, _) in &fleet.cells {
+        let log = fleet.director().log_text();
+        assert!(
+            log.lines()
+                .any(|line| line.contains("orca_relay_service_token_fallback")
+                    && line.contains("token_index=1")
+                    && fleet
+                        .store
+                        .list_cells()
+                        .is_ok_and(|rows| rows.iter().any(|row| {
+                            row.cell_id == *cell_id
+                                && row
+                                    .internal_url
+                                    .as_deref()
+                                    .is_some_and(|url| line.contains(url))
+                        }))),
+            "the director says once that {cell_id} takes the second token:\n{log}"
+        );
+    }
 
     // Step 2: the cells send B, one after the other; each registers with B.
     fleet.restart_cell(0, &format!("{B},{A}"));

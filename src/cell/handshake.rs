@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
 use crate::config::Config;
+use crate::service_token::ServiceTokens;
 
 /// The systemd units' `TimeoutStartSec=45`: systemd kills a `Type=notify` cell that has not
 /// sent `READY=1` within 45 s of starting it. The handshake must fail with its own message
@@ -304,7 +305,7 @@ enum CallFailure {
 pub fn register_with_directors(
     memberships: &[String],
     request: &RegisterRequest,
-    service_token: &str,
+    service_token: &ServiceTokens,
     budget: &Budget,
     clock: &dyn Clock,
     wait: &dyn Fn(Duration),
@@ -325,7 +326,7 @@ pub fn register_with_directors(
 pub fn register_with_directors_observed(
     memberships: &[String],
     request: &RegisterRequest,
-    service_token: &str,
+    service_token: &ServiceTokens,
     budget: &Budget,
     clock: &dyn Clock,
     wait: &dyn Fn(Duration),
@@ -343,7 +344,6 @@ pub fn register_with_directors_observed(
         .redirects(0)
         .user_agent(concat!("orca-relay/", env!("CARGO_PKG_VERSION")))
         .build();
-    let authorization = format!("Bearer {service_token}");
     let started_ms = clock.now_ms();
     let elapsed = || clock.now_ms().saturating_sub(started_ms);
     let mut attempts = 0u32;
@@ -363,7 +363,7 @@ pub fn register_with_directors_observed(
             &agent,
             memberships,
             request,
-            &authorization,
+            service_token,
             attempt_deadline_ms,
             clock,
         ) {
@@ -425,35 +425,32 @@ fn run_attempt(
     agent: &ureq::Agent,
     memberships: &[String],
     request: &RegisterRequest,
-    authorization: &str,
+    service_token: &ServiceTokens,
     attempt_deadline_ms: u64,
     clock: &dyn Clock,
 ) -> Result<(), (String, CallFailure)> {
     for director in memberships {
-        let left_ms = attempt_deadline_ms.saturating_sub(clock.now_ms());
-        if left_ms == 0 {
+        if attempt_deadline_ms <= clock.now_ms() {
             return Err((director.clone(), CallFailure::DeadlineExpired));
         }
-        register_once(
-            agent,
-            director,
-            request,
-            authorization,
-            Duration::from_millis(left_ms),
-        )
-        .map_err(|failure| (director.clone(), failure))?;
+        // Each call, a second token's after a 401 included, gets the time left, so the attempt
+        // keeps its deadline.
+        let time_left =
+            || Duration::from_millis(attempt_deadline_ms.saturating_sub(clock.now_ms()).max(1));
+        register_once(agent, director, request, service_token, &time_left)
+            .map_err(|failure| (director.clone(), failure))?;
     }
     Ok(())
 }
 
-/// One `POST <director>/v1/admin/cells/register` under `timeout` (connect, write and read,
-/// body included).
+/// One `POST <director>/v1/admin/cells/register` under `time_left()` (connect, write and read,
+/// body included), with the next service token when the director refuses one (401).
 fn register_once(
     agent: &ureq::Agent,
     director: &str,
     request: &RegisterRequest,
-    authorization: &str,
-    timeout: Duration,
+    service_token: &ServiceTokens,
+    time_left: &dyn Fn() -> Duration,
 ) -> Result<(), CallFailure> {
     let url = format!("{}{REGISTER_PATH}", director.trim_end_matches('/'));
     let transport_failure = |cause: String| {
@@ -462,12 +459,17 @@ fn register_once(
             cause,
         })
     };
-    match agent
-        .post(&url)
-        .timeout(timeout)
-        .set("Authorization", authorization)
-        .send_json(request)
-    {
+    let answer = service_token
+        .call_http(director, |token| {
+            agent
+                .post(&url)
+                .timeout(time_left())
+                .set("Authorization", &format!("Bearer {token}"))
+                .send_json(request)
+                .map_err(Box::new)
+        })
+        .map_err(|error| *error);
+    match answer {
         Ok(response) => {
             let status = response.status();
             let body = match read_body(response) {
@@ -787,7 +789,7 @@ mod tests {
         let report = register_with_directors(
             &[],
             &RegisterRequest::new("c", "ws://c", "r", 1),
-            "token",
+            &ServiceTokens::single("token"),
             &default_budget(0),
             clock.as_ref(),
             &|_| panic!("no wait without attempts"),

@@ -3,6 +3,8 @@
 //! (the thread posts to each director in turn, each with a 10 s timeout). In the combined role
 //! the heartbeat goes straight into the store instead, since the director is in-process.
 //!
+//! Each beat carries the cell's `status` report (`cell::status_report`), an additive field.
+//!
 //! A change of the `ready` flag is sent at once (noticed within [`READY_WATCH`]) rather than at
 //! the next period: a cell that has just started serving is placeable within a fraction of a
 //! second instead of one `HEARTBEAT_MS` later, and one that stops being ready stops getting
@@ -14,7 +16,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::clock::SharedClock;
+use crate::clock::{Clock, SharedClock};
+use crate::logging::KeyedThrottle;
+use crate::service_token::ServiceTokens;
 use crate::store::{HeartbeatOutcome, Store};
 
 /// Per-request timeout of a heartbeat POST.
@@ -33,23 +37,42 @@ pub struct Heartbeat {
     pub started_at: i64,
     pub ready: bool,
     pub connections: i64,
+    /// Where directors reach this cell's `/internal/*`: a director that does not know the cell
+    /// (it forgot it, or its database was rebuilt) registers it from the heartbeat, URL
+    /// included, so the cell is booked and polled again without a restart.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub internal_url: Option<String>,
+    /// The same `status` object as the seat feed's (`cell::status_report`). A heartbeat is not
+    /// dead-man contact, so a director that cannot poll this cell still sees it held or tripped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<crate::cell::status_report::StatusReport>,
 }
 
-/// Where heartbeats go.
+/// Where heartbeats go (and, on a clean exit, the deregistration).
+#[derive(Clone)]
 pub enum Sink {
     Directors {
         urls: Vec<String>,
-        service_token: String,
+        service_token: ServiceTokens,
     },
-    /// The combined role: the director is in-process, the beat is recorded with `clock`.
-    Store { store: Store, clock: SharedClock },
+    /// The combined role: the director is in-process, the beat goes into the store (stamped
+    /// with the database's clock); a cell the store does not know is registered first.
+    Store { store: Store },
 }
 
 /// The thread body: `sample` builds the current heartbeat; returns when `stop` fires. A beat
-/// goes out every `period`, and at once when `ready` differs from the last beat sent.
-pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: Receiver<()>) {
+/// goes out every `period`, and at once when `ready` differs from the last beat sent. A
+/// director that keeps failing is logged on its first failure, then at most once a minute with
+/// a count, and once when it answers again (`logging::KeyedThrottle`, driven by `clock`).
+pub fn run(
+    sink: Sink,
+    period: Duration,
+    sample: impl Fn() -> Heartbeat,
+    clock: SharedClock,
+    stop: Receiver<()>,
+) {
     let agent = ureq::AgentBuilder::new().timeout(HEARTBEAT_TIMEOUT).build();
-    let mut failing = false;
+    let failures = KeyedThrottle::new();
     // When the last beat was sent and the `ready` it carried.
     let mut last: Option<(std::time::Instant, bool)> = None;
     loop {
@@ -62,11 +85,7 @@ pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: R
         };
         if due {
             last = Some((crate::clock::instant(), beat.ready));
-            let ok = deliver(&sink, &agent, &beat);
-            if ok && failing {
-                log::info!("orca_relay_heartbeat_recovered cell_id={}", beat.cell_id);
-            }
-            failing = !ok;
+            deliver(&sink, &agent, &beat, &failures, clock.as_ref());
         }
         match stop.recv_timeout(READY_WATCH.min(period)) {
             Err(RecvTimeoutError::Timeout) => {}
@@ -75,65 +94,170 @@ pub fn run(sink: Sink, period: Duration, sample: impl Fn() -> Heartbeat, stop: R
     }
 }
 
-/// Sends one beat to every sink; true when all accepted it.
-fn deliver(sink: &Sink, agent: &ureq::Agent, beat: &Heartbeat) -> bool {
+/// Sends one beat to every sink, logging failures and recoveries through `failures`.
+fn deliver(
+    sink: &Sink,
+    agent: &ureq::Agent,
+    beat: &Heartbeat,
+    failures: &KeyedThrottle,
+    clock: &dyn Clock,
+) {
+    let outcome = |target: &str, result: Result<(), String>| match result {
+        Ok(()) => {
+            if let Some(note) = failures.success(target) {
+                log::info!(
+                    "orca_relay_heartbeat_recovered cell_id={} director={target}{note}",
+                    beat.cell_id
+                );
+            }
+        }
+        Err(line) => {
+            if let Some(note) = failures.failure(target, clock.now_ms()) {
+                log::warn!("{line}{note}");
+            }
+        }
+    };
     match sink {
         Sink::Directors {
             urls,
             service_token,
         } => {
             // Every director hears the beat, even after one failed.
-            let failures = urls
-                .iter()
-                .filter(|url| !send(agent, url, service_token, beat))
-                .count();
-            failures == 0
+            for url in urls {
+                outcome(url, send(agent, url, service_token, beat));
+            }
         }
-        Sink::Store { store, clock } => match store.heartbeat(
+        Sink::Store { store } => outcome("in-process", record_in_store(store, beat)),
+    }
+}
+
+/// The combined role's beat: recorded in the store; a cell the store no longer knows (it was
+/// forgotten) is registered again from the beat and recorded.
+fn record_in_store(store: &Store, beat: &Heartbeat) -> Result<(), String> {
+    let record = || {
+        store.heartbeat(
             &beat.cell_id,
             beat.incarnation,
             beat.started_at,
             beat.ready,
             beat.connections,
-            clock.now_ms() as i64,
-        ) {
-            Ok(HeartbeatOutcome::Accepted) => true,
-            Ok(HeartbeatOutcome::StaleIncarnation) => {
-                log::warn!("orca_relay_heartbeat_stale cell_id={}", beat.cell_id);
-                false
+        )
+    };
+    let outcome = record().and_then(|outcome| match outcome {
+        HeartbeatOutcome::Unregistered => {
+            store.register_cell(
+                &beat.cell_id,
+                &beat.cell_url,
+                beat.internal_url.as_deref().unwrap_or(""),
+                &beat.region,
+                beat.incarnation,
+            )?;
+            record()
+        }
+        other => Ok(other),
+    });
+    match outcome {
+        Ok(HeartbeatOutcome::Accepted) => Ok(()),
+        Ok(HeartbeatOutcome::StaleIncarnation | HeartbeatOutcome::Unregistered) => Err(format!(
+            "orca_relay_heartbeat_stale cell_id={} director=in-process",
+            beat.cell_id
+        )),
+        Err(e) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director=in-process reason={}",
+            beat.cell_id,
+            e.reason_code()
+        )),
+    }
+}
+
+/// Timeout of one deregistration call.
+pub const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A draining cell's last word to its directors (SPEC §11 "Fleet membership"): its registration
+/// goes at once, so no director polls it or places a desktop on it until it registers again.
+/// Called after the heartbeat thread has stopped (a later heartbeat would register it again).
+/// Best effort, one bounded call per director: a director that misses it retires the cell once
+/// it has been silent for `ORCA_RELAY_CELL_RETIRE_MS`.
+pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
+    match sink {
+        Sink::Directors {
+            urls,
+            service_token,
+        } => {
+            let agent = ureq::AgentBuilder::new()
+                .timeout(DEREGISTER_TIMEOUT)
+                .build();
+            let body = serde_json::json!({"v": 1, "cellId": cell_id, "incarnation": incarnation});
+            for director in urls {
+                let url = format!("{director}/v1/admin/cells/deregister");
+                match service_token.call_http(
+                    director,
+                    |token| {
+                        agent
+                            .post(&url)
+                            .set("Authorization", &format!("Bearer {token}"))
+                            .send_json(&body).map_err(Box::new)
+                    },
+                                    ).map_err(|error| *error) {
+                    Ok(_) => log::info!(
+                        "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director={director}"
+                    ),
+                    Err(e) => log::warn!(
+                        "orca_relay_cell_deregister_failed cell_id={cell_id} director={director} error={e}"
+                    ),
+                }
             }
-            Err(e) => {
-                log::debug!("orca_relay_heartbeat_failed reason={}", e.reason_code());
-                false
-            }
+        }
+        Sink::Store { store } => match store.deregister_cell(cell_id, incarnation) {
+            Ok(_) => log::info!(
+                "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director=in-process"
+            ),
+            Err(e) => log::warn!(
+                "orca_relay_cell_deregister_failed cell_id={cell_id} director=in-process reason={}",
+                e.reason_code()
+            ),
         },
     }
 }
 
-fn send(agent: &ureq::Agent, director: &str, token: &str, beat: &Heartbeat) -> bool {
+/// One POST; `Err` is the failure's log line (without the throttle's note).
+fn send(
+    agent: &ureq::Agent,
+    director: &str,
+    tokens: &ServiceTokens,
+    beat: &Heartbeat,
+) -> Result<(), String> {
     let url = format!("{director}/v1/admin/cell-heartbeat");
-    match agent
-        .post(&url)
-        .set("Authorization", &format!("Bearer {token}"))
-        .send_json(beat)
+    match tokens
+        .call_http(director, |token| {
+            agent
+                .post(&url)
+                .set("Authorization", &format!("Bearer {token}"))
+                .send_json(beat)
+                .map_err(Box::new)
+        })
+        .map_err(|error| *error)
     {
-        Ok(_) => true,
-        Err(ureq::Error::Status(409, _)) => {
-            log::warn!(
-                "orca_relay_heartbeat_stale cell_id={} director={director}",
-                beat.cell_id
-            );
-            false
-        }
-        Err(ureq::Error::Status(code, _)) => {
-            log::warn!("orca_relay_heartbeat_failed director={director} status={code}");
-            false
-        }
-        Err(e) => {
-            log::warn!("orca_relay_heartbeat_failed director={director} error={e}");
-            false
-        }
+        Ok(_) => Ok(()),
+        Err(ureq::Error::Status(409, _)) => Err(format!(
+            "orca_relay_heartbeat_stale cell_id={} director={director}",
+            beat.cell_id
+        )),
+        Err(ureq::Error::Status(code, _)) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director={director} status={code}",
+            beat.cell_id
+        )),
+        Err(e) => Err(format!(
+            "orca_relay_heartbeat_failed cell_id={} director={director} error={}",
+            beat.cell_id,
+            one_token(&e.to_string())
+        )),
     }
+}
+
+/// An error text as one `key=value` token: whitespace becomes `_`.
+fn one_token(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join("_")
 }
 
 #[cfg(test)]
@@ -150,12 +274,8 @@ mod tests {
         let (serving, seen) = (server.clone(), beats.clone());
         crate::threads::spawn("test-director", move || {
             while let Ok(mut request) = serving.recv() {
-                use std::io::Read;
                 let mut body = String::new();
-                let _ = request
-                    .as_reader()
-                    .take(64 * 1024)
-                    .read_to_string(&mut body);
+                let _ = request.as_reader().read_to_string(&mut body);
                 let value: serde_json::Value = serde_json::from_str(&body).unwrap();
                 seen.lock().unwrap().push(value["ready"].as_bool().unwrap());
                 let _ = request.respond(tiny_http::Response::from_string("{}"));
@@ -188,16 +308,24 @@ mod tests {
                 started_at: 1,
                 ready: ready.load(Ordering::SeqCst),
                 connections: 0,
+                internal_url: None,
+                status: None,
             }
         };
         let (stop, stop_rx) = mpsc::channel();
         let sink = Sink::Directors {
             urls: vec![url],
-            service_token: "t".into(),
+            service_token: ServiceTokens::single("t"),
         };
         // A period far longer than the test: only the flip can cause the second beat.
         let thread = crate::threads::spawn("test-heartbeat", move || {
-            run(sink, Duration::from_secs(3600), sample, stop_rx)
+            run(
+                sink,
+                Duration::from_secs(3600),
+                sample,
+                crate::clock::system(),
+                stop_rx,
+            )
         })
         .unwrap();
         wait_for("the first beat", || beats.lock().unwrap().len() == 1);

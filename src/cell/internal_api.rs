@@ -10,10 +10,19 @@
 //! more than 16 KiB of a body, book anything from a request that is invalid as a whole, or
 //! block on a dependency.
 //!
+//! The seat feed's answer carries, besides SPEC §5.4's fields, a `status` object
+//! ([`crate::cell::status_report::StatusReport`]: dead-man state and window left, trip-slot
+//! claim and trip slots in force, connections and cap, pool in use and ceiling, ready), built
+//! from in-memory state only, for `GET /v1/admin/cells` and `orca-relay fleet status`. It is an
+//! additive field: directors that do not know it ignore it.
+//!
 //! Dead-man contact (SPEC §5.5) is recorded here: a reserve request with at least one `ok`
 //! outcome (a real booking), and a seat-feed poll carrying `reserver=1`. A poll without it (a
-//! dashboard, a director that only watches) is not contact.
+//! dashboard, a director that only watches) is not contact. The time between two `reserver=1`
+//! polls goes into `orca_relay_dead_man_contact_interval_ms`: what the director's feed poller
+//! promises (every live cell within 2 × `FEED_POLL_MS`) is checked there, on the cell.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -21,11 +30,12 @@ use serde_json::{json, Value};
 use crate::cell::bookings::{Bookings, Outcome, ReserveContext, ReserveItem, MAX_BOOKING_TTL_MS};
 use crate::cell::contact::Contact;
 use crate::cell::seats::{parse_cursor, ChangeKind, FeedBody, FeedHeader, SeatChange, SeatLog};
+use crate::cell::status_report::ReportFn;
 use crate::cell::switch::AdmitMode;
 use crate::clock::SharedClock;
 use crate::config::is_id;
 use crate::http::{self, BodyError, Reply};
-use crate::metrics::{Counter, Registry};
+use crate::metrics::{Counter, Histogram, Registry};
 use crate::service_token::ServiceTokens;
 
 /// Largest reserve body (SPEC §5.4).
@@ -70,6 +80,8 @@ pub struct InternalApiParts {
     pub seats: Arc<SeatLog>,
     pub contact: Contact,
     pub status: StatusFn,
+    /// The `status` object of the feed's answer (in-memory state only, no SQL).
+    pub report: ReportFn,
     pub clock: SharedClock,
 }
 
@@ -82,7 +94,14 @@ struct ApiMetrics {
     seated_newer: Counter,
     feed_full: Counter,
     feed_changes: Counter,
+    contact_interval: Histogram,
 }
+
+/// The bounds of `orca_relay_dead_man_contact_interval_ms`: each of them is twice a plausible
+/// `FEED_POLL_MS`, so "every contact within 2 × FEED_POLL_MS" reads off one bucket.
+pub const CONTACT_INTERVAL_BOUNDS_MS: [u64; 12] = [
+    100, 200, 400, 500, 1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000,
+];
 
 impl ApiMetrics {
     fn new(registry: &Registry) -> Self {
@@ -113,6 +132,12 @@ impl ApiMetrics {
             seated_newer: outcome("seated-newer"),
             feed_full: feed("full"),
             feed_changes: feed("changes"),
+            contact_interval: registry.histogram(
+                "orca_relay_dead_man_contact_interval_ms",
+                "Time between two reserver=1 seat-feed polls (the directors' dead-man contact).",
+                &[],
+                &CONTACT_INTERVAL_BOUNDS_MS,
+            ),
         }
     }
 
@@ -131,6 +156,8 @@ impl ApiMetrics {
 pub struct InternalApi {
     parts: InternalApiParts,
     metrics: ApiMetrics,
+    /// When the last `reserver=1` poll arrived, plus one (0 = none yet).
+    last_reserver_poll_plus_one: AtomicU64,
 }
 
 /// A 400 with the reason in the body (every 400 here has this shape).
@@ -146,6 +173,7 @@ impl InternalApi {
         InternalApi {
             parts,
             metrics: ApiMetrics::new(registry),
+            last_reserver_poll_plus_one: AtomicU64::new(0),
         }
     }
 
@@ -256,6 +284,12 @@ impl InternalApi {
         let now_ms = self.parts.clock.now_ms();
         if reserver {
             self.parts.contact.record(now_ms);
+            let previous = self
+                .last_reserver_poll_plus_one
+                .fetch_max(now_ms.saturating_add(1), Ordering::AcqRel);
+            if let Some(previous) = previous.checked_sub(1).filter(|p| *p <= now_ms) {
+                self.metrics.contact_interval.observe(now_ms - previous);
+            }
         }
         // Sweep expired bookings so the count the director sees is the units really held.
         self.parts.bookings.expire(now_ms);
@@ -273,7 +307,15 @@ impl InternalApi {
             bookings: self.parts.bookings.len(),
             connections: status.connections,
         };
-        Reply::json(200, feed.to_json(&header).to_string())
+        let mut answer = feed.to_json(&header);
+        if let Value::Object(fields) = &mut answer {
+            let report = (self.parts.report)();
+            fields.insert(
+                "status".into(),
+                serde_json::to_value(report).unwrap_or(Value::Null),
+            );
+        }
+        Reply::json(200, answer.to_string())
     }
 }
 
@@ -350,6 +392,7 @@ fn parse_item(index: usize, item: &Value) -> Result<ReserveItem, String> {
 mod tests {
     use super::*;
     use crate::cell::state::ConnectionSlots;
+    use crate::cell::status_report::{DeadManReport, StatusReport};
     use crate::clock::{Clock, ManualClock};
     use crate::http::HttpServer;
     use std::net::TcpListener;
@@ -402,6 +445,13 @@ mod tests {
                     seats: seats.clone(),
                     contact: contact.clone(),
                     status: status_fn,
+                    report: Arc::new(|| StatusReport {
+                        dead_man: DeadManReport::Armed,
+                        window_ms: 61_000,
+                        window_left_ms: Some(61_000),
+                        trip_slots: Some(2),
+                        ..StatusReport::default()
+                    }),
                     clock: clock.clone(),
                 },
                 &registry,
@@ -676,6 +726,49 @@ mod tests {
             "a reserver poll is contact"
         );
         assert_bad_request(h.seats("?reserver=yes"), "reserver");
+    }
+
+    #[test]
+    fn the_time_between_reserver_polls_is_the_contact_interval() {
+        let h = Harness::start(10, 16);
+        let interval = h.registry.histogram(
+            "orca_relay_dead_man_contact_interval_ms",
+            "",
+            &[],
+            &CONTACT_INTERVAL_BOUNDS_MS,
+        );
+        h.clock.set(5_000_000);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        assert_eq!(interval.count(), 0, "the first poll has nothing before it");
+        h.clock.set(5_000_900);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        // A booking and a plain poll are not feed-poll contact intervals.
+        h.clock.set(5_002_000);
+        h.reserve(json!([item("u", HOST, 1, 5_000)]));
+        assert_eq!(h.seats("").0, 200);
+        h.clock.set(5_004_100);
+        assert_eq!(h.seats("?reserver=1").0, 200);
+        assert_eq!(interval.count(), 2);
+        assert_eq!(interval.count_above(1_000), 1, "900 ms, then 3200 ms");
+        assert_eq!(interval.count_above(4_000), 0);
+        let (_, text) = (0, h.registry.render());
+        assert!(
+            text.contains("orca_relay_dead_man_contact_interval_ms_bucket{le=\"2000\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn every_feed_answer_carries_the_cells_status_report() {
+        let h = Harness::start(10, 16);
+        for query in ["?reserver=1", "", "?since=77:0"] {
+            let (code, answer) = h.seats(query);
+            assert_eq!(code, 200, "{query}");
+            assert_eq!(answer["status"]["deadMan"], "armed", "{query}: {answer}");
+            assert_eq!(answer["status"]["windowLeftMs"], 61_000);
+            assert_eq!(answer["status"]["tripSlots"], 2);
+            assert_eq!(answer["admitModeRaw"], "reserve", "SPEC §5.4's fields stay");
+        }
     }
 
     #[test]

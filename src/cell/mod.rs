@@ -8,4 +8,5 @@ pub mod internal_api;
 pub mod mode;
 pub mod seats;
 pub mod state;
+pub mod status_report;
 pub mod switch;

@@ -5,7 +5,7 @@
 //! `claim-loop` (effective row); read by relay threads (admission), the internal API (feed,
 //! bookings) and metrics. Atomics and one short mutex; never held across I/O.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::cell::switch::Switch;
@@ -53,6 +53,10 @@ pub struct CellMode {
     effective_reserve: AtomicBool,
     dead_man: AtomicU8,
     draining: AtomicBool,
+    /// The dead-man window (0 until the watchdog starts) and the effective last contact at
+    /// its last tick, for the status report (`cell::status_report`).
+    window_ms: AtomicU64,
+    silence_started_ms: AtomicU64,
 }
 
 impl CellMode {
@@ -104,6 +108,25 @@ impl CellMode {
 
     pub fn set_dead_man(&self, view: DeadManView) {
         self.dead_man.store(view as u8, Ordering::Release)
+    }
+
+    /// This cell's dead-man window, published once by the watchdog (0 before it starts).
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms.load(Ordering::Acquire)
+    }
+
+    pub fn set_window_ms(&self, window_ms: u64) {
+        self.window_ms.store(window_ms, Ordering::Release)
+    }
+
+    /// The effective last contact at the watchdog's last tick: the later of the last contact
+    /// and the moment the current reserve generation was armed (`Window::silence_started_ms`).
+    pub fn silence_started_ms(&self) -> u64 {
+        self.silence_started_ms.load(Ordering::Acquire)
+    }
+
+    pub fn set_silence_started_ms(&self, at_ms: u64) {
+        self.silence_started_ms.store(at_ms, Ordering::Release)
     }
 
     pub fn is_draining(&self) -> bool {

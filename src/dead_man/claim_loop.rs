@@ -1,11 +1,11 @@
 //! The `claim-loop` thread: the cell's [`CellAdmitEffectiveWriter`] over the real store.
 //!
-//! One thread executes the watchdog's commands in order, so every write of this cell's
+//! One thread carries out what the watchdog asked, one at a time, so every write of this cell's
 //! `relay_cell_admit_effective` row and every slot claim is serialised by construction: a
 //! claim sent while a `reserve` write is in flight runs after that write has landed.
 //! The adapter publishes what the row says to [`CellMode`] and counts claims by result.
 
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 use crate::cell::mode::CellMode;
@@ -13,7 +13,7 @@ use crate::clock::SharedClock;
 use crate::config::Timings;
 use crate::dead_man::window::{ClaimResult, Mode};
 use crate::dead_man::writer::{
-    run_claim_loop, CellAdmitEffectiveWriter, ClaimAnswer, EffectiveRowStore, WriterCommand,
+    run_claim_loop, CellAdmitEffectiveWriter, ClaimAnswer, EffectiveRowStore, WriterInbox,
     WriterTimings,
 };
 use crate::metrics::Registry;
@@ -53,26 +53,22 @@ impl StoreRow {
     }
 }
 
+/// The row is stamped, and other rows judged, with the database's clock (SPEC §11): the
+/// writer's `now_ms` (this cell's clock) only paces the writer and is not sent.
 impl EffectiveRowStore for StoreRow {
-    fn write_admit_effective(&self, mode: Mode, now_ms: u64) -> Result<(), String> {
+    fn write_admit_effective(&self, mode: Mode, _now_ms: u64) -> Result<(), String> {
         self.store
-            .write_admit_effective(
-                &self.cell_id,
-                self.incarnation,
-                mode.as_str(),
-                now_ms as i64,
-            )
+            .write_admit_effective(&self.cell_id, self.incarnation, mode.as_str())
             .map_err(|e| e.to_string())?;
         self.mode.set_effective_reserve(mode == Mode::Reserve);
         Ok(())
     }
 
-    fn claim_trip_slot(&self, slots: u32, now_ms: u64) -> Result<ClaimAnswer, String> {
+    fn claim_trip_slot(&self, slots: u32, _now_ms: u64) -> Result<ClaimAnswer, String> {
         let outcome = self.store.claim_trip_slot(
             &self.cell_id,
             self.incarnation,
             slots,
-            now_ms as i64,
             self.stale_ms as i64,
         );
         match outcome {
@@ -114,12 +110,12 @@ impl EffectiveRowStore for StoreRow {
 pub fn run(
     row: StoreRow,
     timings: &Timings,
-    commands: Receiver<WriterCommand>,
+    inbox: WriterInbox,
     clock: SharedClock,
     answers: Sender<ClaimResult>,
 ) {
     let mut writer = CellAdmitEffectiveWriter::new(row, WriterTimings::from_timings(timings));
-    run_claim_loop(&mut writer, commands, clock.as_ref(), move |result| {
+    run_claim_loop(&mut writer, inbox, clock.as_ref(), move |result| {
         let _ = answers.send(result);
     });
 }

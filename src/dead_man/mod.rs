@@ -1,5 +1,6 @@
-//! The dead-man: window, watchdog, admit-effective writer and claim loop, re-registration.
+//! The dead-man: window, pause guard, watchdog, admit-effective writer and claim loop, re-registration.
 pub mod claim_loop;
+pub mod pause;
 pub mod reregister;
 pub mod watchdog;
 pub mod window;

@@ -7,6 +7,10 @@
 //! mode and the dead-man state to [`CellMode`] and sets the pool ceiling: a reserve (or held)
 //! cell runs on `ORCA_RELAY_DATABASE_POOL_RESERVE_MAX`, a tripped or `db` cell on the full pool.
 //! It never touches the database itself and never blocks on the claim loop.
+//!
+//! A gap in its own ticks (the process was stopped: SIGSTOP, a VM pause, a debugger) is told
+//! from director silence by [`PauseGuard`]: it logs `orca_relay_dead_man_pause_detected` and
+//! gives contact one `FEED_POLL_MS` to resume before the window judges silence again.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -17,6 +21,7 @@ use crate::cell::contact::Contact;
 use crate::cell::mode::{CellMode, DeadManView};
 use crate::clock::SharedClock;
 use crate::config::Timings;
+use crate::dead_man::pause::PauseGuard;
 use crate::dead_man::window::{Action, ClaimResult, DeadManState, Mode, TickInput, Window};
 use crate::dead_man::writer::{ClaimRequest, WriterHandle};
 use crate::metrics::{Gauge, Registry};
@@ -66,12 +71,16 @@ impl Watchdog {
                 &[],
             )
             .set(window.window_ms() as i64);
+        self.mode.set_window_ms(window.window_ms());
         let silence: Gauge = self.registry.gauge(
             "orca_relay_dead_man_silence_ms",
             "Time since the last director contact while the switch says reserve.",
             &[],
         );
         let mut ceiling = None;
+        // A pause of this process (SIGSTOP, a VM pause) is not director silence: after a tick
+        // gap, contact gets one feed-poll period (the director's next poll) to resume.
+        let mut pause = PauseGuard::new(period.as_millis() as u64, self.timings.feed_poll_ms);
         log::info!(
             "orca_relay_dead_man_started cell_id={} window_ms={}",
             self.cell_id,
@@ -81,6 +90,19 @@ impl Watchdog {
             match stop.recv_timeout(period) {
                 Err(RecvTimeoutError::Timeout) => {}
                 _ => return,
+            }
+            let observed = pause.observe(self.clock.monotonic_ms());
+            if let Some(gap_ms) = observed.pause_gap_ms {
+                log::warn!(
+                    "orca_relay_dead_man_pause_detected cell_id={} gap_ms={gap_ms} resume_grace_ms={}",
+                    self.cell_id,
+                    self.timings.feed_poll_ms
+                );
+            }
+            if !observed.judge_silence {
+                // Neither the window nor a claim answer is judged until contact has had its
+                // chance; answers wait in their channel.
+                continue;
             }
             let now = self.clock.now_ms();
             let switch = self.mode.switch();
@@ -106,6 +128,8 @@ impl Watchdog {
             let reserve = window.raw_mode() == Mode::Reserve;
             self.mode.set_raw_reserve(reserve);
             self.mode.set_dead_man(view(window.state()));
+            self.mode
+                .set_silence_started_ms(window.silence_started_ms());
             silence.set(if says_reserve {
                 window.silence_ms() as i64
             } else {

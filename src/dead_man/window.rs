@@ -207,6 +207,12 @@ impl Window {
         }
     }
 
+    /// The effective last contact at the last tick (the later of the last contact and the
+    /// moment the current generation was armed); 0 before the first reserve tick.
+    pub fn silence_started_ms(&self) -> u64 {
+        self.silence_started_ms
+    }
+
     /// The generation the dead-man is armed for, if the switch says reserve.
     pub fn generation(&self) -> Option<u64> {
         self.generation

@@ -3,9 +3,10 @@
 //! and the thin channel shell that runs it on the `claim-loop` thread.
 //!
 //! Owns: what this process last wrote to the row (mode and time), whether a granted permit is
-//! still waiting for the watchdog, and the once-a-minute failure-log limiter.
+//! still waiting for the watchdog, and the once-a-minute failure-log throttle.
 //! Runs on: the `claim-loop` thread ([`run_claim_loop`]). The watchdog talks to it only through
-//! a [`WriterHandle`] (ticks, claim requests, slot releases over one FIFO channel); answers go
+//! a [`WriterHandle`] (ticks, claim requests, slot releases, bounded: ticks coalesce while a
+//! write is slow, see [`Pending`]); answers go
 //! back through a callback. Because one thread owns the writer, at most one write or claim is
 //! in flight, and a claim queued behind a `reserve` write runs strictly after that write has
 //! completed: the write cannot land after the claim and hide the slot from the next claimant.
@@ -17,18 +18,20 @@
 //! watchdog acts on it, its ticks still say raw mode `reserve`; writing that would free the slot
 //! the cell is about to use (another cell could claim it and the cap would be exceeded). So
 //! after a permit the row stays `db` until the watchdog either trips (a tick says `tripped`),
-//! or drops the permit and sends [`WriterCommand::ReleaseSlot`], or the switch leaves `reserve`.
+//! or drops the permit and asks for a release ([`WriterHandle::release_slot`]), or the switch
+//! leaves `reserve`.
 
 use std::fmt;
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::clock::Clock;
 use crate::config::Timings;
 use crate::dead_man::window::{ClaimResult, Mode};
+use crate::logging::FailureThrottle;
 
 /// Failed writes and claims are logged at most this often (SPEC §5.5: once a minute).
-pub const FAILURE_LOG_INTERVAL_MS: u64 = 60_000;
+pub const FAILURE_LOG_INTERVAL_MS: u64 = crate::logging::REPEAT_LOG_INTERVAL_MS;
 
 /// The claim transaction's answer (the SQL lives in `store/claim`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,7 +137,7 @@ pub struct CellAdmitEffectiveWriter<S: EffectiveRowStore> {
     raw_mode: Mode,
     tripped: bool,
     permit_hold: bool,
-    last_failure_log_ms: Option<u64>,
+    failures: FailureThrottle,
 }
 
 impl<S: EffectiveRowStore> fmt::Debug for CellAdmitEffectiveWriter<S> {
@@ -160,7 +163,7 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
             raw_mode: Mode::Db,
             tripped: false,
             permit_hold: false,
-            last_failure_log_ms: None,
+            failures: FailureThrottle::with_interval(FAILURE_LOG_INTERVAL_MS),
         }
     }
 
@@ -224,7 +227,11 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
         if !self.switch_says_reserve || self.tripped || self.store.pool_has_waiters() {
             return ClaimDecision::NotNow;
         }
-        match self.store.claim_trip_slot(slots, now_ms) {
+        let answer = self.store.claim_trip_slot(slots, now_ms);
+        if answer.is_ok() {
+            self.database_answered();
+        }
+        match answer {
             Ok(ClaimAnswer::Permit) => {
                 self.row = Some(RowWritten {
                     mode: Mode::Db,
@@ -268,6 +275,7 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
     fn write(&mut self, mode: Mode, now_ms: u64) -> TickOutcome {
         match self.store.write_admit_effective(mode, now_ms) {
             Ok(()) => {
+                self.database_answered();
                 self.row = Some(RowWritten {
                     mode,
                     at_ms: now_ms,
@@ -290,16 +298,18 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
         }
     }
 
-    /// The failure line, if the once-a-minute limiter (shared by writes and claims) allows it.
+    /// The failure line, if the once-a-minute throttle (shared by writes and claims) lets one
+    /// through: the first failure of a run, then at most once a minute with ` repeats=N`.
     fn failure_line(&mut self, now_ms: u64, line: fmt::Arguments<'_>) -> Option<String> {
-        let due = self
-            .last_failure_log_ms
-            .is_none_or(|at| now_ms.saturating_sub(at) >= FAILURE_LOG_INTERVAL_MS);
-        if !due {
-            return None;
+        let note = self.failures.failure(now_ms)?;
+        Some(format!("{line}{note}"))
+    }
+
+    /// A write or claim the database answered: ends a run of failures with one line.
+    fn database_answered(&mut self) {
+        if let Some(note) = self.failures.success() {
+            log::info!("orca_relay_admit_effective_recovered{note}");
         }
-        self.last_failure_log_ms = Some(now_ms);
-        Some(line.to_string())
     }
 }
 
@@ -313,85 +323,130 @@ pub struct ClaimRequest {
     pub slots: u32,
 }
 
-/// What the watchdog sends to the `claim-loop` thread, in order.
+/// The watchdog's view after one of its ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriterCommand {
-    /// The watchdog's view after its tick.
-    Tick {
-        switch_says_reserve: bool,
-        raw_mode: Mode,
-        tripped: bool,
-    },
-    Claim(ClaimRequest),
-    /// From [`Action::ReleaseSlot`](crate::dead_man::window::Action::ReleaseSlot).
-    ReleaseSlot,
+pub struct TickView {
+    pub switch_says_reserve: bool,
+    pub raw_mode: Mode,
+    pub tripped: bool,
+}
+
+/// What the watchdog has asked of the `claim-loop` thread and the thread has not taken yet.
+/// Bounded by construction: a newer tick view supersedes an older one (ticks coalesce while a
+/// write is slow), a release is a flag, and a newer claim request supersedes an older one (the
+/// window asks again after `TRIP_CLAIM_RETRY_MS` for a request that got no answer).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pending {
+    pub tick: Option<TickView>,
+    pub release: bool,
+    pub claim: Option<ClaimRequest>,
+}
+
+fn lock_pending(pending: &Mutex<Pending>) -> MutexGuard<'_, Pending> {
+    pending.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The watchdog's handle on the `claim-loop` thread. Cheap to clone; dropping every handle
-/// ends the loop. Sends never block; each returns `false` if the loop has gone.
+/// ends the loop (after it has carried out what was pending). Posting never blocks: it updates
+/// [`Pending`] and wakes the loop through a channel of one slot; a wake already queued covers
+/// the new request too. Each call returns `false` if the loop has gone.
 #[derive(Debug, Clone)]
 pub struct WriterHandle {
-    commands: Sender<WriterCommand>,
+    pending: Arc<Mutex<Pending>>,
+    wake: SyncSender<()>,
+}
+
+/// The `claim-loop` thread's end of a [`WriterHandle`].
+#[derive(Debug)]
+pub struct WriterInbox {
+    pending: Arc<Mutex<Pending>>,
+    wake: Receiver<()>,
+}
+
+impl WriterInbox {
+    /// Waits until something is pending, then takes all of it; `None` once every handle is
+    /// gone and nothing is left.
+    pub fn next(&self) -> Option<Pending> {
+        self.wake.recv().ok()?;
+        Some(std::mem::take(&mut *lock_pending(&self.pending)))
+    }
 }
 
 impl WriterHandle {
     /// A handle and the receiving end to give to [`run_claim_loop`].
-    pub fn channel() -> (WriterHandle, Receiver<WriterCommand>) {
-        let (commands, receiver) = mpsc::channel();
-        (WriterHandle { commands }, receiver)
+    pub fn channel() -> (WriterHandle, WriterInbox) {
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let (wake, woken) = mpsc::sync_channel(1);
+        (
+            WriterHandle {
+                pending: pending.clone(),
+                wake,
+            },
+            WriterInbox {
+                pending,
+                wake: woken,
+            },
+        )
     }
 
     pub fn tick(&self, switch_says_reserve: bool, raw_mode: Mode, tripped: bool) -> bool {
-        self.send(WriterCommand::Tick {
-            switch_says_reserve,
-            raw_mode,
-            tripped,
+        self.post(|pending| {
+            pending.tick = Some(TickView {
+                switch_says_reserve,
+                raw_mode,
+                tripped,
+            })
         })
     }
 
     pub fn request_claim(&self, request: ClaimRequest) -> bool {
-        self.send(WriterCommand::Claim(request))
+        self.post(|pending| pending.claim = Some(request))
     }
 
     pub fn release_slot(&self) -> bool {
-        self.send(WriterCommand::ReleaseSlot)
+        self.post(|pending| pending.release = true)
     }
 
-    fn send(&self, command: WriterCommand) -> bool {
-        self.commands.send(command).is_ok()
+    fn post(&self, update: impl FnOnce(&mut Pending)) -> bool {
+        update(&mut lock_pending(&self.pending));
+        match self.wake.try_send(()) {
+            Ok(()) | Err(TrySendError::Full(())) => true,
+            Err(TrySendError::Disconnected(())) => false,
+        }
     }
 }
 
-/// The body of the `claim-loop` thread: executes commands one at a time, in the order sent,
-/// until every [`WriterHandle`] is dropped. Every claim request gets exactly one answer through
-/// `answer` (`permit: false` unless the claim granted a slot).
+/// The body of the `claim-loop` thread: carries out what is pending, one write or claim at a
+/// time, until every [`WriterHandle`] is dropped. What was pending together runs in this
+/// order: the latest tick view, then a release (with that view), then the latest claim request,
+/// which gets exactly one answer through `answer` (`permit: false` unless the claim granted a
+/// slot). A release before the claim: a permit the window dropped must be let go before a new
+/// one is asked for, never after it (that would free the new slot).
 pub fn run_claim_loop<S: EffectiveRowStore>(
     writer: &mut CellAdmitEffectiveWriter<S>,
-    commands: Receiver<WriterCommand>,
+    inbox: WriterInbox,
     clock: &dyn Clock,
     answer: impl Fn(ClaimResult),
 ) {
-    for command in commands {
-        let now_ms = clock.now_ms();
-        match command {
-            WriterCommand::Tick {
-                switch_says_reserve,
-                raw_mode,
-                tripped,
-            } => {
-                writer.tick(now_ms, switch_says_reserve, raw_mode, tripped);
-            }
-            WriterCommand::Claim(request) => {
-                let decision = writer.claim(request.slots, now_ms);
-                answer(ClaimResult {
-                    generation: request.generation,
-                    silence_started_ms: request.silence_started_ms,
-                    permit: decision.is_permit(),
-                });
-            }
-            WriterCommand::ReleaseSlot => {
-                writer.release_slot(now_ms);
-            }
+    while let Some(pending) = inbox.next() {
+        if let Some(view) = pending.tick {
+            writer.tick(
+                clock.now_ms(),
+                view.switch_says_reserve,
+                view.raw_mode,
+                view.tripped,
+            );
+        }
+        if pending.release {
+            writer.release_slot(clock.now_ms());
+        }
+        if let Some(request) = pending.claim {
+            let decision = writer.claim(request.slots, clock.now_ms());
+            answer(ClaimResult {
+                generation: request.generation,
+                silence_started_ms: request.silence_started_ms,
+                permit: decision.is_permit(),
+            });
         }
     }
 }
@@ -403,7 +458,7 @@ mod tests {
     use crate::dead_man::window::{Action, DeadManState, TickInput, Window};
     use crate::threads;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
+    use std::sync::mpsc::Sender;
     use std::time::Duration;
 
     const T0: u64 = 1_700_000_000_000;
@@ -610,6 +665,8 @@ mod tests {
                         assert!(line.starts_with(
                             "orca_relay_admit_effective_write_failed mode=reserve error="
                         ));
+                        // After the first line, each says how many failed since the last.
+                        assert_eq!(line.ends_with(" repeats=60"), s > 0, "{line}");
                         logged_at.push(s);
                     }
                 }
@@ -827,5 +884,118 @@ mod tests {
 
         drop(handle);
         claim_loop.join().unwrap();
+    }
+
+    #[test]
+    fn ticks_coalesce_while_a_write_is_slow_and_nothing_else_is_lost() {
+        let store = FakeStore::new();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel();
+        *store.gate.lock().unwrap() = Some(Gate {
+            entered: entered_tx,
+            release: release_rx,
+        });
+        *store.answer.lock().unwrap() = Ok(ClaimAnswer::Refused);
+        let clock = ManualClock::starting_at(T0);
+        let (handle, inbox) = WriterHandle::channel();
+        let (answers_tx, answers_rx) = mpsc::channel();
+        let thread_store = store.clone();
+        let thread_clock = clock.clone();
+        let claim_loop = threads::spawn("claim-loop", move || {
+            let mut w = CellAdmitEffectiveWriter::new(thread_store, TIMINGS);
+            run_claim_loop(&mut w, inbox, &*thread_clock, move |result| {
+                answers_tx.send(result).unwrap();
+            });
+        })
+        .unwrap();
+
+        assert!(handle.tick(true, Mode::Reserve, false));
+        wait_entered(&entered_rx);
+        // The write hangs (a slow database). The watchdog goes on ticking, many times over,
+        // and asks for two claims (the second supersedes the first) and a release. Posting
+        // never blocks and keeps one of each, however long the write takes.
+        for n in 0..100_000u64 {
+            let mode = if n % 2 == 0 { Mode::Reserve } else { Mode::Db };
+            assert!(handle.tick(true, mode, false));
+        }
+        assert!(handle.tick(true, Mode::Reserve, false));
+        for generation in [1, 2] {
+            assert!(handle.request_claim(ClaimRequest {
+                generation,
+                silence_started_ms: T0,
+                slots: 1,
+            }));
+        }
+        assert!(handle.release_slot());
+        release_tx.send(()).unwrap();
+        drop(handle);
+        claim_loop.join().unwrap();
+        // The latest view said reserve, as the row already does: no further write; then the
+        // release (nothing to free), then exactly one claim, answered once.
+        assert_eq!(
+            store.calls(),
+            vec!["write reserve @0", "write reserve done", "claim 1 @0"]
+        );
+        let answers: Vec<ClaimResult> = answers_rx.try_iter().collect();
+        assert_eq!(
+            answers,
+            vec![ClaimResult {
+                generation: 2,
+                silence_started_ms: T0,
+                permit: false
+            }]
+        );
+    }
+
+    #[test]
+    fn what_was_posted_before_the_last_handle_dropped_is_still_carried_out() {
+        let store = FakeStore::new();
+        let clock = ManualClock::starting_at(T0);
+        let (handle, inbox) = WriterHandle::channel();
+        // Posted and dropped before the loop even starts: a drain's final write.
+        assert!(handle.tick(true, Mode::Reserve, false));
+        assert!(handle.release_slot());
+        drop(handle);
+        let mut w = CellAdmitEffectiveWriter::new(store.clone(), TIMINGS);
+        run_claim_loop(&mut w, inbox, &*clock, |_| {});
+        assert_eq!(store.calls(), vec!["write reserve @0"]);
+    }
+
+    #[test]
+    fn a_release_posted_with_a_new_claim_runs_before_it_and_never_frees_the_new_slot() {
+        let store = FakeStore::new();
+        *store.answer.lock().unwrap() = Ok(ClaimAnswer::Permit);
+        let clock = ManualClock::starting_at(T0);
+        let mut w = writer(&store);
+        w.tick(T0, true, Mode::Reserve, false);
+        // An earlier permit the window is about to drop: the row says db, held.
+        assert_eq!(w.claim(1, T0), ClaimDecision::Permit);
+        store.take_calls();
+        // In one watchdog iteration: the next tick, a new claim for the new silence, and the
+        // release of the dropped permit. The loop takes them together.
+        let (handle, inbox) = WriterHandle::channel();
+        assert!(handle.tick(true, Mode::Reserve, false));
+        assert!(handle.request_claim(ClaimRequest {
+            generation: 1,
+            silence_started_ms: T0 + 5_000,
+            slots: 1,
+        }));
+        assert!(handle.release_slot());
+        drop(handle);
+        let answers = std::cell::RefCell::new(Vec::new());
+        run_claim_loop(&mut w, inbox, &*clock, |result| {
+            answers.borrow_mut().push(result)
+        });
+        assert_eq!(
+            store.calls(),
+            vec!["write reserve @0", "claim 1 @0"],
+            "the old permit's slot is let go first, then the new claim takes one"
+        );
+        assert_eq!(answers.into_inner().len(), 1);
+        assert_eq!(
+            w.last_written_mode(),
+            Some(Mode::Db),
+            "the new permit's db row stands"
+        );
     }
 }

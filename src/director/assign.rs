@@ -22,11 +22,13 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::feed_poller::{FeedBoard, POLL_TIMEOUT};
+use super::membership::Judge;
 use super::placement::{self, Candidate, Decision, Params, Path, Rng};
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
 use crate::http::{Reply, Request};
 use crate::metrics::{Counter, Registry};
+use crate::service_token::ServiceTokens;
 use crate::store::{Store, StoreError};
 
 /// Public bodies over 4 KiB are refused (SPEC §5.4).
@@ -104,14 +106,14 @@ pub trait CellClient: Send + Sync {
 /// `POST <internal_url>/internal/reserve` with the service token and a 2 s timeout.
 pub struct HttpCellClient {
     agent: ureq::Agent,
-    service_token: String,
+    service_token: ServiceTokens,
 }
 
 impl HttpCellClient {
-    pub fn new(service_token: impl Into<String>) -> HttpCellClient {
+    pub fn new(service_token: ServiceTokens) -> HttpCellClient {
         HttpCellClient {
             agent: ureq::AgentBuilder::new().timeout(RESERVE_TIMEOUT).build(),
-            service_token: service_token.into(),
+            service_token,
         }
     }
 }
@@ -130,10 +132,15 @@ impl CellClient for HttpCellClient {
             }],
         });
         let response = self
-            .agent
-            .post(&url)
-            .set("Authorization", &format!("Bearer {}", self.service_token))
-            .send_json(body);
+            .service_token
+            .call_http(internal_url, |token| {
+                self.agent
+                    .post(&url)
+                    .set("Authorization", &format!("Bearer {token}"))
+                    .send_json(body.clone())
+                    .map_err(Box::new)
+            })
+            .map_err(|error| *error);
         match response {
             Ok(response) => match response.into_string() {
                 Ok(text) => parse_reserve_answer(&text),
@@ -185,6 +192,8 @@ pub struct Fleet {
     pub heartbeat_fresh_ms: u64,
     /// See [`placement::feed_fresh_ms`].
     pub feed_fresh_ms: u64,
+    /// Which cells are retired (skipped).
+    pub membership: Judge,
     pub rng: Mutex<Rng>,
 }
 
@@ -195,6 +204,7 @@ impl Fleet {
         board: FeedBoard,
         cell_client: Arc<dyn CellClient>,
         timings: &crate::config::Timings,
+        membership: Judge,
     ) -> Fleet {
         Fleet {
             director_id: director_id.into(),
@@ -205,6 +215,7 @@ impl Fleet {
                 timings.feed_poll_ms,
                 POLL_TIMEOUT.as_millis() as u64,
             ),
+            membership,
             rng: Mutex::new(Rng::from_os()),
         }
     }
@@ -399,6 +410,7 @@ fn place_in_fleet(
             now_ms: context.clock.now_ms(),
             heartbeat_fresh_ms: fleet.heartbeat_fresh_ms,
             feed_fresh_ms: fleet.feed_fresh_ms,
+            retire_after_ms: fleet.membership.retire_after(context.clock.monotonic_ms()),
         };
         let feeds = fleet.board.snapshot();
         let decision = {

@@ -10,4 +10,5 @@
 pub mod admin;
 pub mod assign;
 pub mod feed_poller;
+pub mod membership;
 pub mod placement;

@@ -4,15 +4,21 @@
 //! Owns nothing; runs on the HTTP worker answering `POST /v1/assign`. Must never read a clock,
 //! a socket or the database: [`super::assign`] reads them and feeds this module.
 //!
+//! Ages are the database's (SPEC §11): a heartbeat's and an admit-effective row's age come with
+//! the [`CellRow`], computed by `relay_now_ms()`, so a director whose clock is off judges them
+//! exactly as one whose clock agrees. Only the feed's age is this director's own (it stamped it).
+//!
 //! The rules, in order:
-//! 1. **Pin.** The row names a *live reserve cell*: its `relay_cell_admit_modes` says `reserve`
-//!    and its heartbeat is at most `heartbeat_fresh_ms` old, ready or not. Ready → answer that
+//! 1. **Pin.** The row names a *live reserve cell*: its `relay_cell_admit_modes` says `reserve`,
+//!    its heartbeat is at most `heartbeat_fresh_ms` old, ready or not, it is not retired, and
+//!    its seat feed does not say `draining` (a draining cell has told its desktops to come back
+//!    here; holding them to it would answer 503 until it is gone). Ready → answer that
 //!    placement with no write ([`Decision::Pin`]); not ready → [`Decision::HomeUnavailable`]
 //!    (503 `relay_home_cell_unavailable`), because moving a reserve cell's desktop elsewhere
 //!    while the cell still runs would put one desktop on two cells. Once the heartbeat is older
 //!    than fresh, the host is placed again.
 //! 2. **Place** at epoch (row epoch or 0) + 1. A candidate cell has a fresh heartbeat, says
-//!    ready, and is not draining by its feed. It is a
+//!    ready, is not retired, and is not draining by its feed. It is a
 //!    - **booking** candidate when its admit mode is `reserve`, its feed answered within
 //!      `feed_fresh_ms`, says `admitModeEffective = reserve`, and the cell has an internal URL
 //!      (the director books the seat through `/internal/reserve`);
@@ -31,6 +37,7 @@
 
 use std::collections::HashMap;
 
+use super::membership;
 use crate::store::{Assignment, CellRow, MODE_DB, MODE_RESERVE};
 
 /// What the feed poller last learned from one cell's seat feed (SPEC §5.4).
@@ -50,12 +57,16 @@ pub struct FeedView {
 /// The times placement judges freshness by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {
+    /// This director's clock: only for the feed's age, which this director stamped.
     pub now_ms: u64,
     /// `ORCA_RELAY_HEARTBEAT_FRESH_MS`: a heartbeat (or an admit-effective row) at most this old
-    /// is fresh.
+    /// (database clock) is fresh.
     pub heartbeat_fresh_ms: u64,
     /// A feed answer at most this old is believed (see [`feed_fresh_ms`]).
     pub feed_fresh_ms: u64,
+    /// Cells silent longer than this are retired (skipped); `None` while retirement is not
+    /// judged yet (see [`membership::Rules::retire_after`]).
+    pub retire_after_ms: Option<u64>,
 }
 
 /// How long a feed answer is believed: three missed polls plus one poll's timeout. Older than
@@ -148,15 +159,24 @@ impl Rng {
     }
 }
 
-/// Age of a timestamp at `now_ms`; a timestamp from a clock slightly ahead of ours is age 0.
-fn age_ms(now_ms: u64, at_ms: i64) -> u64 {
-    (now_ms as i64).saturating_sub(at_ms).max(0) as u64
+/// A database-computed age (a row stamped by the database an instant after it read its clock
+/// can come out a few ms negative) as a `u64`.
+fn age(age_ms: i64) -> u64 {
+    age_ms.max(0) as u64
 }
 
 fn heartbeat_fresh(cell: &CellRow, params: &Params) -> bool {
-    cell.runtime.as_ref().is_some_and(|runtime| {
-        age_ms(params.now_ms, runtime.last_heartbeat_at) <= params.heartbeat_fresh_ms
-    })
+    cell.runtime
+        .as_ref()
+        .is_some_and(|runtime| age(runtime.heartbeat_age_ms) <= params.heartbeat_fresh_ms)
+}
+
+/// The cell's last seat-feed answer (of any age) says it is draining, for the process that is
+/// registered now.
+pub fn reports_draining(cell: &CellRow, feeds: &HashMap<String, FeedView>) -> bool {
+    feeds
+        .get(&cell.cell_id)
+        .is_some_and(|feed| feed.draining && feed.incarnation == cell.incarnation)
 }
 
 fn fresh_feed<'a>(
@@ -169,11 +189,20 @@ fn fresh_feed<'a>(
         .filter(|feed| params.now_ms.saturating_sub(feed.last_success_ms) <= params.feed_fresh_ms)
 }
 
-/// Rule 1: the pin, if the row names a live reserve cell.
-pub fn pin(current: Option<&Assignment>, cells: &[CellRow], params: &Params) -> Option<Decision> {
+/// Rule 1: the pin, if the row names a live reserve cell that is not draining.
+pub fn pin(
+    current: Option<&Assignment>,
+    cells: &[CellRow],
+    feeds: &HashMap<String, FeedView>,
+    params: &Params,
+) -> Option<Decision> {
     let row = current?;
     let home = cells.iter().find(|cell| cell.cell_id == row.cell_id)?;
-    if home.admit_mode != MODE_RESERVE || !heartbeat_fresh(home, params) {
+    if home.admit_mode != MODE_RESERVE
+        || !heartbeat_fresh(home, params)
+        || membership::is_retired(home, params.retire_after_ms)
+        || reports_draining(home, feeds)
+    {
         return None;
     }
     let ready = home.runtime.as_ref().is_some_and(|runtime| runtime.ready);
@@ -193,7 +222,11 @@ pub fn pin(current: Option<&Assignment>, cells: &[CellRow], params: &Params) -> 
 /// How a cell could take a new desktop now, if at all.
 fn path_of(cell: &CellRow, feed: Option<&FeedView>, params: &Params) -> Option<Path> {
     let runtime = cell.runtime.as_ref()?;
-    if !runtime.ready || !heartbeat_fresh(cell, params) || feed.is_some_and(|feed| feed.draining) {
+    if !runtime.ready
+        || !heartbeat_fresh(cell, params)
+        || membership::is_retired(cell, params.retire_after_ms)
+        || feed.is_some_and(|feed| feed.draining)
+    {
         return None;
     }
     if cell.admit_mode != MODE_RESERVE {
@@ -210,7 +243,7 @@ fn path_of(cell: &CellRow, feed: Option<&FeedView>, params: &Params) -> Option<P
         effective.mode == MODE_DB
             && (effective.cell_incarnation == runtime.cell_incarnation
                 || effective.cell_incarnation == cell.incarnation)
-            && age_ms(params.now_ms, effective.updated_at) <= params.heartbeat_fresh_ms
+            && age(effective.age_ms) <= params.heartbeat_fresh_ms
     });
     tripped.then_some(Path::Database)
 }
@@ -291,7 +324,7 @@ pub fn decide(
     rng: &mut Rng,
 ) -> Decision {
     if allow_pin {
-        if let Some(decision) = pin(current, cells, params) {
+        if let Some(decision) = pin(current, cells, feeds, params) {
             return decision;
         }
     }
@@ -316,6 +349,7 @@ mod tests {
         now_ms: NOW,
         heartbeat_fresh_ms: FRESH,
         feed_fresh_ms: 5_000,
+        retire_after_ms: Some(600_000),
     };
 
     /// A registered cell (incarnation 7) that heartbeat `age` ms ago.
@@ -327,14 +361,19 @@ mod tests {
             region: "r".into(),
             incarnation: 7,
             registered_at: (NOW - 3_600_000) as i64,
+            registered_age_ms: 3_600_000,
             runtime: Some(CellRuntime {
                 cell_incarnation: 7,
                 started_at: (NOW - 3_600_000) as i64,
                 ready,
                 connections,
-                last_heartbeat_at: (NOW - age) as i64,
+                // The director's clock and the database's differ by an hour here: only the
+                // database's age may count.
+                last_heartbeat_at: (NOW + 3_600_000 - age) as i64,
+                heartbeat_age_ms: age as i64,
             }),
             admit_mode: admit_mode.to_string(),
+            admit_mode_updated_at: None,
             effective: None,
         }
     }
@@ -343,7 +382,8 @@ mod tests {
         cell.effective = Some(AdmitEffective {
             cell_incarnation: incarnation,
             mode: mode.to_string(),
-            updated_at: (NOW - age) as i64,
+            updated_at: (NOW - 3_600_000 - age) as i64,
+            age_ms: age as i64,
         });
         cell
     }
@@ -634,5 +674,95 @@ mod tests {
     #[test]
     fn feed_freshness_is_three_polls_and_a_timeout() {
         assert_eq!(feed_fresh_ms(1_000, 2_000), 5_000);
+    }
+
+    #[test]
+    fn a_draining_home_is_never_a_pin_and_its_desktop_is_placed_elsewhere_at_once() {
+        let cells = [
+            cell("a", "reserve", true, 0, 5),
+            cell("b", "db", true, 0, 0),
+        ];
+        let mut draining = feed("reserve", 5, 0);
+        draining.draining = true;
+        assert_eq!(
+            placed(&decide_simple(
+                Some(&row("a", 4)),
+                &cells,
+                &feeds(&[("a", draining.clone())])
+            )),
+            (5, vec![("b", Path::Database)])
+        );
+        // Not ready either (its /ready says draining): still placed elsewhere, never a 503.
+        let unready = [
+            cell("a", "reserve", false, 0, 5),
+            cell("b", "db", true, 0, 0),
+        ];
+        assert_eq!(
+            placed(&decide_simple(
+                Some(&row("a", 4)),
+                &unready,
+                &feeds(&[("a", draining.clone())])
+            )),
+            (5, vec![("b", Path::Database)])
+        );
+        // A draining feed of an earlier process says nothing about the one registered now.
+        let mut earlier = draining;
+        earlier.incarnation = 6;
+        assert!(matches!(
+            decide_simple(Some(&row("a", 4)), &cells, &feeds(&[("a", earlier)])),
+            Decision::Pin { .. }
+        ));
+    }
+
+    #[test]
+    fn retired_cells_are_neither_pins_nor_candidates_once_retirement_is_judged() {
+        let mut silent = cell("a", "reserve", true, 0, 0);
+        silent.registered_age_ms = 600_001;
+        if let Some(runtime) = silent.runtime.as_mut() {
+            runtime.heartbeat_age_ms = 600_001;
+        }
+        // With a freshness window longer than the retire age, only retirement excludes it.
+        let long_fresh = Params {
+            heartbeat_fresh_ms: 10_000_000,
+            ..PARAMS
+        };
+        let cells = [silent.clone(), cell("b", "db", true, 0, 0)];
+        let decide_with = |params: &Params| {
+            decide(
+                Some(&row("a", 2)),
+                &cells,
+                &HashMap::new(),
+                params,
+                &[],
+                true,
+                &mut Rng::seeded(1),
+            )
+        };
+        assert_eq!(
+            placed(&decide_with(&long_fresh)),
+            (3, vec![("b", Path::Database)])
+        );
+        // Before the director has been up the retire age, nobody is retired.
+        let not_yet = Params {
+            retire_after_ms: None,
+            ..long_fresh
+        };
+        assert!(matches!(decide_with(&not_yet), Decision::Pin { .. }));
+    }
+
+    #[test]
+    fn freshness_is_judged_on_the_database_age_not_the_director_clock() {
+        // Stamps far from the director's now, ages fresh: fresh.
+        let mut skewed = with_effective(cell("a", "reserve", true, 1_000, 0), "db", 7, 1_000);
+        if let Some(runtime) = skewed.runtime.as_mut() {
+            runtime.last_heartbeat_at = (NOW - 86_400_000) as i64;
+        }
+        if let Some(effective) = skewed.effective.as_mut() {
+            effective.updated_at = (NOW + 86_400_000) as i64;
+        }
+        assert_eq!(
+            placed(&decide_simple(None, &[skewed], &HashMap::new())),
+            (1, vec![("a", Path::Database)])
+        );
     }
 }

@@ -74,7 +74,13 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                 now_ms: now as i64,
                 ttl_ms: context.timings.lease_ttl_ms as i64,
             };
-            match admission::check_database(&context.store, &request) {
+            let verdict = admission::check_database(&context.store, &request);
+            if verdict.is_ok() {
+                if let Some(note) = context.admission_failures.success() {
+                    log::info!("orca_relay_admission_recovered{note}");
+                }
+            }
+            match verdict {
                 Ok(DbVerdict::Admitted) => AdmitPath::Database,
                 Ok(DbVerdict::WrongCell) => {
                     context.metrics.admission("database", "wrong_cell");
@@ -83,11 +89,15 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                 }
                 Err(e) => {
                     context.metrics.admission("database", "error");
-                    log::warn!(
-                        "orca_relay_admission_failed host={} reason={}",
-                        claims.relay_host_id,
-                        e.reason_code()
-                    );
+                    // Every relay thread shares one throttle: a database outage under a
+                    // reconnect storm is one line, then one a minute with a count.
+                    if let Some(note) = context.admission_failures.failure(now) {
+                        log::warn!(
+                            "orca_relay_admission_failed host={} reason={}{note}",
+                            claims.relay_host_id,
+                            e.reason_code()
+                        );
+                    }
                     return context.close(&socket, CloseCode::LimitExceeded, "try again");
                 }
             }
@@ -244,6 +254,7 @@ pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
 /// database-admitted control; a moved placement closes that control 4503.
 pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
     let period = Duration::from_millis(context.timings.lease_renew_ms);
+    let mut renew_failures = crate::logging::FailureThrottle::new();
     loop {
         match stop.recv_timeout(period) {
             Err(RecvTimeoutError::Timeout) => {}
@@ -264,6 +275,11 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
                 now + context.timings.lease_ttl_ms as i64,
                 now,
             );
+            if outcome.is_ok() {
+                if let Some(note) = renew_failures.success() {
+                    log::info!("orca_relay_lease_renew_recovered{note}");
+                }
+            }
             match outcome {
                 Ok(LeaseOutcome::Renewed) => {}
                 Ok(LeaseOutcome::Moved) => {
@@ -282,12 +298,15 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
                     context.close(&control.socket, CloseCode::Draining, "lease moved");
                 }
                 Err(e) => {
-                    // The lease outlives a few missed renewals; try again next period.
-                    log::info!(
-                        "orca_relay_lease_renew_failed host={} reason={}",
-                        control.relay_host_id,
-                        e.reason_code()
-                    );
+                    // The lease outlives a few missed renewals; try again next period. While
+                    // the database is down every control fails: one line, then one a minute.
+                    if let Some(note) = renew_failures.failure(context.clock.now_ms()) {
+                        log::warn!(
+                            "orca_relay_lease_renew_failed host={} reason={}{note}",
+                            control.relay_host_id,
+                            e.reason_code()
+                        );
+                    }
                 }
             }
         }

@@ -250,6 +250,8 @@ pub struct RelayContext {
     pub splice: Arc<splice::SplicePlane>,
     /// Relay threads at most at once: the process's threaded capacity.
     pub thread_permits: Arc<Permits>,
+    /// Throttles the log lines of failed admission SQL across every relay thread.
+    pub admission_failures: Arc<crate::logging::SharedThrottle>,
     next_id: Arc<AtomicU64>,
 }
 
@@ -358,6 +360,7 @@ impl RelayContext {
             pending,
             splice,
             thread_permits,
+            admission_failures: Arc::default(),
             next_id: Arc::new(AtomicU64::new(1)),
         }
     }

@@ -158,7 +158,7 @@ impl Socket {
         }
         let mut writer = lock_writer(&self.writer);
         if !writer.broken {
-            let mut stream = &self.stream;
+            let mut stream = Retrying(&self.stream);
             let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
             let _ = writer
                 .context
@@ -208,7 +208,7 @@ impl Socket {
             return Err(SendError::Closed);
         }
         let len = message.len() as u64;
-        let mut stream = &self.stream;
+        let mut stream = Retrying(&self.stream);
         let result = match &message {
             // Data frames go out as header + payload in one vectored write, straight from the
             // message: tungstenite would first copy the payload into its out buffer, one more
@@ -249,7 +249,7 @@ impl Socket {
                     code: WsCloseCode::from(code.code()),
                     reason: reason.to_string().into(),
                 };
-                let mut stream = &self.stream;
+                let mut stream = Retrying(&self.stream);
                 // A short send timeout: a peer that does not read cannot hold the closer.
                 let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
                 let sent = writer
@@ -312,13 +312,55 @@ fn write_data_frame(stream: &TcpStream, data: Data, fin: bool, payload: &[u8]) -
     Ok(())
 }
 
-/// The reader's view of the stream: reads go straight to the socket, writes (tungstenite's
-/// automatic pong and close replies) go through the writer mutex as whole buffers.
+/// `&TcpStream` as tungstenite's writer context sees it: an interrupted call (`EINTR`) is
+/// retried, never reported. Linux fails a `send` on a socket with a send timeout with `EINTR`
+/// after the process is stopped and continued (signal(7), "Interruption of system calls and
+/// library functions by stop signals"); a close or pong frame must not be lost to that.
+struct Retrying<'a>(&'a TcpStream);
+
+impl Read for Retrying<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        read_retrying(self.0, buf)
+    }
+}
+
+impl Write for Retrying<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            match (&*self.0).write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                result => return result,
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One `recv`, retried while it is interrupted. After a stop and continue, Linux fails a `recv`
+/// on a socket with a receive timeout with `EINTR` (signal(7)); that is neither data, nor a
+/// timeout, nor the peer leaving, so the read is simply made again (with the socket's timeout
+/// starting over, which only a stop/continue can cause).
+fn read_retrying(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    let mut stream = stream;
+    loop {
+        match stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            result => return result,
+        }
+    }
+}
+
+/// The reader's view of the stream: reads go straight to the socket (interrupted reads are
+/// retried here, so tungstenite never sees `EINTR`), writes (tungstenite's automatic pong and
+/// close replies) go through the writer mutex as whole buffers.
 pub struct ReadHalf(Arc<Socket>);
 
 impl Read for ReadHalf {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&self.0.stream).read(buf)
+        read_retrying(&self.0.stream, buf)
     }
 }
 
@@ -361,30 +403,39 @@ pub enum ReadEvent {
 
 impl Reader {
     pub fn read(&mut self) -> ReadEvent {
-        match self.context.read(&mut self.half) {
-            Ok(Message::Close(_)) => {
-                // tungstenite queued the close reply; it is written through the writer mutex.
-                self.half.0.closing.store(true, Ordering::Release);
-                let _ = self.context.flush(&mut self.half);
-                ReadEvent::Gone
-            }
-            Ok(message) => ReadEvent::Message(message),
-            Err(tungstenite::Error::Io(e))
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                ReadEvent::TimedOut
-            }
-            Err(tungstenite::Error::Capacity(_)) => ReadEvent::TooBig,
-            Err(tungstenite::Error::Protocol(
-                ProtocolError::ResetWithoutClosingHandshake | ProtocolError::ReceivedAfterClosing,
-            )) => ReadEvent::Gone,
-            Err(tungstenite::Error::Protocol(_) | tungstenite::Error::Utf8(_)) => {
-                ReadEvent::Protocol
-            }
-            Err(_) => ReadEvent::Gone,
+        loop {
+            return match self.context.read(&mut self.half) {
+                Ok(Message::Close(_)) => {
+                    // tungstenite queued the close reply; it goes out through the writer mutex.
+                    self.half.0.closing.store(true, Ordering::Release);
+                    let _ = self.context.flush(&mut self.half);
+                    ReadEvent::Gone
+                }
+                Ok(message) => ReadEvent::Message(message),
+                Err(tungstenite::Error::Io(e))
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    ReadEvent::TimedOut
+                }
+                Err(tungstenite::Error::Capacity(_)) => ReadEvent::TooBig,
+                Err(tungstenite::Error::Protocol(
+                    ProtocolError::ResetWithoutClosingHandshake
+                    | ProtocolError::ReceivedAfterClosing,
+                )) => ReadEvent::Gone,
+                Err(tungstenite::Error::Protocol(_) | tungstenite::Error::Utf8(_)) => {
+                    ReadEvent::Protocol
+                }
+                // Not reached: `ReadHalf` retries interrupted reads itself. Were one to get
+                // through, tungstenite keeps its partial frame across an I/O error that
+                // consumed nothing (`FrameCodec::read_in` truncates back): read again.
+                Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::Interrupted => {
+                    continue
+                }
+                Err(_) => ReadEvent::Gone,
+            };
         }
     }
 
@@ -412,8 +463,11 @@ pub fn drain_for_linger(stream: &TcpStream) {
             return;
         }
         match stream.read(&mut scratch) {
-            Ok(0) | Err(_) => return,
+            Ok(0) => return,
             Ok(_) => {}
+            // A stop and continue: read again until the linger is up.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
         }
     }
 }

@@ -4,7 +4,9 @@
 //! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
 //! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
 //! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
-//! [`CellRuntime::drain`] runs the SIGTERM sequence and joins the threads in reverse order.
+//! [`CellRuntime::drain`] runs the SIGTERM sequence: the watchdog stops before the final
+//! admit-effective write, the claim loop ends after carrying it out, the other threads are
+//! joined in reverse start order, and the cell deregisters from its directors.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +21,8 @@ use crate::auth::Verifier;
 use crate::cell::contact::Contact;
 use crate::cell::heartbeat::{self, Heartbeat, Sink};
 use crate::cell::internal_api::{CellStatus, InternalApi, InternalApiParts};
+use crate::cell::mode::DeadManView;
+use crate::cell::status_report::{self, PoolReport, ReportFn, StatusReport};
 use crate::cell::switch::{run_switch_watcher, AdmitMode};
 use crate::clock::SharedClock;
 use crate::config::Config;
@@ -37,7 +41,7 @@ use crate::relay::{self, Phase, RelayContext};
 use crate::store::Store;
 use crate::threads;
 
-use super::{sent_token, RunError};
+use super::{service_tokens, RunError};
 
 /// Everything a cell needs from its role.
 pub struct CellSetup<'a> {
@@ -49,6 +53,8 @@ pub struct CellSetup<'a> {
     pub readiness: Readiness,
     pub ws_listener: TcpListener,
     pub cell_url: String,
+    /// Where directors reach this cell's `/internal/*` (sent in heartbeats).
+    pub internal_url: String,
     pub incarnation: i64,
     /// Where heartbeats go: the directors over HTTP, or the store in the combined role.
     pub heartbeat: Sink,
@@ -76,6 +82,8 @@ pub struct CellRuntime {
     heartbeat: Mutex<Option<PendingHeartbeat>>,
     reregister_stop: Arc<AtomicBool>,
     drain_grace: Duration,
+    /// Where the clean exit's deregistration goes (the heartbeat's directors, or the store).
+    deregistration: Sink,
 }
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
@@ -179,7 +187,7 @@ impl CellRuntime {
         }
 
         // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
-        let (writer, commands) = WriterHandle::channel();
+        let (writer, inbox) = WriterHandle::channel();
         let (answers_tx, answers_rx) = mpsc::channel();
         let row = StoreRow {
             store: setup.store.clone(),
@@ -192,7 +200,7 @@ impl CellRuntime {
         let claim_timings = config.timings.clone();
         let claim_clock = clock.clone();
         let claim_loop = threads::spawn("claim-loop", move || {
-            claim_loop::run(row, &claim_timings, commands, claim_clock, answers_tx)
+            claim_loop::run(row, &claim_timings, inbox, claim_clock, answers_tx)
         })
         .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
 
@@ -235,14 +243,22 @@ impl CellRuntime {
         // The heartbeat starts with [`CellRuntime::serve`]: until the startup registration has
         // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
         // then nothing but the registration goes out).
+        // What the feed and the heartbeat report of this cell (`fleet status`).
+        let report = report_fn(&context, &contact, &setup.readiness, &setup.store, &clock);
         let heartbeat: PendingHeartbeat = {
-            let sample =
-                heartbeat_sampler(config, &context, &setup.readiness, &setup.cell_url, &clock);
-            let sink = setup.heartbeat;
+            let sample = heartbeat_sampler(
+                config,
+                &context,
+                &setup.readiness,
+                (&setup.cell_url, &setup.internal_url),
+                (&clock, &report),
+            );
+            let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
+            let clock = clock.clone();
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, stop)
+                    heartbeat::run(sink, period, sample, clock, stop)
                 })
             })
         };
@@ -256,6 +272,7 @@ impl CellRuntime {
                     seats: context.seats.clone(),
                     contact: contact.clone(),
                     status: status_fn(&context),
+                    report: report.clone(),
                     clock: clock.clone(),
                 },
                 &setup.registry,
@@ -276,6 +293,7 @@ impl CellRuntime {
             heartbeat: Mutex::new(Some(heartbeat)),
             reregister_stop,
             drain_grace: Duration::from_millis(config.drain_grace_ms),
+            deregistration: setup.heartbeat,
         })
     }
 
@@ -351,7 +369,17 @@ impl CellRuntime {
         // Spliced pairs are closed 4503 too, and the splice workers end.
         self.context.splice.stop();
         self.reregister_stop.store(true, Ordering::Release);
-        // Final row write: a draining cell must not keep a slot or attract placements.
+        let mut stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        // The watchdog is the claim loop's only other writer: stop it before the final row
+        // write, so that the drain's write is the row's last word. A watchdog tick after it
+        // would write a tripped cell's `db` back, and its slot would stay taken for
+        // `TRIP_SLOT_STALE_MS` after the process is gone.
+        if let Some(watchdog) = take_stoppable(&mut stoppables, "watchdog") {
+            drop(watchdog.stop);
+            threads::join_logged(watchdog.name, watchdog.handle);
+        }
+        // Final row write: `reserve` when the switch says so, which frees any slot (a draining
+        // cell gets no new desktops: its feed says draining), else `db`.
         let switch = self.context.mode.switch();
         if let Some(writer) = lock(&self.writer).take() {
             writer.tick(
@@ -364,13 +392,22 @@ impl CellRuntime {
                 false,
             );
             writer.release_slot();
-            // Dropping the last handle (the watchdog's goes with its thread) ends the claim loop.
+            // This was the last handle: the claim loop carries out what is pending, then ends.
         }
-        let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
+        if let Some(claim_loop) = take_stoppable(&mut stoppables, "claim-loop") {
+            threads::join_logged(claim_loop.name, claim_loop.handle);
+        }
         for stoppable in stoppables.into_iter().rev() {
             drop(stoppable.stop);
             threads::join_logged(stoppable.name, stoppable.handle);
         }
+        // The heartbeat has stopped (a beat after this would register the cell again): leave
+        // the fleet, so no director polls or places on this process any more.
+        heartbeat::deregister(
+            &self.deregistration,
+            &self.context.cell_id,
+            self.context.incarnation,
+        );
         log::info!(
             "orca_relay_drain_finished cell_id={} closed={}",
             self.context.cell_id,
@@ -430,6 +467,12 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     }
 }
 
+/// Removes the named thread from `stoppables`, if it is there.
+fn take_stoppable(stoppables: &mut Vec<Stoppable>, name: &str) -> Option<Stoppable> {
+    let at = stoppables.iter().position(|s| s.name == name)?;
+    Some(stoppables.remove(at))
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -478,20 +521,70 @@ fn status_fn(context: &RelayContext) -> crate::cell::internal_api::StatusFn {
     })
 }
 
+/// The cell's status report (`cell::status_report`), from in-memory state only: the mode and
+/// dead-man published by the watchdog and the claim loop, the last contact, the connection
+/// units, the pool's counters and readiness. No SQL: the seat feed calls it on every poll.
+fn report_fn(
+    context: &RelayContext,
+    contact: &Contact,
+    readiness: &Readiness,
+    store: &Store,
+    clock: &SharedClock,
+) -> ReportFn {
+    let mode = context.mode.clone();
+    let slots = context.slots.clone();
+    let contact = contact.clone();
+    let readiness = readiness.clone();
+    let store = store.clone();
+    let clock = clock.clone();
+    Arc::new(move || {
+        let now = clock.now_ms();
+        let state = mode.dead_man();
+        let window_ms = mode.window_ms();
+        // The watchdog's effective contact at its last tick, or a contact since.
+        let silence_started = mode.silence_started_ms().max(contact.last().unwrap_or(0));
+        let switch = mode.switch();
+        let pool = store.pool_stats();
+        let mode_name = |reserve: bool| if reserve { "reserve" } else { "db" };
+        StatusReport {
+            admit_mode_raw: mode_name(mode.raw_is_reserve()).into(),
+            admit_mode_effective: mode_name(mode.effective_is_reserve()).into(),
+            dead_man: state.into(),
+            window_ms,
+            window_left_ms: status_report::window_left_ms(state, window_ms, silence_started, now),
+            silent_ms: status_report::silent_ms(state, silence_started, now),
+            holds_trip_slot: state == DeadManView::Tripped && !mode.effective_is_reserve(),
+            trip_slots: switch.flags.dead_man_trip_slots,
+            switch_generation: switch.generation,
+            connections: slots.used() as u64,
+            connection_cap: u64::from(slots.cap()),
+            pool: PoolReport {
+                in_use: pool.open.saturating_sub(pool.idle),
+                ceiling: pool.ceiling,
+                max: pool.max,
+                waiters: pool.waiters,
+            },
+            ready: readiness.answer(now).status == 200,
+        }
+    })
+}
+
 fn heartbeat_sampler(
     config: &Config,
     context: &RelayContext,
     readiness: &Readiness,
-    cell_url: &str,
-    clock: &SharedClock,
+    (cell_url, internal_url): (&str, &str),
+    (clock, report): (&SharedClock, &ReportFn),
 ) -> impl Fn() -> Heartbeat + Send + 'static {
     let cell_id = config.cell_id.clone();
     let cell_url = cell_url.to_string();
+    let internal_url = internal_url.to_string();
     let region = config.region.clone();
     let incarnation = context.incarnation;
     let readiness = readiness.clone();
     let slots = context.slots.clone();
     let clock = clock.clone();
+    let report = report.clone();
     move || Heartbeat {
         v: 1,
         cell_id: cell_id.clone(),
@@ -501,6 +594,8 @@ fn heartbeat_sampler(
         started_at: incarnation,
         ready: readiness.answer(clock.now_ms()).status == 200,
         connections: slots.used() as i64,
+        internal_url: Some(internal_url.clone()),
+        status: Some(report()),
     }
 }
 
@@ -554,7 +649,41 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
         "Live bookings holding a connection unit.",
         move || vec![(vec![], bookings.len() as f64)],
     );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_switch_generation",
+        "Generation of the applied switch file (0: none applied, the defaults).",
+        move || vec![(vec![], mode.switch().generation as f64)],
+    );
+    let mode = context.mode.clone();
+    registry.sampled_gauge(
+        "orca_relay_dead_man_trip_slots",
+        "deadManTripSlots in force from the applied switch; -1 when absent (no cap).",
+        move || {
+            let slots = mode.switch().flags.dead_man_trip_slots;
+            vec![(vec![], slots.map_or(-1.0, f64::from))]
+        },
+    );
+    let slots = context.slots.clone();
+    registry.sampled_gauge(
+        "orca_relay_connection_cap",
+        "ORCA_RELAY_CONNECTION_CAP: connection units this cell holds at most.",
+        move || vec![(vec![], f64::from(slots.cap()))],
+    );
+    // The startup handshake's series exist in every cell process: the `cell` role counts its
+    // run and attempts (`run` below); the combined role has no remote director, so both stay 0.
+    registry.counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[]);
+    registry.gauge(
+        "orca_relay_handshake_attempts",
+        HANDSHAKE_ATTEMPTS_HELP,
+        &[],
+    );
 }
+
+const HANDSHAKE_RUNS_HELP: &str =
+    "Startup handshakes run; 0 in the combined role, whose director is in-process.";
+const HANDSHAKE_ATTEMPTS_HELP: &str =
+    "Attempts the startup handshake has started; 0 in the combined role, which has none.";
 
 /// The `cell` role: bind both listeners, register with every director under the startup
 /// budget (SPEC §8), then serve until SIGTERM.
@@ -592,10 +721,11 @@ pub fn run(config: Config) -> Result<(), RunError> {
         readiness: readiness.clone(),
         ws_listener,
         cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
         incarnation,
         heartbeat: Sink::Directors {
             urls: config.director_urls.clone(),
-            service_token: sent_token(&config),
+            service_token: service_tokens(&config),
         },
     })?);
     let handler = {
@@ -626,23 +756,19 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let request = RegisterRequest::new(&config.cell_id, &cell_url, &config.region, incarnation)
         .with_internal_url(&internal_url);
     registry
-        .counter(
-            "orca_relay_handshake_runs_total",
-            "Startup handshakes run.",
-            &[],
-        )
+        .counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[])
         .inc();
     // Registered before the first attempt and updated as each starts, so a scrape during a
     // slow handshake shows how far it got.
     let attempts = registry.gauge(
         "orca_relay_handshake_attempts",
-        "Attempts the startup handshake has started.",
+        HANDSHAKE_ATTEMPTS_HELP,
         &[],
     );
     let report = register_with_directors_observed(
         &config.director_urls,
         &request,
-        &sent_token(&config),
+        &service_tokens(&config),
         &budget,
         clock.as_ref(),
         &crate::clock::sleep,

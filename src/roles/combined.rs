@@ -15,10 +15,16 @@
 //! Without `ORCA_RELAY_SERVICE_TOKEN` a random in-process token protects the cell's internal
 //! API; the director side holds the same one.
 //!
+//! Of the director's admin API the combined role serves only `GET /v1/admin/cells` (the fleet
+//! listing `orca-relay fleet status` reads: here, the one cell), behind the configured service
+//! token. Without one the listing answers 401 `service_token_not_configured`: the generated
+//! token is known to nobody outside the process.
+//!
 //! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `self-record`, `http-acceptor` and `http-<n>`, `signals`. The
-//! main thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
-//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
+//! `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `http-acceptor` and `http-<n>`,
+//! `signals`. The main thread waits for SIGTERM and runs the drain: the cell drains (the poller
+//! keeps polling meanwhile, so the dead-man stays armed), then the poller and `self-record` stop,
+//! then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -28,10 +34,12 @@ use std::time::Duration;
 use crate::cell::heartbeat::Sink;
 use crate::cell::mode::CellMode;
 use crate::cell::switch::AdmitMode;
-use crate::clock::{self, SharedClock};
+use crate::clock;
 use crate::config::Config;
+use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
@@ -59,11 +67,13 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::raise_fd_limit();
+    // The fleet listing is served only with a token the operator knows.
+    let token_configured = config.service_token.is_some();
     if config.service_token.is_none() {
         config.service_token = Some(ServiceTokens::single(in_process_token()?));
     }
-    // The token this process sends (its own internal API accepts the whole list).
-    let service_token = super::sent_token(&config);
+    // The tokens this process sends (its own internal API accepts the whole list).
+    let service_token = super::service_tokens(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
 
@@ -84,14 +94,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             internal_url.clone(),
         );
         migrate_in_background(&store, move || {
-            registrar.register_cell(
-                &cell_id,
-                &cell_url,
-                &internal_url,
-                &region,
-                incarnation,
-                incarnation,
-            )
+            registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
         })?
     };
 
@@ -107,19 +110,21 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         readiness: readiness.clone(),
         ws_listener,
         cell_url: cell_url.clone(),
+        internal_url: internal_url.clone(),
         incarnation,
         heartbeat: Sink::Store {
             store: store.clone(),
-            clock: clock.clone(),
         },
     })?);
 
     let board = FeedBoard::new();
+    let membership = Judge::starting_now(membership::Rules::from_config(&config), &clock);
     let fleet = Fleet::new(
         director_id.clone(),
         board.clone(),
         Arc::new(HttpCellClient::new(service_token.clone())),
         &config.timings,
+        membership,
     );
     let assign_context = Arc::new(AssignContext::new(
         verifier,
@@ -128,6 +133,16 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         Placement::Fleet(fleet),
         &registry,
     ));
+    let admin = AdminContext::new(
+        store.clone(),
+        clock.clone(),
+        super::service_tokens(&config),
+        &registry,
+        board.clone(),
+        membership,
+        config.timings.trip_slot_stale_ms,
+    )
+    .listing_only(token_configured);
     let handler = {
         let registry = registry.clone();
         let readiness = readiness.clone();
@@ -137,6 +152,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             if let Some(reply) = cell
                 .route(request)
                 .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .or_else(|| admin.handle(request))
             {
                 return reply;
             }
@@ -167,7 +183,6 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         region: config.region.clone(),
         incarnation,
         mode: cell.context.mode.clone(),
-        clock: clock.clone(),
     };
     // Registered by the migration step already, unless the database was down at boot: then
     // the self-record thread registers the cell as soon as it can.
@@ -188,8 +203,18 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         clock: clock.clone(),
         registry: registry.clone(),
         period: Duration::from_millis(config.timings.feed_poll_ms),
+        membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
+    let (sweeper_stop, sweeper_stop_rx) = mpsc::channel::<()>();
+    let sweeper = {
+        let store = store.clone();
+        let clock = clock.clone();
+        threads::spawn("fleet-sweeper", move || {
+            membership::run_sweeper(store, membership.rules, clock, sweeper_stop_rx)
+        })
+        .map_err(|e| RunError(format!("cannot start the fleet-sweeper thread: {e}")))?
+    };
     wait_until_placeable(&store, &config.cell_id, incarnation);
 
     lifecycle::notify_ready();
@@ -203,6 +228,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     }
     cell.drain(&shutdown);
     poller.stop();
+    drop(sweeper_stop);
+    threads::join_logged("fleet-sweeper", sweeper);
     drop(record_stop);
     threads::join_logged("self-record", record_thread);
     http.stop();
@@ -268,20 +295,17 @@ struct SelfRecord {
     region: String,
     incarnation: i64,
     mode: Arc<CellMode>,
-    clock: SharedClock,
 }
 
 impl SelfRecord {
     /// Registers the cell; false (logged) when the store did not take it.
     fn register(&self) -> bool {
-        let now = self.clock.now_ms() as i64;
         match self.store.register_cell(
             &self.cell_id,
             &self.cell_url,
             &self.internal_url,
             &self.region,
             self.incarnation,
-            now,
         ) {
             Ok(()) => true,
             Err(e) => {
@@ -315,11 +339,7 @@ impl SelfRecord {
             }
             let wanted = self.mode.switch().flags.admit_mode;
             if recorded != Some(wanted) {
-                let now = self.clock.now_ms() as i64;
-                match self
-                    .store
-                    .set_admit_mode(&self.cell_id, wanted.as_str(), now)
-                {
+                match self.store.set_admit_mode(&self.cell_id, wanted.as_str()) {
                     Ok(()) => {
                         log::info!(
                             "orca_relay_self_admit_mode_recorded cell_id={} admit_mode={}",

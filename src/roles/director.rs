@@ -3,10 +3,11 @@
 //!
 //! Threads: `signals` (SIGTERM/SIGINT → drain), `migrator` (applies migrations, retrying in the
 //! background while the database is down), `readiness` (JWKS and SQL probes), `feed-poller`
-//! with its `feed-poll-<n>` workers, `http-acceptor` and `http-<n>`, and `systemd-watchdog` when
-//! `WatchdogSec=` is set (`WATCHDOG=1` after its own `GET /health` answered). The main thread
-//! waits for the drain and runs the shutdown order: `/ready` says draining, the poller stops,
-//! the prober stops, HTTP stops, exit 0.
+//! with its `feed-poll-<n>` workers, `fleet-sweeper` (forgets long-silent cells, deletes expired
+//! leases), `http-acceptor` and `http-<n>`, and `systemd-watchdog` when `WatchdogSec=` is set
+//! (`WATCHDOG=1` after its own `GET /health` answered). The main thread waits for the drain and
+//! runs the shutdown order: `/ready` says draining, the poller stops, the prober stops, HTTP
+//! stops, exit 0.
 //!
 //! Never crash-loops on a dead database: the process starts, serves `/health` 200 and `/ready`
 //! 503 (`starting` until migrations are applied, then whatever the SQL probe says), and
@@ -23,6 +24,7 @@ use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
 use crate::metrics::Registry;
@@ -44,8 +46,9 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let service_tokens = config.service_token.clone().ok_or_else(|| {
         RunError("ORCA_RELAY_SERVICE_TOKEN is required for the director role".into())
     })?;
-    // Calls to cells carry the first token; the admin API accepts any of them.
-    let service_token = service_tokens.sent().to_string();
+    // Calls to cells carry the first token, then the next to a cell that refuses it; the admin
+    // API accepts any of them.
+    let service_token = service_tokens.clone();
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
     // One connection now, so a database that refuses our TLS stops start-up with the cause
@@ -60,6 +63,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
+    super::register_process_metrics(&registry, &readiness, &clock);
     super::register_store_metrics(&registry, &store);
 
     // Migrations in the background: until they are applied `/ready` says starting and the
@@ -93,6 +97,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?
     };
 
+    let membership = Judge::starting_now(membership::Rules::from_config(&config), &clock);
     let board = FeedBoard::new();
     let poller = FeedPoller::start(FeedPollerConfig {
         board: board.clone(),
@@ -101,15 +106,26 @@ pub fn run(config: Config) -> Result<(), RunError> {
         clock: clock.clone(),
         registry: registry.clone(),
         period: Duration::from_millis(config.timings.feed_poll_ms),
+        membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
 
     let fleet = Fleet::new(
         director_id.clone(),
-        board,
+        board.clone(),
         Arc::new(HttpCellClient::new(service_token.clone())),
         &config.timings,
+        membership,
     );
+    let (sweeper_stop, sweeper_stop_rx) = mpsc::channel::<()>();
+    let sweeper = {
+        let store = store.clone();
+        let clock = clock.clone();
+        threads::spawn("fleet-sweeper", move || {
+            membership::run_sweeper(store, membership.rules, clock, sweeper_stop_rx)
+        })
+        .map_err(|e| RunError(format!("cannot start the fleet-sweeper thread: {e}")))?
+    };
     let routes = Arc::new(Routes {
         assign: AssignContext::new(
             verifier,
@@ -118,7 +134,15 @@ pub fn run(config: Config) -> Result<(), RunError> {
             Placement::Fleet(fleet),
             &registry,
         ),
-        admin: AdminContext::new(store.clone(), clock.clone(), service_tokens, &registry),
+        admin: AdminContext::new(
+            store.clone(),
+            clock.clone(),
+            service_tokens,
+            &registry,
+            board,
+            membership,
+            config.timings.trip_slot_stale_ms,
+        ),
         readiness: readiness.clone(),
         registry: registry.clone(),
         clock: clock.clone(),
@@ -153,6 +177,8 @@ pub fn run(config: Config) -> Result<(), RunError> {
     log::info!("orca_relay_shutdown_started role=director");
     readiness.set_phase(Phase::Draining);
     poller.stop();
+    drop(sweeper_stop);
+    threads::join_logged("fleet-sweeper", sweeper);
     drop(prober_stop);
     threads::join_logged("readiness", prober);
     threads::join_logged("migrator", migrator);

@@ -11,6 +11,7 @@ use std::net::TcpListener;
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
 use crate::config::{Config, Role};
+use crate::service_token::ServiceTokens;
 use crate::store::{Store, StoreConfig};
 
 /// Why a role could not start or stopped with an error; printed as one line.
@@ -111,15 +112,15 @@ pub fn verifier(config: &Config, clock: &SharedClock) -> Result<Verifier, RunErr
     ))
 }
 
-/// The service token this process sends on director↔cell calls: the first of
-/// `ORCA_RELAY_SERVICE_TOKEN`'s list (`""` when unset; config refuses that for cells and
-/// directors, and the combined role generates one).
-pub fn sent_token(config: &Config) -> String {
+/// The service tokens this process sends on director↔cell calls: the first of
+/// `ORCA_RELAY_SERVICE_TOKEN`'s list, then the next to a peer that refuses it (`""` when unset;
+/// config refuses that for cells and directors, and the combined role generates one). Clones
+/// share what they learn about each peer.
+pub fn service_tokens(config: &Config) -> ServiceTokens {
     config
         .service_token
-        .as_ref()
-        .map(|tokens| tokens.sent().to_string())
-        .unwrap_or_default()
+        .clone()
+        .unwrap_or_else(|| ServiceTokens::single(""))
 }
 
 /// Binds a listener, naming the variable on failure.
@@ -147,6 +148,7 @@ pub fn start_prober(
 ) -> Result<Prober, RunError> {
     let readiness = crate::readiness::Readiness::from_config(config);
     readiness.register_metrics(registry, clock.clone());
+    register_process_metrics(registry, &readiness, clock);
     let period_ms = config.timings.readiness_probe_ms;
     let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
         let verifier = verifier.clone();
@@ -321,6 +323,31 @@ pub fn raise_fd_limit() {
         Ok(_) => {}
         Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
     }
+}
+
+/// Metrics of the process itself, on every role: when it started (a restart shows as a new
+/// value) and whether `/ready` answers 200 now (degraded included).
+pub fn register_process_metrics(
+    registry: &crate::metrics::Registry,
+    readiness: &crate::readiness::Readiness,
+    clock: &SharedClock,
+) {
+    let started_s = clock.now_ms() as f64 / 1000.0;
+    registry.sampled_gauge(
+        "orca_relay_process_start_time_seconds",
+        "Start time of the process since the Unix epoch, in seconds.",
+        move || vec![(vec![], started_s)],
+    );
+    let readiness = readiness.clone();
+    let clock = clock.clone();
+    registry.sampled_gauge(
+        "orca_relay_ready",
+        "1 when /ready answers 200 (degraded included); 0 while starting, draining or failing.",
+        move || {
+            let ready = readiness.answer(clock.now_ms()).status == 200;
+            vec![(vec![], f64::from(u8::from(ready)))]
+        },
+    );
 }
 
 /// The store's metrics, on every role: pool connections, ceiling and waiters, and the SQL

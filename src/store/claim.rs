@@ -12,13 +12,19 @@
 //! values across cells the effective cap is the largest value set, and a cell on an older image
 //! that ignores the flag still takes a slot through its `db` row.
 //!
+//! Time is the database's (SPEC §11 "Slot liveness"): the transaction stamps this cell's row
+//! with `relay_now_ms()` and judges the other rows' freshness against `relay_now_ms()`, never
+//! against a cell's clock. On PostgreSQL that is `now()`, the transaction's start, so the count
+//! and the write see one instant; on SQLite it is the one machine's clock, read inside
+//! `BEGIN IMMEDIATE`. A cell ten minutes fast or slow holds and frees slots exactly as one that
+//! agrees with the database.
+//!
 //! Runs on the claim loop's thread (the `CellAdmitEffectiveWriter`, which serialises every write
 //! of this cell's row). Must never wait for the lock: a busy lock is [`ClaimOutcome::LockBusy`]
 //! and the cell asks again later, so a claim holds a connection for a few round trips at most.
 
 use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
 
-use super::pg_statements::{execute, query_one};
 use super::{ClaimOutcome, StatementCounter, MODE_DB, MODE_RESERVE};
 
 /// The PostgreSQL advisory-lock key every claim takes with `pg_try_advisory_xact_lock`: the
@@ -33,16 +39,9 @@ pub struct ClaimRequest<'a> {
     pub incarnation: i64,
     /// `deadManTripSlots`: how many cells may be tripped at once.
     pub slots: u32,
-    pub now_ms: i64,
-    /// `TRIP_SLOT_STALE_MS`: a holder whose row is older than this no longer counts.
+    /// `TRIP_SLOT_STALE_MS`: a holder whose row is older than this (on the database's clock)
+    /// no longer counts.
     pub stale_ms: i64,
-}
-
-impl ClaimRequest<'_> {
-    /// Rows refreshed at or after this instant still hold their slot.
-    fn fresh_since(&self) -> i64 {
-        self.now_ms.saturating_sub(self.stale_ms)
-    }
 }
 
 /// The slot decision: a permit while fewer than `slots` other cells hold one.
@@ -55,7 +54,8 @@ fn to_u32(count: i64) -> u32 {
 }
 
 /// The claim on PostgreSQL: one READ COMMITTED transaction (the default), so the count's
-/// snapshot is taken after the lock is held and sees the previous holder's commit.
+/// snapshot is taken after the lock is held and sees the previous holder's commit. Every
+/// statement is counted (`n.bump()`) as it is sent.
 pub(super) fn claim_postgres(
     client: &mut postgres::Client,
     n: &StatementCounter,
@@ -65,52 +65,47 @@ pub(super) fn claim_postgres(
     let mut tx = client.transaction()?;
 
     // 1. The claim lock, without waiting; released by COMMIT or ROLLBACK.
-    let locked: bool = query_one(
-        &mut tx,
-        n,
-        "SELECT pg_try_advisory_xact_lock($1)",
-        &[&TRIP_SLOT_LOCK_KEY],
-    )?
-    .try_get(0)?;
+    n.bump();
+    let locked: bool = tx
+        .query_one(
+            "SELECT pg_try_advisory_xact_lock($1)",
+            &[&TRIP_SLOT_LOCK_KEY],
+        )?
+        .try_get(0)?;
     if !locked {
         n.bump();
         tx.rollback()?;
         return Ok(ClaimOutcome::LockBusy);
     }
 
-    // 2. The other cells holding a slot.
-    let others_holding: i64 = query_one(
-        &mut tx,
-        n,
-        "SELECT COUNT(*) FROM relay_cell_admit_effective e
-         JOIN relay_cell_admit_modes m ON m.cell_id = e.cell_id
-         WHERE e.cell_id <> $1
-           AND e.mode = 'db'
-           AND m.admit_mode = 'reserve'
-           AND e.updated_at >= $2",
-        &[&request.cell_id, &request.fresh_since()],
-    )?
-    .try_get(0)?;
+    // 2. The other cells holding a slot: fresh on the database's clock.
+    n.bump();
+    let others_holding: i64 = tx
+        .query_one(
+            "SELECT COUNT(*) FROM relay_cell_admit_effective e
+             JOIN relay_cell_admit_modes m ON m.cell_id = e.cell_id
+             WHERE e.cell_id <> $1
+               AND e.mode = 'db'
+               AND m.admit_mode = 'reserve'
+               AND e.updated_at >= relay_now_ms() - $2",
+            &[&request.cell_id, &request.stale_ms],
+        )?
+        .try_get(0)?;
     let others_holding = to_u32(others_holding);
 
-    // 3. This cell's row: `db` takes the slot, `reserve` keeps a refused cell's row fresh.
+    // 3. This cell's row, stamped by the database: `db` takes the slot, `reserve` keeps a
+    //    refused cell's row fresh.
     let permitted = slot_is_free(others_holding, request.slots);
     let mode = if permitted { MODE_DB } else { MODE_RESERVE };
-    execute(
-        &mut tx,
-        n,
+    n.bump();
+    tx.execute(
         "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
-         VALUES ($1, $2, $3, $4)
+         VALUES ($1, $2, $3, relay_now_ms())
          ON CONFLICT (cell_id) DO UPDATE
              SET cell_incarnation = excluded.cell_incarnation,
                  mode = excluded.mode,
                  updated_at = excluded.updated_at",
-        &[
-            &request.cell_id,
-            &request.incarnation,
-            &mode,
-            &request.now_ms,
-        ],
+        &[&request.cell_id, &request.incarnation, &mode],
     )?;
 
     // 4. COMMIT releases the lock; the next claimant counts this row.
@@ -139,7 +134,7 @@ pub(super) fn claim_sqlite(
         Err(error) => return Err(error),
     };
 
-    // 2. The other cells holding a slot.
+    // 2. The other cells holding a slot: fresh on the database's clock.
     n.bump();
     let others_holding: i64 = tx.query_row(
         "SELECT COUNT(*) FROM relay_cell_admit_effective e
@@ -147,24 +142,25 @@ pub(super) fn claim_sqlite(
          WHERE e.cell_id <> ?1
            AND e.mode = 'db'
            AND m.admit_mode = 'reserve'
-           AND e.updated_at >= ?2",
-        params![request.cell_id, request.fresh_since()],
+           AND e.updated_at >= relay_now_ms() - ?2",
+        params![request.cell_id, request.stale_ms],
         |row| row.get(0),
     )?;
     let others_holding = to_u32(others_holding);
 
-    // 3. This cell's row: `db` takes the slot, `reserve` keeps a refused cell's row fresh.
+    // 3. This cell's row, stamped by the database: `db` takes the slot, `reserve` keeps a
+    //    refused cell's row fresh.
     let permitted = slot_is_free(others_holding, request.slots);
     let mode = if permitted { MODE_DB } else { MODE_RESERVE };
     n.bump();
     tx.execute(
         "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
-         VALUES (?1, ?2, ?3, ?4)
+         VALUES (?1, ?2, ?3, relay_now_ms())
          ON CONFLICT (cell_id) DO UPDATE
              SET cell_incarnation = excluded.cell_incarnation,
                  mode = excluded.mode,
                  updated_at = excluded.updated_at",
-        params![request.cell_id, request.incarnation, mode, request.now_ms],
+        params![request.cell_id, request.incarnation, mode],
     )?;
 
     // 4. COMMIT releases the write lock.
@@ -195,23 +191,5 @@ mod tests {
         assert!(!slot_is_free(2, 2));
         assert!(!slot_is_free(3, 2));
         assert!(!slot_is_free(0, 0), "deadManTripSlots=0 never trips");
-    }
-
-    #[test]
-    fn stale_threshold_does_not_underflow() {
-        let request = ClaimRequest {
-            cell_id: "c1",
-            incarnation: 1,
-            slots: 2,
-            now_ms: 1_000,
-            stale_ms: 600_000,
-        };
-        assert_eq!(request.fresh_since(), -599_000);
-        let huge = ClaimRequest {
-            now_ms: i64::MIN + 5,
-            stale_ms: i64::MAX,
-            ..request
-        };
-        assert_eq!(huge.fresh_since(), i64::MIN);
     }
 }

@@ -8,6 +8,13 @@
 //! statement timeout. Opening a store opens no connection, so a process whose database is down
 //! still starts and reports itself unready instead of crashing.
 //!
+//! Time that machines compare is the database's: `relay_now_ms()` in SQL (PostgreSQL's `now()`
+//! through migration 0003; on SQLite a function the store registers on each connection, reading
+//! the store's clock, since every process sharing the file is on one machine). Admit-effective
+//! rows, heartbeats, registrations and admit-mode records are stamped with it, and their ages
+//! ([`CellRow`]) and the slot claim's freshness are computed with it, so no process's clock
+//! (which may be minutes off) ever judges another's row.
+//!
 //! Must never: hold a lock of the caller's while it runs (callers take snapshots first), log or
 //! return a connection string (errors are short lowercase phrases without secrets), or let a
 //! connection that errored back into the pool.
@@ -25,6 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::SharedClock;
 use crate::config::{Config, Role};
 
 /// How to reach the database and how to size the pool.
@@ -199,6 +207,9 @@ pub enum HeartbeatOutcome {
     Accepted,
     /// An older incarnation than the one stored: a process that has since been replaced.
     StaleIncarnation,
+    /// The cell has no registration (never registered here, deregistered, or forgotten):
+    /// nothing was written; register it first.
+    Unregistered,
 }
 
 /// The answer to a trip-slot claim (SPEC §5.5 "The claim").
@@ -218,14 +229,20 @@ pub struct CellRuntime {
     pub started_at: i64,
     pub ready: bool,
     pub connections: i64,
+    /// Stamped by the database when the heartbeat was recorded.
     pub last_heartbeat_at: i64,
+    /// How old that heartbeat is on the database's clock (read with the row).
+    pub heartbeat_age_ms: i64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdmitEffective {
     pub cell_incarnation: i64,
     pub mode: String,
+    /// Stamped by the database when the row was written.
     pub updated_at: i64,
+    /// How old the row is on the database's clock (read with the row).
+    pub age_ms: i64,
 }
 
 /// One registered cell with everything the director knows about it.
@@ -239,11 +256,27 @@ pub struct CellRow {
     pub internal_url: Option<String>,
     pub region: String,
     pub incarnation: i64,
+    /// Stamped by the database at the (latest) registration.
     pub registered_at: i64,
+    /// How old the registration is on the database's clock.
+    pub registered_age_ms: i64,
     pub runtime: Option<CellRuntime>,
     /// The operator's switch record; `"db"` when there is no row (SPEC §6.1).
     pub admit_mode: String,
+    /// When the operator's record was written (database clock); `None` without a record.
+    pub admit_mode_updated_at: Option<i64>,
     pub effective: Option<AdmitEffective>,
+}
+
+impl CellRow {
+    /// How long the database has heard nothing from the cell: the age of its latest heartbeat,
+    /// or of its registration when that is newer (or it never heartbeat).
+    pub fn silent_ms(&self) -> i64 {
+        match &self.runtime {
+            Some(runtime) => runtime.heartbeat_age_ms.min(self.registered_age_ms),
+            None => self.registered_age_ms,
+        }
+    }
 }
 
 /// The two admit modes a row may hold.
@@ -259,6 +292,41 @@ fn check_mode(mode: &str) -> Result<(), StoreError> {
         )))
     }
 }
+
+/// Every registered cell with its runtime, records and ages on the database's clock. The
+/// column order is the one both backends' `cell_row` reads.
+pub(crate) const LIST_CELLS: &str =
+    "SELECT c.cell_id, c.cell_url, c.region, c.incarnation, c.registered_at,
+        r.cell_incarnation, r.started_at, r.ready, r.connections, r.last_heartbeat_at,
+        m.admit_mode,
+        e.cell_incarnation, e.mode, e.updated_at,
+        c.internal_url,
+        relay_now_ms() - c.registered_at,
+        relay_now_ms() - r.last_heartbeat_at,
+        relay_now_ms() - e.updated_at,
+        m.updated_at
+ FROM relay_cells c
+ LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
+ LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
+ LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
+ ORDER BY c.cell_id";
+
+/// The tables keyed by `cell_id` whose rows belong to one cell (forgetting deletes them all).
+pub(crate) const CELL_TABLES: [&str; 5] = [
+    "relay_cells",
+    "relay_cell_runtime",
+    "relay_cell_admit_modes",
+    "relay_cell_admit_effective",
+    "relay_assignment_activity_leases",
+];
+
+/// The per-cell tables a deregistered cell leaves rows in, with the column stamped by the
+/// database (or, for leases, the expiry) that says how long the row has been untouched.
+pub(crate) const UNREGISTERED_LEFTOVERS: [(&str, &str); 3] = [
+    ("relay_cell_runtime", "last_heartbeat_at"),
+    ("relay_cell_admit_modes", "updated_at"),
+    ("relay_cell_admit_effective", "updated_at"),
+];
 
 thread_local! {
     static THREAD_STATEMENTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -307,11 +375,21 @@ macro_rules! dispatch {
 }
 
 impl Store {
-    /// Builds the store without connecting: connections open lazily on first use.
+    /// Builds the store without connecting: connections open lazily on first use. SQLite's
+    /// `relay_now_ms()` reads the system clock.
     pub fn open(config: &StoreConfig) -> Result<Store, StoreError> {
+        Store::open_with_clock(config, crate::clock::system())
+    }
+
+    /// As [`Store::open`], with the clock SQLite's `relay_now_ms()` reads (tests and the
+    /// fleet simulation drive it by hand). PostgreSQL always uses its own `now()`.
+    pub fn open_with_clock(
+        config: &StoreConfig,
+        db_clock: SharedClock,
+    ) -> Result<Store, StoreError> {
         let engine = match &config.database_url {
             Some(url) => Engine::Postgres(postgres::PgStore::open(url, config)?),
-            None => Engine::Sqlite(sqlite::SqliteStore::open(config)?),
+            None => Engine::Sqlite(sqlite::SqliteStore::open(config, db_clock)?),
         };
         Ok(Store {
             engine: Arc::new(engine),
@@ -334,6 +412,11 @@ impl Store {
     /// `SELECT 1`: the readiness probe.
     pub fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, store => store.ping())
+    }
+
+    /// The database's clock, `relay_now_ms()` (operators and tests).
+    pub fn now_ms(&self) -> Result<i64, StoreError> {
+        dispatch!(self, store => store.now_ms())
     }
 
     pub fn pool_stats(&self) -> PoolStats {
@@ -428,9 +511,10 @@ impl Store {
         dispatch!(self, store => store.live_leases_for_host(relay_host_id, now_ms))
     }
 
-    /// Records the cell; re-registering is harmless. An older incarnation never replaces a
-    /// newer one. `internal_url` is the base URL of the cell's HTTP listener; `""` means the
-    /// cell did not say, and keeps whatever URL an earlier registration stored.
+    /// Records the cell, stamped with the database's clock; re-registering is harmless. An
+    /// older incarnation never replaces a newer one. `internal_url` is the base URL of the
+    /// cell's HTTP listener; `""` means the cell did not say, and keeps whatever URL an earlier
+    /// registration stored.
     pub fn register_cell(
         &self,
         cell_id: &str,
@@ -438,14 +522,36 @@ impl Store {
         internal_url: &str,
         region: &str,
         incarnation: i64,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         let internal_url = Some(internal_url).filter(|url| !url.is_empty());
-        dispatch!(self, store => store.register_cell(cell_id, cell_url, internal_url, region, incarnation, now_ms))
+        dispatch!(self, store => store.register_cell(cell_id, cell_url, internal_url, region, incarnation))
     }
 
-    /// Records a heartbeat unless it comes from an older incarnation than the one stored in
-    /// `relay_cell_runtime` or `relay_cells`.
+    /// Deletes the registration and runtime row of this incarnation of the cell (a clean exit;
+    /// a newer incarnation's rows are left alone). The admit-mode record and the
+    /// admit-effective row stay until the cell is forgotten. True if a registration went.
+    pub fn deregister_cell(&self, cell_id: &str, incarnation: i64) -> Result<bool, StoreError> {
+        dispatch!(self, store => store.deregister_cell(cell_id, incarnation))
+    }
+
+    /// Forgets every cell the database has not heard from for more than `silent_ms`
+    /// ([`CellRow::silent_ms`]): all of its rows (registration, runtime, admit-mode record,
+    /// admit-effective row, activity leases). Rows of cells no longer registered are deleted
+    /// once untouched for as long. Returns the ids of the registered cells forgotten.
+    pub fn forget_silent_cells(&self, silent_ms: i64) -> Result<Vec<String>, StoreError> {
+        dispatch!(self, store => store.forget_silent_cells(silent_ms))
+    }
+
+    /// Deletes activity leases that expired more than `expired_for_ms` ago on the database's
+    /// clock (the margin covers cells whose clocks run slow: a lease is stamped by its cell).
+    /// Returns how many went.
+    pub fn delete_expired_leases(&self, expired_for_ms: i64) -> Result<u64, StoreError> {
+        dispatch!(self, store => store.delete_expired_leases(expired_for_ms))
+    }
+
+    /// Records a heartbeat, stamped with the database's clock, unless it comes from an older
+    /// incarnation than the one stored in `relay_cell_runtime` or `relay_cells`, or the cell is
+    /// not registered.
     pub fn heartbeat(
         &self,
         cell_id: &str,
@@ -453,7 +559,6 @@ impl Store {
         started_at: i64,
         ready: bool,
         connections: i64,
-        now_ms: i64,
     ) -> Result<HeartbeatOutcome, StoreError> {
         let beat = Heartbeat {
             cell_id,
@@ -461,20 +566,15 @@ impl Store {
             started_at,
             ready,
             connections,
-            now_ms,
         };
         dispatch!(self, store => store.heartbeat(&beat))
     }
 
-    /// The operator's switch record for a cell: `db` or `reserve`.
-    pub fn set_admit_mode(
-        &self,
-        cell_id: &str,
-        admit_mode: &str,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
+    /// The operator's switch record for a cell: `db` or `reserve` (stamped with the database's
+    /// clock).
+    pub fn set_admit_mode(&self, cell_id: &str, admit_mode: &str) -> Result<(), StoreError> {
         check_mode(admit_mode)?;
-        dispatch!(self, store => store.set_admit_mode(cell_id, admit_mode, now_ms))
+        dispatch!(self, store => store.set_admit_mode(cell_id, admit_mode))
     }
 
     /// Every registered cell, ordered by id.
@@ -482,36 +582,35 @@ impl Store {
         dispatch!(self, store => store.list_cells())
     }
 
-    /// Writes this cell's admit-effective row (only the cell's writer calls this, SPEC §5.5).
+    /// Writes this cell's admit-effective row, stamped with the database's clock (only the
+    /// cell's writer calls this, SPEC §5.5).
     pub fn write_admit_effective(
         &self,
         cell_id: &str,
         incarnation: i64,
         mode: &str,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         check_mode(mode)?;
-        dispatch!(self, store => store.write_admit_effective(cell_id, incarnation, mode, now_ms))
+        dispatch!(self, store => store.write_admit_effective(cell_id, incarnation, mode))
     }
 
     pub fn admit_effective(&self, cell_id: &str) -> Result<Option<AdmitEffective>, StoreError> {
         dispatch!(self, store => store.admit_effective(cell_id))
     }
 
-    /// The trip-slot claim, one short transaction (SPEC §5.5 "The claim"; see [`claim`]).
+    /// The trip-slot claim, one short transaction stamped and judged on the database's clock
+    /// (SPEC §5.5 "The claim", §11; see [`claim`]).
     pub fn claim_trip_slot(
         &self,
         cell_id: &str,
         incarnation: i64,
         slots: u32,
-        now_ms: i64,
         stale_ms: i64,
     ) -> Result<ClaimOutcome, StoreError> {
         let request = claim::ClaimRequest {
             cell_id,
             incarnation,
             slots,
-            now_ms,
             stale_ms,
         };
         match &*self.engine {
@@ -540,7 +639,6 @@ pub(crate) struct Heartbeat<'a> {
     pub started_at: i64,
     pub ready: bool,
     pub connections: i64,
-    pub now_ms: i64,
 }
 
 #[cfg(test)]

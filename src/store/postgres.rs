@@ -1,5 +1,6 @@
 //! The PostgreSQL backend: every statement the relay sends to PostgreSQL, except the slot
-//! claim, which reads as one transaction in [`super::claim`].
+//! claim, which reads as one transaction in [`super::claim`]. Time that machines compare is
+//! `relay_now_ms()` (migration 0003: `now()` in ms), never a parameter.
 //!
 //! Runs on the calling thread with a pooled `postgres::Client`. Each connection carries the
 //! configured `application_name` (so an operator can count a process's share of
@@ -24,7 +25,8 @@ use super::pool::{Connector, Pool, PoolCounts};
 use super::tls::DatabaseTlsConnector;
 use super::{
     AdmitEffective, Assignment, CellRow, CellRuntime, ClaimOutcome, Heartbeat, HeartbeatOutcome,
-    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError,
+    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError, CELL_TABLES, LIST_CELLS,
+    UNREGISTERED_LEFTOVERS,
 };
 use crate::clock;
 use crate::database_tls::SslMode;
@@ -33,6 +35,7 @@ use crate::database_tls::SslMode;
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../sql/postgres/0001_init.sql")),
     (2, include_str!("../../sql/postgres/0002_internal_url.sql")),
+    (3, include_str!("../../sql/postgres/0003_db_clock.sql")),
 ];
 
 /// The advisory-lock key that serialises migrations across processes: the ASCII bytes of
@@ -253,6 +256,12 @@ impl PgStore {
         })
     }
 
+    pub(super) fn now_ms(&self) -> Result<i64, StoreError> {
+        self.with_client("read the database clock", |client, n| {
+            query_one(client, n, "SELECT relay_now_ms()", &[])?.try_get(0)
+        })
+    }
+
     pub(super) fn assignment(
         &self,
         user_id: &str,
@@ -416,7 +425,6 @@ impl PgStore {
         internal_url: Option<&str>,
         region: &str,
         incarnation: i64,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         self.with_client("register cell", |client, n| {
             execute(
@@ -424,7 +432,7 @@ impl PgStore {
                 n,
                 "INSERT INTO relay_cells
                      (cell_id, cell_url, internal_url, region, incarnation, registered_at)
-                 VALUES ($1, $2, $3, $4, $5, $6)
+                 VALUES ($1, $2, $3, $4, $5, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_url = excluded.cell_url,
                          internal_url = COALESCE(excluded.internal_url, relay_cells.internal_url),
@@ -432,16 +440,92 @@ impl PgStore {
                          incarnation = excluded.incarnation,
                          registered_at = excluded.registered_at
                      WHERE relay_cells.incarnation <= excluded.incarnation",
-                &[
-                    &cell_id,
-                    &cell_url,
-                    &internal_url,
-                    &region,
-                    &incarnation,
-                    &now_ms,
-                ],
+                &[&cell_id, &cell_url, &internal_url, &region, &incarnation],
             )
             .map(|_| ())
+        })
+    }
+
+    pub(super) fn deregister_cell(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+    ) -> Result<bool, StoreError> {
+        self.with_client("deregister cell", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
+            let removed = execute(
+                &mut tx,
+                n,
+                "DELETE FROM relay_cells WHERE cell_id = $1 AND incarnation = $2",
+                &[&cell_id, &incarnation],
+            )?;
+            execute(
+                &mut tx,
+                n,
+                "DELETE FROM relay_cell_runtime WHERE cell_id = $1 AND cell_incarnation <= $2",
+                &[&cell_id, &incarnation],
+            )?;
+            n.bump();
+            tx.commit()?;
+            Ok(removed == 1)
+        })
+    }
+
+    pub(super) fn forget_silent_cells(&self, silent_ms: i64) -> Result<Vec<String>, StoreError> {
+        self.with_client("forget silent cells", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
+            // 1. Registered cells silent past the age: every row they have.
+            let silent: Vec<String> = query(
+                &mut tx,
+                n,
+                "SELECT c.cell_id FROM relay_cells c
+                 LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
+                 WHERE relay_now_ms() - GREATEST(c.registered_at,
+                                                 COALESCE(r.last_heartbeat_at, c.registered_at))
+                       > $1",
+                &[&silent_ms],
+            )?
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?;
+            for table in CELL_TABLES {
+                execute(
+                    &mut tx,
+                    n,
+                    &format!("DELETE FROM {table} WHERE cell_id = ANY($1)"),
+                    &[&silent],
+                )?;
+            }
+            // 2. Rows left by cells no longer registered, untouched for as long.
+            for (table, stamp) in UNREGISTERED_LEFTOVERS {
+                execute(
+                    &mut tx,
+                    n,
+                    &format!(
+                        "DELETE FROM {table}
+                         WHERE cell_id NOT IN (SELECT cell_id FROM relay_cells)
+                           AND relay_now_ms() - {stamp} > $1"
+                    ),
+                    &[&silent_ms],
+                )?;
+            }
+            n.bump();
+            tx.commit()?;
+            Ok(silent)
+        })
+    }
+
+    pub(super) fn delete_expired_leases(&self, expired_for_ms: i64) -> Result<u64, StoreError> {
+        self.with_client("delete expired leases", |client, n| {
+            execute(
+                client,
+                n,
+                "DELETE FROM relay_assignment_activity_leases
+                 WHERE expires_at < relay_now_ms() - $1",
+                &[&expired_for_ms],
+            )
         })
     }
 
@@ -453,11 +537,12 @@ impl PgStore {
                 "SELECT incarnation FROM relay_cells WHERE cell_id = $1",
                 &[&beat.cell_id],
             )?;
-            if let Some(row) = registered {
-                let registered_incarnation: i64 = row.try_get(0)?;
-                if beat.incarnation < registered_incarnation {
-                    return Ok(HeartbeatOutcome::StaleIncarnation);
-                }
+            let Some(row) = registered else {
+                return Ok(HeartbeatOutcome::Unregistered);
+            };
+            let registered_incarnation: i64 = row.try_get(0)?;
+            if beat.incarnation < registered_incarnation {
+                return Ok(HeartbeatOutcome::StaleIncarnation);
             }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
@@ -465,7 +550,7 @@ impl PgStore {
                 n,
                 "INSERT INTO relay_cell_runtime
                      (cell_id, cell_incarnation, started_at, ready, connections, last_heartbeat_at)
-                 VALUES ($1, $2, $3, $4, $5, $6)
+                 VALUES ($1, $2, $3, $4, $5, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_incarnation = excluded.cell_incarnation,
                          started_at = excluded.started_at,
@@ -479,7 +564,6 @@ impl PgStore {
                     &beat.started_at,
                     &beat.ready,
                     &beat.connections,
-                    &beat.now_ms,
                 ],
             )?;
             Ok(if written == 1 {
@@ -490,21 +574,16 @@ impl PgStore {
         })
     }
 
-    pub(super) fn set_admit_mode(
-        &self,
-        cell_id: &str,
-        admit_mode: &str,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
+    pub(super) fn set_admit_mode(&self, cell_id: &str, admit_mode: &str) -> Result<(), StoreError> {
         self.with_client("set admit mode", |client, n| {
             execute(
                 client,
                 n,
                 "INSERT INTO relay_cell_admit_modes (cell_id, admit_mode, updated_at)
-                 VALUES ($1, $2, $3)
+                 VALUES ($1, $2, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET admit_mode = excluded.admit_mode, updated_at = excluded.updated_at",
-                &[&cell_id, &admit_mode, &now_ms],
+                &[&cell_id, &admit_mode],
             )
             .map(|_| ())
         })
@@ -512,22 +591,7 @@ impl PgStore {
 
     pub(super) fn list_cells(&self) -> Result<Vec<CellRow>, StoreError> {
         self.with_client("list cells", |client, n| {
-            let rows = query(
-                client,
-                n,
-                "SELECT c.cell_id, c.cell_url, c.region, c.incarnation, c.registered_at,
-                        r.cell_incarnation, r.started_at, r.ready, r.connections,
-                        r.last_heartbeat_at,
-                        m.admit_mode,
-                        e.cell_incarnation, e.mode, e.updated_at,
-                        c.internal_url
-                 FROM relay_cells c
-                 LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
-                 LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
-                 LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
-                 ORDER BY c.cell_id",
-                &[],
-            )?;
+            let rows = query(client, n, LIST_CELLS, &[])?;
             rows.iter().map(cell_row).collect()
         })
     }
@@ -537,19 +601,18 @@ impl PgStore {
         cell_id: &str,
         incarnation: i64,
         mode: &str,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         self.with_client("write admit-effective row", |client, n| {
             execute(
                 client,
                 n,
                 "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
-                 VALUES ($1, $2, $3, $4)
+                 VALUES ($1, $2, $3, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_incarnation = excluded.cell_incarnation,
                          mode = excluded.mode,
                          updated_at = excluded.updated_at",
-                &[&cell_id, &incarnation, &mode, &now_ms],
+                &[&cell_id, &incarnation, &mode],
             )
             .map(|_| ())
         })
@@ -563,7 +626,8 @@ impl PgStore {
             let row = query_opt(
                 client,
                 n,
-                "SELECT cell_incarnation, mode, updated_at FROM relay_cell_admit_effective
+                "SELECT cell_incarnation, mode, updated_at, relay_now_ms() - updated_at
+                 FROM relay_cell_admit_effective
                  WHERE cell_id = $1",
                 &[&cell_id],
             )?;
@@ -572,6 +636,7 @@ impl PgStore {
                     cell_incarnation: row.try_get(0)?,
                     mode: row.try_get(1)?,
                     updated_at: row.try_get(2)?,
+                    age_ms: row.try_get(3)?,
                 })
             })
             .transpose()
@@ -597,6 +662,7 @@ fn cell_row(row: &Row) -> Result<CellRow, postgres::Error> {
             ready: row.try_get(7)?,
             connections: row.try_get(8)?,
             last_heartbeat_at: row.try_get(9)?,
+            heartbeat_age_ms: row.try_get(16)?,
         }),
         None => None,
     };
@@ -607,6 +673,7 @@ fn cell_row(row: &Row) -> Result<CellRow, postgres::Error> {
             cell_incarnation,
             mode: row.try_get(12)?,
             updated_at: row.try_get(13)?,
+            age_ms: row.try_get(17)?,
         }),
         None => None,
     };
@@ -617,8 +684,10 @@ fn cell_row(row: &Row) -> Result<CellRow, postgres::Error> {
         region: row.try_get(2)?,
         incarnation: row.try_get(3)?,
         registered_at: row.try_get(4)?,
+        registered_age_ms: row.try_get(15)?,
         runtime,
         admit_mode: admit_mode.unwrap_or_else(|| super::MODE_DB.to_string()),
+        admit_mode_updated_at: row.try_get(18)?,
         effective,
     })
 }

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rusqlite::functions::FunctionFlags;
 use rusqlite::{
     params, Connection, ErrorCode, OpenFlags, OptionalExtension, Row, TransactionBehavior,
 };
@@ -21,27 +22,31 @@ use super::claim::{self, ClaimRequest};
 use super::pool::{Connector, Pool, PoolCounts};
 use super::{
     AdmitEffective, Assignment, CellRow, CellRuntime, ClaimOutcome, Heartbeat, HeartbeatOutcome,
-    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError,
+    LeaseOutcome, LeaseRow, StatementCounter, StoreConfig, StoreError, CELL_TABLES, LIST_CELLS,
+    UNREGISTERED_LEFTOVERS,
 };
-use crate::clock;
+use crate::clock::{self, SharedClock};
 
 /// The migrations, in order, embedded at build time.
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../sql/sqlite/0001_init.sql")),
     (2, include_str!("../../sql/sqlite/0002_internal_url.sql")),
+    (3, include_str!("../../sql/sqlite/0003_db_clock.sql")),
 ];
 
 /// Opens connections to one database file with the relay's settings.
 pub(super) struct SqliteConnector {
     path: std::path::PathBuf,
     busy_timeout: Duration,
+    /// What `relay_now_ms()` reads: the database's clock on SQLite.
+    clock: SharedClock,
 }
 
 impl Connector for SqliteConnector {
     type Conn = Connection;
 
     fn connect(&self) -> Result<Connection, StoreError> {
-        open_connection(&self.path, self.busy_timeout).map_err(|error| {
+        open_connection(&self.path, self.busy_timeout, &self.clock).map_err(|error| {
             StoreError::Unavailable(format!(
                 "open sqlite database {} failed: {error}",
                 self.path.display()
@@ -50,7 +55,11 @@ impl Connector for SqliteConnector {
     }
 }
 
-fn open_connection(path: &Path, busy_timeout: Duration) -> Result<Connection, rusqlite::Error> {
+fn open_connection(
+    path: &Path,
+    busy_timeout: Duration,
+    clock: &SharedClock,
+) -> Result<Connection, rusqlite::Error> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
@@ -59,6 +68,12 @@ fn open_connection(path: &Path, busy_timeout: Duration) -> Result<Connection, ru
     conn.busy_timeout(busy_timeout)?;
     let _mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
     conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = OFF;")?;
+    // The database's clock (PostgreSQL's is `now()`, migration 0003). Not deterministic: SQLite
+    // calls it each time a statement evaluates it.
+    let clock = clock.clone();
+    conn.create_scalar_function("relay_now_ms", 0, FunctionFlags::SQLITE_UTF8, move |_| {
+        Ok(i64::try_from(clock.now_ms()).unwrap_or(i64::MAX))
+    })?;
     Ok(conn)
 }
 
@@ -120,7 +135,10 @@ fn query_opt<T>(
 }
 
 impl SqliteStore {
-    pub(super) fn open(config: &StoreConfig) -> Result<SqliteStore, StoreError> {
+    pub(super) fn open(
+        config: &StoreConfig,
+        clock: SharedClock,
+    ) -> Result<SqliteStore, StoreError> {
         if let Some(parent) = config.sqlite_path.parent() {
             if !parent.as_os_str().is_empty() {
                 std::fs::create_dir_all(parent).map_err(|error| {
@@ -136,6 +154,7 @@ impl SqliteStore {
             SqliteConnector {
                 path: config.sqlite_path.clone(),
                 busy_timeout,
+                clock,
             },
             config.pool_max,
         );
@@ -221,6 +240,13 @@ impl SqliteStore {
     pub(super) fn ping(&self) -> Result<(), StoreError> {
         self.with_conn("ping", |conn, n| {
             query_opt(conn, n, "SELECT 1", [], |row| row.get::<_, i64>(0)).map(|_| ())
+        })
+    }
+
+    pub(super) fn now_ms(&self) -> Result<i64, StoreError> {
+        self.with_conn("read the database clock", |conn, n| {
+            query_opt(conn, n, "SELECT relay_now_ms()", [], |row| row.get(0))
+                .map(|now| now.unwrap_or_default())
         })
     }
 
@@ -387,7 +413,6 @@ impl SqliteStore {
         internal_url: Option<&str>,
         region: &str,
         incarnation: i64,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         self.with_conn("register cell", |conn, n| {
             execute(
@@ -395,7 +420,7 @@ impl SqliteStore {
                 n,
                 "INSERT INTO relay_cells
                      (cell_id, cell_url, internal_url, region, incarnation, registered_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 VALUES (?1, ?2, ?3, ?4, ?5, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_url = excluded.cell_url,
                          internal_url = COALESCE(excluded.internal_url, relay_cells.internal_url),
@@ -403,9 +428,94 @@ impl SqliteStore {
                          incarnation = excluded.incarnation,
                          registered_at = excluded.registered_at
                      WHERE relay_cells.incarnation <= excluded.incarnation",
-                params![cell_id, cell_url, internal_url, region, incarnation, now_ms],
+                params![cell_id, cell_url, internal_url, region, incarnation],
             )
             .map(|_| ())
+        })
+    }
+
+    pub(super) fn deregister_cell(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+    ) -> Result<bool, StoreError> {
+        self.with_conn("deregister cell", |conn, n| {
+            n.bump();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let removed = execute(
+                &tx,
+                n,
+                "DELETE FROM relay_cells WHERE cell_id = ?1 AND incarnation = ?2",
+                params![cell_id, incarnation],
+            )?;
+            execute(
+                &tx,
+                n,
+                "DELETE FROM relay_cell_runtime WHERE cell_id = ?1 AND cell_incarnation <= ?2",
+                params![cell_id, incarnation],
+            )?;
+            n.bump();
+            tx.commit()?;
+            Ok(removed == 1)
+        })
+    }
+
+    pub(super) fn forget_silent_cells(&self, silent_ms: i64) -> Result<Vec<String>, StoreError> {
+        self.with_conn("forget silent cells", |conn, n| {
+            n.bump();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            // 1. Registered cells silent past the age: every row they have.
+            let silent: Vec<String> = {
+                n.bump();
+                let mut statement = tx.prepare_cached(
+                    "SELECT c.cell_id FROM relay_cells c
+                     LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
+                     WHERE relay_now_ms() - MAX(c.registered_at,
+                                                COALESCE(r.last_heartbeat_at, c.registered_at))
+                           > ?1",
+                )?;
+                let ids = statement.query_map(params![silent_ms], |row| row.get(0))?;
+                ids.collect::<Result<_, _>>()?
+            };
+            for cell_id in &silent {
+                for table in CELL_TABLES {
+                    execute(
+                        &tx,
+                        n,
+                        &format!("DELETE FROM {table} WHERE cell_id = ?1"),
+                        params![cell_id],
+                    )?;
+                }
+            }
+            // 2. Rows left by cells no longer registered, untouched for as long.
+            for (table, stamp) in UNREGISTERED_LEFTOVERS {
+                execute(
+                    &tx,
+                    n,
+                    &format!(
+                        "DELETE FROM {table}
+                         WHERE cell_id NOT IN (SELECT cell_id FROM relay_cells)
+                           AND relay_now_ms() - {stamp} > ?1"
+                    ),
+                    params![silent_ms],
+                )?;
+            }
+            n.bump();
+            tx.commit()?;
+            Ok(silent)
+        })
+    }
+
+    pub(super) fn delete_expired_leases(&self, expired_for_ms: i64) -> Result<u64, StoreError> {
+        self.with_conn("delete expired leases", |conn, n| {
+            execute(
+                conn,
+                n,
+                "DELETE FROM relay_assignment_activity_leases
+                 WHERE expires_at < relay_now_ms() - ?1",
+                params![expired_for_ms],
+            )
+            .map(|deleted| deleted as u64)
         })
     }
 
@@ -418,7 +528,10 @@ impl SqliteStore {
                 params![beat.cell_id],
                 |row| row.get::<_, i64>(0),
             )?;
-            if registered.is_some_and(|incarnation| beat.incarnation < incarnation) {
+            let Some(registered) = registered else {
+                return Ok(HeartbeatOutcome::Unregistered);
+            };
+            if beat.incarnation < registered {
                 return Ok(HeartbeatOutcome::StaleIncarnation);
             }
             // The WHERE makes the runtime check and the write one atomic step.
@@ -427,7 +540,7 @@ impl SqliteStore {
                 n,
                 "INSERT INTO relay_cell_runtime
                      (cell_id, cell_incarnation, started_at, ready, connections, last_heartbeat_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 VALUES (?1, ?2, ?3, ?4, ?5, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_incarnation = excluded.cell_incarnation,
                          started_at = excluded.started_at,
@@ -440,8 +553,7 @@ impl SqliteStore {
                     beat.incarnation,
                     beat.started_at,
                     beat.ready,
-                    beat.connections,
-                    beat.now_ms
+                    beat.connections
                 ],
             )?;
             Ok(if written == 1 {
@@ -452,21 +564,16 @@ impl SqliteStore {
         })
     }
 
-    pub(super) fn set_admit_mode(
-        &self,
-        cell_id: &str,
-        admit_mode: &str,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
+    pub(super) fn set_admit_mode(&self, cell_id: &str, admit_mode: &str) -> Result<(), StoreError> {
         self.with_conn("set admit mode", |conn, n| {
             execute(
                 conn,
                 n,
                 "INSERT INTO relay_cell_admit_modes (cell_id, admit_mode, updated_at)
-                 VALUES (?1, ?2, ?3)
+                 VALUES (?1, ?2, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET admit_mode = excluded.admit_mode, updated_at = excluded.updated_at",
-                params![cell_id, admit_mode, now_ms],
+                params![cell_id, admit_mode],
             )
             .map(|_| ())
         })
@@ -475,19 +582,7 @@ impl SqliteStore {
     pub(super) fn list_cells(&self) -> Result<Vec<CellRow>, StoreError> {
         self.with_conn("list cells", |conn, n| {
             n.bump();
-            let mut statement = conn.prepare_cached(
-                "SELECT c.cell_id, c.cell_url, c.region, c.incarnation, c.registered_at,
-                        r.cell_incarnation, r.started_at, r.ready, r.connections,
-                        r.last_heartbeat_at,
-                        m.admit_mode,
-                        e.cell_incarnation, e.mode, e.updated_at,
-                        c.internal_url
-                 FROM relay_cells c
-                 LEFT JOIN relay_cell_runtime r ON r.cell_id = c.cell_id
-                 LEFT JOIN relay_cell_admit_modes m ON m.cell_id = c.cell_id
-                 LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
-                 ORDER BY c.cell_id",
-            )?;
+            let mut statement = conn.prepare_cached(LIST_CELLS)?;
             let rows = statement.query_map([], cell_row)?;
             rows.collect()
         })
@@ -498,19 +593,18 @@ impl SqliteStore {
         cell_id: &str,
         incarnation: i64,
         mode: &str,
-        now_ms: i64,
     ) -> Result<(), StoreError> {
         self.with_conn("write admit-effective row", |conn, n| {
             execute(
                 conn,
                 n,
                 "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
-                 VALUES (?1, ?2, ?3, ?4)
+                 VALUES (?1, ?2, ?3, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET cell_incarnation = excluded.cell_incarnation,
                          mode = excluded.mode,
                          updated_at = excluded.updated_at",
-                params![cell_id, incarnation, mode, now_ms],
+                params![cell_id, incarnation, mode],
             )
             .map(|_| ())
         })
@@ -524,7 +618,8 @@ impl SqliteStore {
             query_opt(
                 conn,
                 n,
-                "SELECT cell_incarnation, mode, updated_at FROM relay_cell_admit_effective
+                "SELECT cell_incarnation, mode, updated_at, relay_now_ms() - updated_at
+                 FROM relay_cell_admit_effective
                  WHERE cell_id = ?1",
                 params![cell_id],
                 |row| {
@@ -532,6 +627,7 @@ impl SqliteStore {
                         cell_incarnation: row.get(0)?,
                         mode: row.get(1)?,
                         updated_at: row.get(2)?,
+                        age_ms: row.get(3)?,
                     })
                 },
             )
@@ -562,6 +658,7 @@ fn cell_row(row: &Row<'_>) -> Result<CellRow, rusqlite::Error> {
             ready: row.get(7)?,
             connections: row.get(8)?,
             last_heartbeat_at: row.get(9)?,
+            heartbeat_age_ms: row.get(16)?,
         }),
         None => None,
     };
@@ -570,6 +667,7 @@ fn cell_row(row: &Row<'_>) -> Result<CellRow, rusqlite::Error> {
             cell_incarnation,
             mode: row.get(12)?,
             updated_at: row.get(13)?,
+            age_ms: row.get(17)?,
         }),
         None => None,
     };
@@ -580,10 +678,12 @@ fn cell_row(row: &Row<'_>) -> Result<CellRow, rusqlite::Error> {
         region: row.get(2)?,
         incarnation: row.get(3)?,
         registered_at: row.get(4)?,
+        registered_age_ms: row.get(15)?,
         runtime,
         admit_mode: row
             .get::<_, Option<String>>(10)?
             .unwrap_or_else(|| super::MODE_DB.to_string()),
+        admit_mode_updated_at: row.get(18)?,
         effective,
     })
 }

@@ -693,6 +693,8 @@ pub fn cell_env(
             format!("{}/jwks.json", jwks.url()),
         ),
         ("ORCA_RELAY_AUTH_ISSUER".into(), TEST_ISSUER.into()),
+        // The fake JWKS is plain HTTP; the operator's own commands run with this env too.
+        ("ORCA_RELAY_JWKS_ALLOW_HTTP".into(), "1".into()),
         ("ORCA_RELAY_DIRECTOR_URLS".into(), urls.join(",")),
     ]
 }
@@ -1020,5 +1022,39 @@ impl DirectorPolls {
 impl Drop for DirectorPolls {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pausing the process: SIGSTOP, a wait, SIGCONT (a hypervisor pause, `docker pause`, `gdb -p`).
+
+/// The state letter of a process in `/proc/<pid>/stat` (`T` = stopped).
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the state follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+impl Relay {
+    /// Stops the process with SIGSTOP, runs `while_stopped`, keeps it stopped for `duration`
+    /// in all (from the moment the kernel reports it stopped), then continues it with SIGCONT.
+    pub fn freeze_for(&self, duration: Duration, while_stopped: impl FnOnce()) {
+        let pid = self.child.id();
+        // SAFETY: kill has no memory-safety preconditions; the pid is our own child.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
+        assert!(
+            wait_until(Duration::from_secs(5), || process_state(pid) == Some('T')),
+            "the relay did not stop"
+        );
+        let stopped_at = orca_relay::clock::instant();
+        while_stopped();
+        // The freeze itself (not a wait for a condition): the scenario is "stopped this long".
+        orca_relay::clock::sleep(duration.saturating_sub(stopped_at.elapsed()));
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) }, 0);
+        assert!(
+            wait_until(Duration::from_secs(5), || process_state(pid) != Some('T')),
+            "the relay did not continue"
+        );
     }
 }

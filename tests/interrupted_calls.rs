@@ -1,0 +1,189 @@
+//! Interrupted system calls (`EINTR`) in the clients the relay uses for director and cell calls
+//! (SPEC §11): a blocking `recv` or `send` on a socket with a timeout fails with `EINTR` when
+//! the process is stopped and continued, or when a signal whose handler lacks `SA_RESTART`
+//! arrives. The second is what these tests use, because it can be aimed at one thread of the
+//! test process: a no-op `SIGUSR2` handler without `SA_RESTART`, sent again and again with
+//! `pthread_kill` to the thread blocked in the call. The call must still succeed.
+//!
+//! The black-box form of the same question (the whole relay stopped and continued) is
+//! `tests/pause_blackbox.rs`.
+
+mod harness;
+
+use std::sync::mpsc;
+use std::sync::Once;
+use std::time::Duration;
+
+use harness::*;
+
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// Installs the no-op `SIGUSR2` handler without `SA_RESTART`, once per test process.
+fn install_interrupting_handler() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: a zeroed sigaction is valid; the handler is async-signal-safe (it does
+        // nothing), and SIGUSR2 is used by nothing else in this test binary.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = ignore as *const () as libc::sighandler_t;
+            action.sa_flags = 0; // no SA_RESTART: blocking calls fail with EINTR
+            libc::sigemptyset(&mut action.sa_mask);
+            assert_eq!(
+                libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()),
+                0
+            );
+        }
+    });
+}
+
+/// Runs `call` on its own thread and interrupts that thread every 20 ms until it returns.
+fn interrupted<T: Send + 'static>(call: impl FnOnce() -> T + Send + 'static) -> (T, u32) {
+    install_interrupting_handler();
+    let (thread_tx, thread_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    let worker = orca_relay::threads::spawn("test-interrupted", move || {
+        // SAFETY: pthread_self has no preconditions.
+        thread_tx.send(unsafe { libc::pthread_self() }).unwrap();
+        let value = call();
+        done_tx.send(()).unwrap();
+        value
+    })
+    .unwrap();
+    let thread = thread_rx.recv().unwrap();
+    let mut signals = 0;
+    while done_rx.recv_timeout(Duration::from_millis(20)).is_err() {
+        // SAFETY: the thread is alive until it sends `done` (joined below), so its
+        // pthread_t is valid.
+        unsafe { libc::pthread_kill(thread, libc::SIGUSR2) };
+        signals += 1;
+    }
+    (worker.join().unwrap(), signals)
+}
+
+/// A server that answers every request after `delay`, so the client waits in `recv`.
+fn slow_server(delay: Duration) -> FakeServer {
+    FakeServer::start(move |_| {
+        orca_relay::clock::sleep(delay);
+        (200, r#"{"v":1,"ok":true}"#.to_string())
+    })
+}
+
+#[test]
+fn a_ureq_call_with_a_timeout_survives_interrupted_reads() {
+    let server = slow_server(Duration::from_millis(600));
+    let url = server.url();
+    let (result, signals) = interrupted(move || {
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build();
+        agent
+            .get(&format!("{url}/slow"))
+            .call()
+            .map_err(|e| e.to_string())
+            .and_then(|response| response.into_string().map_err(|e| e.to_string()))
+    });
+    assert!(signals >= 10, "the call was interrupted {signals} times");
+    assert_eq!(result.as_deref(), Ok(r#"{"v":1,"ok":true}"#));
+}
+
+#[test]
+fn a_ureq_post_with_a_json_answer_survives_interrupted_reads() {
+    let server = slow_server(Duration::from_millis(600));
+    let url = server.url();
+    let (result, signals) = interrupted(move || {
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build();
+        agent
+            .post(&format!("{url}/v1/admin/cell-heartbeat"))
+            .send_json(serde_json::json!({"v":1}))
+            .map_err(|e| e.to_string())
+            .and_then(|response| {
+                response
+                    .into_json::<serde_json::Value>()
+                    .map_err(|e| e.to_string())
+            })
+    });
+    assert!(signals >= 10, "the call was interrupted {signals} times");
+    assert_eq!(result, Ok(serde_json::json!({"v":1,"ok":true})));
+}
+
+/// A connected loopback pair: (client, server side).
+fn tcp_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (server, _) = listener.accept().unwrap();
+    (client, server)
+}
+
+/// One masked client text frame (RFC 6455 §5.2), as a desktop sends it.
+fn masked_text_frame(text: &str) -> Vec<u8> {
+    let mask = [0x11, 0x22, 0x33, 0x44];
+    assert!(text.len() < 126);
+    let mut frame = vec![0x81, 0x80 | text.len() as u8];
+    frame.extend_from_slice(&mask);
+    frame.extend(text.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
+}
+
+#[test]
+fn the_harness_really_interrupts_a_bare_recv_with_a_timeout() {
+    // Without this, the other tests here could pass by never seeing EINTR at all.
+    let (_client, server) = tcp_pair();
+    server
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let (kind, _) = interrupted(move || {
+        let mut buf = [0u8; 16];
+        std::io::Read::read(&mut &server, &mut buf)
+            .map(|_| ())
+            .unwrap_err()
+            .kind()
+    });
+    assert_eq!(kind, std::io::ErrorKind::Interrupted);
+}
+
+#[test]
+fn the_control_reader_retries_interrupted_reads_and_reads_the_frame() {
+    let (mut client, server) = tcp_pair();
+    server
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let (_socket, mut reader) =
+        orca_relay::relay::socket::Socket::new_control(1, server, Vec::new());
+    let writer = orca_relay::threads::spawn("test-late-writer", move || {
+        orca_relay::clock::sleep(Duration::from_millis(500));
+        std::io::Write::write_all(&mut client, &masked_text_frame("{\"type\":\"pong\"}")).unwrap();
+        client
+    })
+    .unwrap();
+    let (event, signals) = interrupted(move || format!("{:?}", reader.read()));
+    let _client = writer.join().unwrap();
+    assert!(signals >= 10, "interrupted {signals} times");
+    assert!(
+        event.starts_with("Message(Text(") && event.contains("pong"),
+        "an interrupted read is not the peer leaving: {event}"
+    );
+}
+
+#[test]
+fn the_splice_reader_retries_interrupted_reads_and_reads_the_frame() {
+    let (mut client, server) = tcp_pair();
+    server
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let socket = orca_relay::relay::socket::Socket::new_splice(1, server);
+    let mut reader =
+        orca_relay::relay::splice_reader::SpliceReader::new(socket, Vec::new(), 1 << 20);
+    let writer = orca_relay::threads::spawn("test-late-writer", move || {
+        orca_relay::clock::sleep(Duration::from_millis(500));
+        std::io::Write::write_all(&mut client, &masked_text_frame("spliced")).unwrap();
+        client
+    })
+    .unwrap();
+    let (event, signals) = interrupted(move || format!("{:?}", reader.read()));
+    let _client = writer.join().unwrap();
+    assert!(signals >= 10, "interrupted {signals} times");
+    assert!(event.starts_with("Frame { data: Text"), "{event}");
+}

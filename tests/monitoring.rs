@@ -1,0 +1,144 @@
+//! `packaging/monitoring/`: the alert rules pass `promtool check rules` and their unit tests
+//! (`promtool test rules`), the dashboard's queries are valid PromQL, and every `orca_relay_*`
+//! metric named in either exists on a live relay's `/metrics`. promtool comes from Debian's
+//! `prometheus` package (scripts/test installs it); these tests fail, never skip, without it.
+
+mod harness;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use harness::*;
+
+fn monitoring_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/monitoring")
+}
+
+const RULES: &str = "orca-relay.rules.yml";
+const RULE_TESTS: &str = "orca-relay.rules.test.yml";
+const DASHBOARD: &str = "orca-relay-dashboard.json";
+
+/// Runs promtool; panics with its output unless it succeeds.
+fn promtool(args: &[&str], cwd: &Path) -> String {
+    let out = Command::new("promtool")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run promtool ({e}): install Debian's prometheus package \
+                 (scripts/test does: apt-get install prometheus)"
+            )
+        });
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn promtool_checks_and_unit_tests_the_alert_rules() {
+    let dir = monitoring_dir();
+    let checked = promtool(&["check", "rules", RULES], &dir);
+    assert!(checked.contains("SUCCESS: 8 rules found"), "{checked}");
+    let tested = promtool(&["test", "rules", RULE_TESTS], &dir);
+    assert!(tested.contains("SUCCESS"), "{tested}");
+}
+
+/// The dashboard's queries, with the `$instance` variable as Grafana would expand "All".
+fn dashboard_queries() -> Vec<String> {
+    let text = std::fs::read_to_string(monitoring_dir().join(DASHBOARD)).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("expr");
+            queries.push(expr.replace("$instance", ".*"));
+        }
+    }
+    assert!(queries.len() > 20, "{queries:?}");
+    queries
+}
+
+#[test]
+fn the_dashboard_queries_are_valid_promql() {
+    // promtool parses every query when it checks them as recording rules.
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (n, query) in dashboard_queries().iter().enumerate() {
+        rules.push_str(&format!(
+            "      - record: dashboard_query_{n}\n        expr: {}\n",
+            serde_json::to_string(query).unwrap()
+        ));
+    }
+    let dir = TempDir::new("dashboard-promql");
+    std::fs::write(dir.0.join("dashboard.rules.yml"), rules).unwrap();
+    promtool(&["check", "rules", "dashboard.rules.yml"], &dir.0);
+}
+
+/// Every `orca_relay_…` name in `text`.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("orca_relay_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        names.insert(name);
+    }
+    names
+}
+
+#[test]
+fn every_metric_in_the_rules_and_the_dashboard_exists_on_a_live_relay() {
+    let relay = Relay::combined(&[]);
+    // One desktop and one spliced phone, so families created on first use exist too.
+    let mut desktop = Desktop::connect(&relay);
+    let (_phone, _leg) = splice(&relay, &mut desktop);
+    let (status, body) = relay.get("/metrics");
+    assert_eq!(status, 200);
+    let exposed: BTreeSet<String> = body
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+
+    let rules = std::fs::read_to_string(monitoring_dir().join(RULES)).unwrap();
+    let dashboard = dashboard_queries().join("\n");
+    let named: BTreeSet<String> = metric_names(&rules)
+        .into_iter()
+        .chain(metric_names(&dashboard))
+        .collect();
+    assert!(named.len() >= 20, "{named:?}");
+    let missing: Vec<&String> = named.difference(&exposed).collect();
+    assert!(
+        missing.is_empty(),
+        "named in packaging/monitoring but not on /metrics: {missing:?}\n/metrics:\n{body}"
+    );
+}
+
+#[test]
+fn the_combined_role_publishes_the_handshake_series_at_zero() {
+    // The combined role has no remote director to register with: the series exist (dashboards
+    // and alerts need no special case) and say so with zeros.
+    let relay = Relay::combined(&[]);
+    assert_eq!(relay.metric("orca_relay_handshake_attempts"), Some(0.0));
+    assert_eq!(relay.metric("orca_relay_handshake_runs_total"), Some(0.0));
+    assert_eq!(relay.metric("orca_relay_ready"), Some(1.0));
+    assert_eq!(relay.metric("orca_relay_switch_generation"), Some(0.0));
+    assert_eq!(relay.metric("orca_relay_dead_man_trip_slots"), Some(-1.0));
+    let started = relay
+        .metric("orca_relay_process_start_time_seconds")
+        .expect("start time");
+    let now = orca_relay::clock::system().now_ms() as f64 / 1000.0;
+    assert!(
+        started <= now && now - started < 120.0,
+        "{started} vs {now}"
+    );
+}
