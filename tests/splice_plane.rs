@@ -227,6 +227,8 @@ fn frames_sent_before_the_attach_are_carried_into_the_splice() {
 fn one_worker_handles_thousands_of_legs() {
     const DESKTOPS: usize = 125;
     const PHONES: usize = 8;
+    // This process holds the 2,125 client sockets.
+    let _ = orca_relay::lifecycle::raise_fd_limit();
     let relay = Relay::combined(&[
         ("ORCA_RELAY_SPLICE_WORKERS", "1"),
         ("ORCA_RELAY_CONNECTION_CAP", "5000"),
@@ -288,6 +290,7 @@ fn one_worker_handles_thousands_of_legs() {
 /// close new desktops are admitted again.
 #[test]
 fn a_process_filled_to_its_computed_capacity_refuses_and_recovers() {
+    let _ = orca_relay::lifecycle::raise_fd_limit();
     let mut relay = Relay::combined_with_nofile(
         &[
             ("ORCA_RELAY_CONNECTION_CAP", "100000"),
