@@ -350,21 +350,30 @@ pub struct Needs {
     /// Sockets before admission (`ORCA_RELAY_PENDING_UPGRADES_MAX`): a descriptor each, and a
     /// relay thread each (they are in the permits, not the reserve).
     pub pending_upgrades_max: u64,
-    /// HTTP connections (`ORCA_RELAY_HTTP_CONNECTIONS_MAX`): a descriptor and a thread each.
+    /// HTTP connections (`ORCA_RELAY_HTTP_CONNECTIONS_MAX`): a thread each (all reserved) and a
+    /// descriptor each (at most [`HTTP_DESCRIPTORS_RESERVED`] reserved).
     pub http_connections_max: u64,
     pub configured_cap: u64,
 }
 
-/// The plan for `limits` and `needs`: the relay reserve plus the pending upgrades' descriptors
-/// and the HTTP connections' descriptors and threads, so `/health` and the upgrade path still
-/// have what they need when the WebSocket side is full.
+/// Descriptors kept for HTTP connections, whatever `ORCA_RELAY_HTTP_CONNECTIONS_MAX` says: enough
+/// for `/health`, `/ready`, `/metrics` and the internal API when the WebSocket side is full.
+/// Running out of descriptors is a refusal (both acceptors answer or back off), not an abort,
+/// so the descriptor reserve need not cover the worst case; running out of threads or maps
+/// aborts, so every HTTP connection's thread is in the thread reserve.
+pub const HTTP_DESCRIPTORS_RESERVED: u64 = 128;
+
+/// The plan for `limits` and `needs`: the relay reserve plus the pending upgrades' descriptors,
+/// some descriptors for HTTP, and every HTTP connection's thread, so `/health` and the upgrade
+/// path still have what they need when the WebSocket side is full.
 pub fn plan(limits: &Limits, needs: Needs) -> Plan {
     let mut reserve = Reserve::for_relay(
         needs.cpus,
         needs.database_pool_max,
         crate::threads::RELAY_STACK_BYTES as u64,
     );
-    reserve.descriptors += needs.pending_upgrades_max + needs.http_connections_max;
+    reserve.descriptors +=
+        needs.pending_upgrades_max + needs.http_connections_max.min(HTTP_DESCRIPTORS_RESERVED);
     reserve.threads += needs.http_connections_max;
     reserve.maps += needs.http_connections_max * MAPS_PER_THREAD;
     let capacity = compute(limits, reserve, MAPS_PER_THREAD);
@@ -780,9 +789,9 @@ mod tests {
     #[test]
     fn the_plan_lowers_a_cap_above_the_descriptor_ceiling_and_bounds_relay_threads() {
         let plan = plan(&machine(), needs(20_000));
-        // 20,000 - 20 in use - (256 + 10 + 256 pending + 1024 HTTP) = 18,434.
-        assert_eq!(plan.ceiling, 18_434);
-        assert_eq!(plan.cap, 18_434);
+        // 20,000 - 20 in use - (256 + 10 + 256 pending + 128 HTTP) = 19,330.
+        assert_eq!(plan.ceiling, 19_330);
+        assert_eq!(plan.cap, 19_330);
         assert_eq!(plan.lowered_by, Some(Resource::Descriptors));
         // Maps bind the threads: (65,530 - 200 - reserve) / 4, the reserve holding the HTTP
         // threads' maps too.
@@ -793,6 +802,6 @@ mod tests {
         assert_eq!((kept.cap, kept.lowered_by), (1_000, None));
         assert!(kept
             .summary()
-            .contains("connections=18434 limited_by=RLIMIT_NOFILE cap=1000"));
+            .contains("connections=19330 limited_by=RLIMIT_NOFILE cap=1000"));
     }
 }
