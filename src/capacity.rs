@@ -40,7 +40,7 @@
 //! near the limit: that is the capacity computed here.
 
 use std::fmt;
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 
 /// Memory maps one more thread costs (stack + guard, signal stack + guard).
@@ -416,20 +416,17 @@ const MAPS_FILE_BYTES: u64 = 64 * 1024 * 1024;
 /// `/proc/self/fd` is listed up to this many entries.
 const FD_ENTRIES: u64 = 10_000_000;
 
+/// A procfs or cgroup file, through the relay's one bounded reader of local files; the error
+/// names the path.
 fn read_bounded(path: &Path, limit: u64) -> io::Result<String> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-    let mut text = String::new();
-    file.take(limit + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-    if text.len() as u64 > limit {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{}: longer than {limit} bytes", path.display()),
-        ));
-    }
-    Ok(text)
+    crate::local_file::read_bounded_to_string(path, limit).map_err(|e| {
+        let kind = match &e {
+            crate::local_file::LocalFileError::Missing => io::ErrorKind::NotFound,
+            crate::local_file::LocalFileError::Unreadable(error) => error.kind(),
+            _ => io::ErrorKind::InvalidData,
+        };
+        io::Error::new(kind, format!("{}: {e}", path.display()))
+    })
 }
 
 fn invalid(path: &Path, text: &str) -> io::Error {

@@ -123,7 +123,7 @@ pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, LocalFileError> 
             limit,
         });
     }
-    // The size is at most the limit (64 KiB), so this allocation is bounded.
+    // The size is at most the limit, so this allocation is bounded.
     let mut bytes = Vec::with_capacity(metadata.len() as usize);
     file.take(limit + 1)
         .read_to_end(&mut bytes)

@@ -274,8 +274,12 @@ mod tests {
         let (serving, seen) = (server.clone(), beats.clone());
         crate::threads::spawn("test-director", move || {
             while let Ok(mut request) = serving.recv() {
+                use std::io::Read;
                 let mut body = String::new();
-                let _ = request.as_reader().read_to_string(&mut body);
+                let _ = request
+                    .as_reader()
+                    .take(64 * 1024)
+                    .read_to_string(&mut body);
                 let value: serde_json::Value = serde_json::from_str(&body).unwrap();
                 seen.lock().unwrap().push(value["ready"].as_bool().unwrap());
                 let _ = request.respond(tiny_http::Response::from_string("{}"));
