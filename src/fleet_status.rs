@@ -190,7 +190,7 @@ fn fetch(director: &str, tokens: &ServiceTokens) -> Result<Vec<u8>, String> {
             });
         }
         Err(ureq::Error::Transport(transport)) => {
-            return Err(if is_timeout(&transport) {
+            return Err(if crate::outbound::is_timeout(&transport) {
                 no_answer()
             } else {
                 one_line(&format!(
@@ -232,23 +232,6 @@ fn error_code(response: ureq::Response) -> Option<String> {
         .get("error")
         .and_then(Value::as_str)
         .map(|code| shown(code, MAX_SHOWN_CHARS))
-}
-
-fn is_timeout(transport: &ureq::Transport) -> bool {
-    use std::error::Error;
-    let mut source = transport.source();
-    while let Some(error) = source {
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            if matches!(
-                io.kind(),
-                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-            ) {
-                return true;
-            }
-        }
-        source = error.source();
-    }
-    transport.to_string().contains("timed out")
 }
 
 /// The transport failure without the URL ureq puts in front (the line names the director).

@@ -12,6 +12,7 @@ pub mod database_tls;
 pub mod local_file;
 pub mod logging;
 pub mod metrics;
+pub mod outbound;
 pub mod protocol;
 pub mod service_token;
 pub mod threads;

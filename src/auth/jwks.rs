@@ -12,7 +12,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::io::{self, Read};
+use std::io::Read;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -193,7 +193,7 @@ pub(crate) fn fetch_key_set(agent: &ureq::Agent, url: &str) -> Result<KeySet, &'
         .take(MAX_JWKS_BODY_BYTES + 1)
         .read_to_end(&mut body)
     {
-        return Err(if is_timeout(&error) {
+        return Err(if crate::outbound::is_timeout_io(&error) {
             JWKS_TIMED_OUT
         } else {
             JWKS_HTTP_FAILED
@@ -206,15 +206,8 @@ pub(crate) fn fetch_key_set(agent: &ureq::Agent, url: &str) -> Result<KeySet, &'
 }
 
 fn classify_transport(transport: &ureq::Transport) -> &'static str {
-    let mut source: Option<&(dyn std::error::Error + 'static)> =
-        std::error::Error::source(transport);
-    while let Some(error) = source {
-        if let Some(io_error) = error.downcast_ref::<io::Error>() {
-            if is_timeout(io_error) {
-                return JWKS_TIMED_OUT;
-            }
-        }
-        source = error.source();
+    if crate::outbound::is_timeout(transport) {
+        return JWKS_TIMED_OUT;
     }
     match transport.kind() {
         ureq::ErrorKind::InvalidUrl
@@ -227,14 +220,6 @@ fn classify_transport(transport: &ureq::Transport) -> &'static str {
         | ureq::ErrorKind::ProxyUnauthorized => JWKS_UNREACHABLE,
         _ => JWKS_HTTP_FAILED,
     }
-}
-
-fn is_timeout(error: &io::Error) -> bool {
-    // ureq normalises read timeouts to TimedOut; a socket timeout can surface as WouldBlock.
-    matches!(
-        error.kind(),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-    )
 }
 
 /// Whether a token-triggered fetch may run now. Pure, so the rate limit is tested directly.

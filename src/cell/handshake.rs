@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
 use crate::config::Config;
+use crate::outbound::{is_timeout, is_timeout_io};
 use crate::service_token::ServiceTokens;
 
 /// The systemd units' `TimeoutStartSec=45`: systemd kills a `Type=notify` cell that has not
@@ -512,7 +513,7 @@ fn register_once(
             }))
         }
         Err(ureq::Error::Transport(transport)) => {
-            if is_timeout_transport(&transport) {
+            if is_timeout(&transport) {
                 Err(CallFailure::DeadlineExpired)
             } else {
                 Err(transport_failure(transport.to_string()))
@@ -543,30 +544,6 @@ fn short_body(body: &str) -> String {
     } else {
         one_line
     }
-}
-
-/// Whether ureq gave up because of the timeout we set. ureq 2 reports its deadline as an
-/// `io::Error` of kind `TimedOut` (it normalises the `WouldBlock` that a socket read timeout
-/// gives on Unix, but we accept both), somewhere in the transport error's source chain. The
-/// kernel's own connect timeout (minutes) cannot come before a deadline we set (≤ 40 s).
-fn is_timeout_transport(transport: &ureq::Transport) -> bool {
-    let mut source: Option<&(dyn StdError + 'static)> = transport.source();
-    while let Some(error) = source {
-        if let Some(io_error) = error.downcast_ref::<io::Error>() {
-            if is_timeout_io(io_error) {
-                return true;
-            }
-        }
-        source = error.source();
-    }
-    false
-}
-
-fn is_timeout_io(error: &io::Error) -> bool {
-    matches!(
-        error.kind(),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-    )
 }
 
 #[cfg(test)]

@@ -547,11 +547,13 @@ impl Poller {
                 Err(_) => Err(PollError::BadBody),
             },
             Err(ureq::Error::Status(_, _)) => Err(PollError::HttpStatus),
-            Err(ureq::Error::Transport(transport)) => Err(if is_timeout(&transport) {
-                PollError::TimedOut
-            } else {
-                PollError::Transport
-            }),
+            Err(ureq::Error::Transport(transport)) => {
+                Err(if crate::outbound::is_timeout(&transport) {
+                    PollError::TimedOut
+                } else {
+                    PollError::Transport
+                })
+            }
         };
         let label = match &result {
             Ok(_) => "ok",
@@ -594,23 +596,6 @@ impl Poller {
             }
         }
     }
-}
-
-fn is_timeout(transport: &ureq::Transport) -> bool {
-    use std::error::Error;
-    let mut source = transport.source();
-    while let Some(error) = source {
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            if matches!(
-                io.kind(),
-                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-            ) {
-                return true;
-            }
-        }
-        source = error.source();
-    }
-    transport.to_string().contains("timed out")
 }
 
 /// How to build the poller.
