@@ -8,12 +8,14 @@
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
-use super::socket::{ReadEvent, Reader, Socket};
-use super::{read_first_text, RelayContext};
+use super::control_reader::{Deadline, ReadEvent, Reader};
+use super::park::{ClaimsRecord, ControlRecord, Stage};
+use super::socket::Socket;
+use super::{read_first_text, FirstFrame, RelayContext, Served};
 use crate::auth::HostClaims;
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
@@ -21,11 +23,40 @@ use crate::cell::state::{random_token, AdmitPath, Control};
 use crate::protocol::{self, CloseCode, HostToRelay, RelayToHost, INVITE_MAX_ATTEMPTS};
 use crate::store::LeaseOutcome;
 
-/// Serves one control socket until it closes.
-pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, claims: HostClaims) {
-    let text = match read_first_text(context, &mut reader) {
-        Ok(text) => text,
-        Err(code) => return context.close(&socket, code, "first frame"),
+/// Where a control's first frame stands: not read yet (`text: None`, by `deadline`), or read
+/// and not yet acted on (a handover carried it).
+pub struct First {
+    pub path: String,
+    pub text: Option<String>,
+    pub deadline: Instant,
+}
+
+/// Serves one control socket from its first frame until it closes (or a handover parks it).
+pub fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    mut reader: Reader,
+    claims: HostClaims,
+    first: First,
+) -> Served {
+    let text = match first.text {
+        Some(text) => text,
+        None => match read_first_text(&mut reader, first.deadline) {
+            FirstFrame::Text(text) => text,
+            FirstFrame::Refused(code) => {
+                context.close(&socket, code, "first frame");
+                return Served::Ended;
+            }
+            FirstFrame::Quiesce => {
+                return Served::parked(Stage::FirstFrame {
+                    path: first.path,
+                    claims: Some(ClaimsRecord::from(&claims)),
+                    reader: reader.record(),
+                    text: None,
+                    deadline: first.deadline,
+                })
+            }
+        },
     };
     let epoch = match serde_json::from_str::<HostToRelay>(&text) {
         Ok(HostToRelay::HostHello {
@@ -33,7 +64,10 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             relay_host_id,
             assignment_epoch,
         }) if relay_host_id == claims.relay_host_id && assignment_epoch >= 0 => assignment_epoch,
-        _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad hello"),
+        _ => {
+            context.close(&socket, CloseCode::BadOuterCredential, "bad hello");
+            return Served::Ended;
+        }
     };
 
     let now = context.clock.now_ms();
@@ -85,7 +119,8 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                 Ok(DbVerdict::WrongCell) => {
                     context.metrics.admission("database", "wrong_cell");
                     context.cell.demote(&claims.relay_host_id);
-                    return context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                    context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                    return Served::Ended;
                 }
                 Err(e) => {
                     context.metrics.admission("database", "error");
@@ -98,7 +133,8 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                             e.reason_code()
                         );
                     }
-                    return context.close(&socket, CloseCode::LimitExceeded, "try again");
+                    context.close(&socket, CloseCode::LimitExceeded, "try again");
+                    return Served::Ended;
                 }
             }
         }
@@ -138,21 +174,49 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
     let ack = protocol::to_json(&RelayToHost::HostHelloAck { v: 1, generation });
     if socket.send(Message::text(ack)).is_err() {
         finish(context, &claims, epoch, generation);
-        return;
+        return Served::Ended;
     }
     log::debug!(
         "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path={}",
         claims.relay_host_id,
         admitted_via.as_str()
     );
+    run(context, &socket, reader, claims, epoch, generation)
+}
 
-    let _ = socket
-        .stream()
-        .set_read_timeout(Some(Duration::from_millis(context.timings.silence_ms)));
+/// A seated control resumed after a handover: its read loop, where it was. (Its seat already
+/// holds it: restored from the handover's state, or never left in this process.)
+pub fn resume(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    reader: Reader,
+    control: ControlRecord,
+) -> Served {
+    let claims = HostClaims::from(&control.claims);
+    run(
+        context,
+        &socket,
+        reader,
+        claims,
+        control.epoch,
+        control.generation,
+    )
+}
+
+/// The read loop of a seated control, until it closes or a handover parks it.
+fn run(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    mut reader: Reader,
+    claims: HostClaims,
+    epoch: i64,
+    generation: u64,
+) -> Served {
+    let silence = Duration::from_millis(context.timings.silence_ms);
     loop {
-        match reader.read() {
+        match reader.read(Deadline::Silence(silence)) {
             ReadEvent::Message(Message::Text(text)) => {
-                handle_message(context, &socket, &claims, text.as_str())
+                handle_message(context, socket, &claims, text.as_str())
             }
             ReadEvent::Message(Message::Binary(_)) => {
                 log::info!(
@@ -162,25 +226,47 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             }
             ReadEvent::Message(_) => {}
             ReadEvent::TimedOut => {
-                context.close(&socket, CloseCode::PeerDropped, "silent");
+                context.close(socket, CloseCode::PeerDropped, "silent");
                 break;
             }
             ReadEvent::TooBig => {
-                context.close(&socket, CloseCode::TooBig, "frame too large");
+                context.close(socket, CloseCode::TooBig, "frame too large");
                 reader.drain_after_close();
                 break;
             }
             ReadEvent::Protocol => {
-                context.close(&socket, CloseCode::ProtocolError, "protocol error");
+                context.close(socket, CloseCode::ProtocolError, "protocol error");
                 break;
             }
             ReadEvent::Gone => break,
+            ReadEvent::Quiesce => {
+                // A control being closed (replaced, drained) is not carried: it ends here.
+                let seated = context
+                    .cell
+                    .control(&claims.relay_host_id)
+                    .filter(|control| control.generation == generation);
+                let Some(seated) = seated.filter(|_| !socket.is_closing()) else {
+                    break;
+                };
+                return Served::parked(Stage::Control {
+                    control: ControlRecord {
+                        claims: ClaimsRecord::from(&claims),
+                        epoch,
+                        generation,
+                        admitted_via: seated.admitted_via.into(),
+                        lease_id: seated.lease_id,
+                    },
+                    reader: reader.record(),
+                    silence_deadline: reader.silence_deadline(silence),
+                });
+            }
         }
         if socket.is_closing() {
             break;
         }
     }
     finish(context, &claims, epoch, generation);
+    Served::Ended
 }
 
 fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u64) {
@@ -232,13 +318,16 @@ fn handle_message(context: &RelayContext, socket: &Arc<Socket>, claims: &HostCla
     }
 }
 
-/// The `pinger` thread body: every `ping_ms`, a ping to every control that is not mid-write.
-pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
+/// The `pinger` thread body: from `next` on, every `ping_ms`, a ping to every control that is
+/// not mid-write. Returns when stopped, with when the next ping was due (a handover carries
+/// it).
+pub fn run_pinger(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
     let period = Duration::from_millis(context.timings.ping_ms);
     loop {
-        match stop.recv_timeout(period) {
+        let wait = next.saturating_duration_since(crate::clock::instant());
+        match stop.recv_timeout(wait) {
             Err(RecvTimeoutError::Timeout) => {}
-            _ => return,
+            _ => return next,
         }
         let ping = protocol::to_json(&RelayToHost::Ping {
             t: context.clock.now_ms(),
@@ -247,19 +336,23 @@ pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
             let _ = control.socket.try_send(Message::text(ping.clone()));
         }
         context.cell.expire(context.timings.seat_memory_ms);
+        next = crate::clock::instant() + period;
     }
 }
 
 /// The `lease-renewer` thread body: every `lease_renew_ms`, renews the lease of every
-/// database-admitted control; a moved placement closes that control 4503.
-pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
+/// database-admitted control; a moved placement closes that control 4503. From `next` on;
+/// returns when stopped, with when the next renewal was due (a handover carries it).
+pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
     let period = Duration::from_millis(context.timings.lease_renew_ms);
     let mut renew_failures = crate::logging::FailureThrottle::new();
     loop {
-        match stop.recv_timeout(period) {
+        let wait = next.saturating_duration_since(crate::clock::instant());
+        match stop.recv_timeout(wait) {
             Err(RecvTimeoutError::Timeout) => {}
-            _ => return,
+            _ => return next,
         }
+        next = crate::clock::instant() + period;
         for control in context.cell.controls() {
             let Some(lease_id) = control.lease_id.as_deref() else {
                 continue;

@@ -18,8 +18,10 @@
 //! close (4429), never the process.
 
 pub mod control;
+pub mod control_reader;
 pub mod data;
 pub mod frames;
+pub mod park;
 pub mod phone;
 pub mod socket;
 pub mod splice;
@@ -28,7 +30,7 @@ pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,12 +46,14 @@ use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
 use crate::threads::Permits;
+use control_reader::{ControlFrames, Deadline};
+use park::{Gate, Parked, ParkedConn, Quiesce, ReaderRecord, Stage, Wake};
 use socket::{Reaper, Socket};
 use splice_reader::{SpliceEvent, SpliceReader};
 use upgrade::Route;
 
 impl Peer for Socket {
-    type Attached = splice::LegHandOff;
+    type Attached = phone::Attach;
     fn id(&self) -> u64 {
         self.id
     }
@@ -252,6 +256,8 @@ pub struct RelayContext {
     pub thread_permits: Arc<Permits>,
     /// Throttles the log lines of failed admission SQL across every relay thread.
     pub admission_failures: Arc<crate::logging::SharedThrottle>,
+    /// A live handover's hold on the relay threads (`relay/park.rs`).
+    pub quiesce: Arc<Quiesce>,
     next_id: Arc<AtomicU64>,
 }
 
@@ -271,6 +277,7 @@ impl RelayContext {
         registry: &Registry,
         splice: Arc<splice::SplicePlane>,
         thread_permits: Arc<Permits>,
+        quiesce: Arc<Quiesce>,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
         for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
@@ -361,8 +368,19 @@ impl RelayContext {
             splice,
             thread_permits,
             admission_failures: Arc::default(),
+            quiesce,
             next_id: Arc::new(AtomicU64::new(1)),
         }
+    }
+
+    /// The id the next connection gets (a handover carries it, so ids stay unique).
+    pub fn next_connection_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Ids from `next` on (a received handover: above every carried connection's).
+    pub fn continue_ids_from(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
     }
 
     /// Closes `socket` with `code` and counts it.
@@ -373,10 +391,15 @@ impl RelayContext {
     }
 }
 
-/// The `acceptor` thread body: accepts until `stop` is set (the listener is unblocked by a
-/// connection from the shutdown path). It never reads from a connection.
-pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
+/// The `acceptor` thread body: accepts until `stop` is set, then gives the listener back (a
+/// live handover passes it on, or starts a new acceptor on it). It never reads from a
+/// connection, and a connection it accepted is always served: stopping never drops one (during
+/// a handover, new connections wait in the listener's backlog for whichever process accepts
+/// next).
+pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Wake>) -> TcpListener {
     let _ = crate::http::server::raise_backlog(&listener);
+    // Waits go through `poll` beside the stop's eventfd; the accept itself never blocks.
+    let _ = listener.set_nonblocking(true);
     // One descriptor kept in reserve: when the process is out of descriptors (EMFILE, ENFILE)
     // it is given up for a moment so that the waiting connection can be accepted, answered
     // 503 and closed, instead of staying in the backlog until the client gives up.
@@ -385,19 +408,21 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
     let mut accept_failing = false;
     let mut spawn_failing = false;
     loop {
+        if !park::wait_acceptable(&listener, &stop) {
+            break;
+        }
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
             Err(e) => {
-                if stop.load(Ordering::Acquire) {
-                    break;
-                }
                 if !accept_failing {
                     log::warn!("orca_relay_accept_failed error={e}");
                     accept_failing = true;
                 }
                 if out_of_descriptors(&e) && spare.take().is_some() {
                     if let Ok((stream, _)) = listener.accept() {
+                        let _ = stream.set_nonblocking(false);
                         refuse_at_accept(&context, stream, "descriptors");
                     }
                     spare = open_spare();
@@ -408,9 +433,7 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
                 continue;
             }
         };
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
+        let _ = stream.set_nonblocking(false);
         if accept_failing {
             log::info!("orca_relay_accept_recovered");
             accept_failing = false;
@@ -460,6 +483,8 @@ pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Atom
             }
         }
     }
+    let _ = listener.set_nonblocking(false);
+    listener
 }
 
 fn open_spare() -> Option<std::fs::File> {
@@ -539,9 +564,86 @@ fn serve_connection(
     id: u64,
     accepted: Instant,
 ) {
-    let request = match upgrade::read_head(&stream, accepted + upgrade::UPGRADE_DEADLINE) {
-        Ok(request) => request,
-        Err(_) => return,
+    upgrade_from(
+        context,
+        stream,
+        pending,
+        id,
+        Vec::new(),
+        accepted + upgrade::UPGRADE_DEADLINE,
+    )
+}
+
+/// How reading an upgrade head ended.
+enum HeadRead {
+    Request(upgrade::UpgradeRequest),
+    /// A handover quiesced the cell: what had arrived of the head.
+    Quiesce(Vec<u8>),
+    /// Timed out, closed, malformed: the connection is dropped.
+    Failed,
+}
+
+/// Reads the upgrade head by `deadline`, starting with what had already arrived (`received`),
+/// parking at a handover's quiesce.
+fn read_upgrade_head(
+    context: &RelayContext,
+    stream: &TcpStream,
+    mut received: Vec<u8>,
+    deadline: Instant,
+) -> HeadRead {
+    use std::io::Read;
+    loop {
+        match upgrade::parse_head(&received) {
+            Ok(Some(request)) => return HeadRead::Request(request),
+            Ok(None) => {}
+            Err(_) => return HeadRead::Failed,
+        }
+        if received.len() >= crate::http::head::MAX_HEAD_BYTES {
+            return HeadRead::Failed;
+        }
+        match park::wait_readable(stream, Some(deadline), &context.quiesce) {
+            park::Waited::Readable => {}
+            park::Waited::TimedOut => return HeadRead::Failed,
+            park::Waited::Quiesce => return HeadRead::Quiesce(received),
+        }
+        let mut chunk = [0u8; 1024];
+        let room = (crate::http::head::MAX_HEAD_BYTES - received.len()).min(chunk.len());
+        match (&*stream).read(&mut chunk[..room]) {
+            Ok(0) => return HeadRead::Failed,
+            Ok(n) => received.extend_from_slice(&chunk[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                ) => {}
+            Err(_) => return HeadRead::Failed,
+        }
+    }
+}
+
+/// The upgrade, from the head (what of it had arrived: `received`) to admission, then the
+/// connection's life.
+fn upgrade_from(
+    context: RelayContext,
+    stream: Arc<TcpStream>,
+    pending: Ticket,
+    id: u64,
+    received: Vec<u8>,
+    deadline: Instant,
+) {
+    let request = match read_upgrade_head(&context, &stream, received, deadline) {
+        HeadRead::Request(request) => request,
+        HeadRead::Quiesce(received) => {
+            let parked = Parked {
+                id,
+                conn: ParkedConn::Upgrading { stream, pending },
+                stage: Stage::Upgrading { received, deadline },
+                hold: None,
+                place: None,
+            };
+            return deposit(&context, parked);
+        }
+        HeadRead::Failed => return,
     };
     if !pending.hold() {
         // Shed while its head arrived: already shut down.
@@ -623,55 +725,73 @@ fn serve_connection(
         return;
     }
     let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-    // Control sockets read small JSON through tungstenite; splice legs forward frames as they
-    // are through their own reader (relay/splice_reader.rs over relay/frames.rs).
-    let (socket, leg) = match &route {
-        Route::Control => {
-            let (socket, reader) = Socket::new_control(id, stream, request.tail);
-            (socket, Leg::Control(reader))
-        }
-        _ => {
-            let socket = Socket::new_splice(id, stream);
-            let reader = SpliceReader::new(
-                socket.clone(),
-                request.tail,
-                crate::protocol::SPLICE_MAX_FRAME_BYTES,
-            );
-            (socket, Leg::Splice(reader))
-        }
-    };
+    let socket = Socket::new_control(id, stream);
     let gauge = context.metrics.connections(route.kind());
     gauge.inc();
     // The unit and the gauge travel with a splice leg to its worker; a control keeps them here.
-    let mut hold = Some(ConnectionHold { _slot: slot, gauge });
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match (route.clone(), leg) {
-        (Route::Control, Leg::Control(reader)) => {
-            let Some(claims) = claims else {
-                context.close(&socket, CloseCode::LimitExceeded, "internal error");
-                return Served::Ended;
-            };
-            control::serve(&context, socket.clone(), reader, claims);
-            Served::Ended
+    let hold = Some(ConnectionHold { _slot: slot, gauge });
+    let first_frame = clock_deadline(context.timings.first_frame_ms);
+    let reader = ReaderRecord {
+        buffered: request.tail,
+        ..ReaderRecord::default()
+    };
+    let stage = Stage::FirstFrame {
+        path: request.path,
+        claims: claims.as_ref().map(park::ClaimsRecord::from),
+        reader,
+        text: None,
+        deadline: first_frame,
+    };
+    serve_stage(&context, socket, stage, hold, None, None);
+}
+
+/// Deposits a connection with the handover; one the handover no longer takes (it ended while
+/// this thread was on its way) goes on, on a new thread.
+fn deposit(context: &RelayContext, parked: Parked) {
+    if let Some(parked) = context.quiesce.deposit(parked) {
+        let id = parked.id;
+        if let Err(e) = resume(context, parked, None) {
+            log::error!("orca_relay_resume_failed conn={id} error={e}");
         }
-        (Route::Phone { relay_host_id }, Leg::Splice(reader)) => {
-            phone::serve(&context, socket.clone(), reader, &relay_host_id, &mut hold)
-        }
-        (Route::DataLeg { conn_id }, Leg::Splice(reader)) => {
-            data::serve(&context, socket.clone(), reader, &conn_id, &mut hold)
-        }
-        _ => {
-            context.close(&socket, CloseCode::LimitExceeded, "internal error");
-            Served::Ended
-        }
+    }
+}
+
+fn clock_deadline(ms: u64) -> Instant {
+    crate::clock::instant() + Duration::from_millis(ms)
+}
+
+/// An admitted connection from `stage` on: its first frame, a seated control's read loop, a
+/// phone waiting for its data leg. A panic costs this connection a close (4429); a handover's
+/// quiesce deposits it with everything it holds.
+fn serve_stage(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    stage: Stage,
+    hold: Option<ConnectionHold>,
+    place: Option<phone::PhonePlace>,
+    waiting: Option<phone::Waiting>,
+) {
+    let id = socket.id;
+    let kind = stage_kind(&stage);
+    let mut hold = hold;
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        run_stage(context, socket.clone(), stage, &mut hold, place, waiting)
     }));
     match outcome {
         Ok(Served::HandedOff) => return,
+        Ok(Served::Parked { stage, place }) => {
+            let parked = Parked {
+                id,
+                conn: ParkedConn::Socket(socket),
+                stage,
+                hold,
+                place,
+            };
+            return deposit(context, parked);
+        }
         Ok(Served::Ended) => {}
         Err(_) => {
-            log::error!(
-                "orca_relay_connection_panicked conn={id} kind={}",
-                route.kind()
-            );
+            log::error!("orca_relay_connection_panicked conn={id} kind={kind}");
             context.close(&socket, CloseCode::LimitExceeded, "internal error");
         }
     }
@@ -682,12 +802,213 @@ fn serve_connection(
     drop(hold);
 }
 
+fn stage_kind(stage: &Stage) -> &'static str {
+    match stage {
+        Stage::Upgrading { .. } => "upgrading",
+        Stage::FirstFrame { path, .. } => upgrade::route(path).map_or("unknown", |r| r.kind()),
+        Stage::Control { .. } => "control",
+        Stage::PhoneWaiting { .. } => "phone",
+    }
+}
+
+fn run_stage(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    stage: Stage,
+    hold: &mut Option<ConnectionHold>,
+    place: Option<phone::PhonePlace>,
+    waiting: Option<phone::Waiting>,
+) -> Served {
+    match stage {
+        Stage::FirstFrame {
+            path,
+            claims,
+            reader,
+            text,
+            deadline,
+        } => match upgrade::route(&path) {
+            Some(Route::Control) => {
+                let Some(claims) = claims else {
+                    context.close(&socket, CloseCode::LimitExceeded, "internal error");
+                    return Served::Ended;
+                };
+                let reader = control_reader::Reader::new(
+                    socket.clone(),
+                    ControlFrames::from_record(reader),
+                    context.quiesce.clone(),
+                );
+                control::serve(
+                    context,
+                    socket,
+                    reader,
+                    (&claims).into(),
+                    control::First {
+                        path,
+                        text,
+                        deadline,
+                    },
+                )
+            }
+            Some(Route::Phone { relay_host_id }) => {
+                let reader = SpliceReader::from_record(
+                    socket.clone(),
+                    reader,
+                    crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                    context.quiesce.clone(),
+                );
+                phone::serve(
+                    context,
+                    socket,
+                    reader,
+                    &relay_host_id,
+                    hold,
+                    phone::First {
+                        path,
+                        text,
+                        deadline,
+                    },
+                )
+            }
+            Some(Route::DataLeg { conn_id }) => {
+                let reader = SpliceReader::from_record(
+                    socket.clone(),
+                    reader,
+                    crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                    context.quiesce.clone(),
+                );
+                data::serve(
+                    context,
+                    socket,
+                    reader,
+                    &conn_id,
+                    hold,
+                    data::First {
+                        path,
+                        text,
+                        deadline,
+                    },
+                )
+            }
+            None => {
+                context.close(&socket, CloseCode::LimitExceeded, "internal error");
+                Served::Ended
+            }
+        },
+        Stage::Control {
+            control,
+            reader,
+            silence_deadline,
+        } => {
+            let reader = control_reader::Reader::resume(
+                socket.clone(),
+                reader,
+                context.quiesce.clone(),
+                silence_deadline,
+                Duration::from_millis(context.timings.silence_ms),
+            );
+            control::resume(context, socket, reader, control)
+        }
+        Stage::PhoneWaiting {
+            phone,
+            reader,
+            attach_deadline,
+        } => {
+            let reader = SpliceReader::from_record(
+                socket.clone(),
+                reader,
+                crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                context.quiesce.clone(),
+            );
+            let waiting =
+                waiting.unwrap_or_else(|| phone::restore_waiting(context, &socket, &phone));
+            phone::resume_waiting(
+                context,
+                socket,
+                reader,
+                hold,
+                place,
+                (phone, waiting),
+                attach_deadline,
+            )
+        }
+        Stage::Upgrading { .. } => {
+            context.close(&socket, CloseCode::LimitExceeded, "internal error");
+            Served::Ended
+        }
+    }
+}
+
+/// Resumes a deposited connection on a new relay thread: in this process after a failed
+/// handover, or in the next one (which holds each thread at `gate` until the handover has
+/// committed). A resumed connection always gets its thread: the permit is taken even past the
+/// bound, since the connection exists already. `Err` when no thread could be started.
+pub fn resume(
+    context: &RelayContext,
+    parked: Parked,
+    gate: Option<Arc<Gate>>,
+) -> std::io::Result<()> {
+    let permit = context.thread_permits.take_forced();
+    let thread_context = context.clone();
+    let id = parked.id;
+    // A waiting phone's pending entry is put back now, before any other resumed connection
+    // runs: a data leg resumed beside it must find the entry with a live channel.
+    let waiting = match (&parked.conn, &parked.stage) {
+        (ParkedConn::Socket(socket), Stage::PhoneWaiting { phone, .. }) => {
+            Some(phone::restore_waiting(context, socket, phone))
+        }
+        _ => None,
+    };
+    crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            if let Some(gate) = gate {
+                if !gate.wait() {
+                    // The handover did not commit: this process touches nothing and exits.
+                    return;
+                }
+            }
+            let Parked {
+                id,
+                conn,
+                stage,
+                hold,
+                place,
+            } = parked;
+            match (conn, stage) {
+                (
+                    ParkedConn::Upgrading { stream, pending },
+                    Stage::Upgrading { received, deadline },
+                ) => upgrade_from(thread_context, stream, pending, id, received, deadline),
+                (ParkedConn::Socket(socket), stage) => {
+                    serve_stage(&thread_context, socket, stage, hold, place, waiting)
+                }
+                (ParkedConn::Upgrading { .. }, _) => {}
+            }
+        },
+    )
+    .map(|_| ())
+}
+
 /// How a connection's relay thread ended.
 pub enum Served {
     /// The connection is closed (or closing); its unit is returned as the thread ends.
     Ended,
     /// The socket went to a splice worker with its unit; nothing more to do here.
     HandedOff,
+    /// A handover quiesced the cell at `stage`: the connection is deposited with its unit (and
+    /// a phone's place) for whoever resumes it.
+    Parked {
+        stage: Stage,
+        place: Option<phone::PhonePlace>,
+    },
+}
+
+impl Served {
+    pub fn parked(stage: Stage) -> Served {
+        Served::Parked { stage, place: None }
+    }
 }
 
 /// A connection's unit of the cap and its place in the connections gauge, released together
@@ -695,6 +1016,19 @@ pub enum Served {
 pub struct ConnectionHold {
     _slot: SlotGuard,
     gauge: Gauge,
+}
+
+impl ConnectionHold {
+    /// The unit and gauge of a connection a live handover brought: the unit is taken even
+    /// past the cap (the connection exists already).
+    pub fn carried(context: &RelayContext, kind: &str) -> ConnectionHold {
+        let gauge = context.metrics.connections(kind);
+        gauge.inc();
+        ConnectionHold {
+            _slot: context.slots.take_forced(),
+            gauge,
+        }
+    }
 }
 
 impl Drop for ConnectionHold {
@@ -716,45 +1050,46 @@ pub fn shed_under_pool_pressure(
     pool_has_waiters && !(raw_reserve && admissible_without_sql())
 }
 
-/// The reader a connection gets, by endpoint.
-enum Leg {
-    Control(socket::Reader),
-    Splice(SpliceReader),
+/// How reading a splice leg's or a control's first frame ended.
+pub(crate) enum FirstFrame {
+    Text(String),
+    /// Refused with this code (late, not text, malformed, a rule broken).
+    Refused(CloseCode),
+    /// A handover quiesced the cell.
+    Quiesce,
 }
 
-/// Reads the first frame of a splice leg within the first-frame deadline: it must be one
-/// whole text frame.
-pub(crate) fn read_first_splice_text(
-    context: &RelayContext,
-    reader: &mut SpliceReader,
-) -> Result<String, CloseCode> {
-    reader.set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
-    match reader.read() {
+/// Reads the first frame of a splice leg by `deadline`: it must be one whole text frame.
+pub(crate) fn read_first_splice_text(reader: &mut SpliceReader, deadline: Instant) -> FirstFrame {
+    match reader.read(deadline) {
         SpliceEvent::Frame {
             data: tungstenite::protocol::frame::coding::Data::Text,
             fin: true,
             payload,
-        } => String::from_utf8(payload.to_vec()).map_err(|_| CloseCode::BadOuterCredential),
-        SpliceEvent::Violation(violation) => Err(splice_reader::violation_close_code(violation)),
-        _ => Err(CloseCode::BadOuterCredential),
+        } => match String::from_utf8(payload.to_vec()) {
+            Ok(text) => FirstFrame::Text(text),
+            Err(_) => FirstFrame::Refused(CloseCode::BadOuterCredential),
+        },
+        SpliceEvent::Violation(violation) => {
+            FirstFrame::Refused(splice_reader::violation_close_code(violation))
+        }
+        SpliceEvent::Quiesce => FirstFrame::Quiesce,
+        _ => FirstFrame::Refused(CloseCode::BadOuterCredential),
     }
 }
 
-/// Reads the first frame of a control socket within the first-frame deadline: it must be a
-/// text frame.
+/// Reads the first frame of a control socket by `deadline`: it must be a text frame.
 pub(crate) fn read_first_text(
-    context: &RelayContext,
-    reader: &mut socket::Reader,
-) -> Result<String, CloseCode> {
-    let _ = reader
-        .socket()
-        .stream()
-        .set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
-    match reader.read() {
-        socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
-        socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
-        socket::ReadEvent::Protocol => Err(CloseCode::ProtocolError),
-        _ => Err(CloseCode::BadOuterCredential),
+    reader: &mut control_reader::Reader,
+    deadline: Instant,
+) -> FirstFrame {
+    use control_reader::ReadEvent;
+    match reader.read(Deadline::At(deadline)) {
+        ReadEvent::Message(tungstenite::Message::Text(text)) => FirstFrame::Text(text.to_string()),
+        ReadEvent::TooBig => FirstFrame::Refused(CloseCode::TooBig),
+        ReadEvent::Protocol => FirstFrame::Refused(CloseCode::ProtocolError),
+        ReadEvent::Quiesce => FirstFrame::Quiesce,
+        _ => FirstFrame::Refused(CloseCode::BadOuterCredential),
     }
 }
 

@@ -6,24 +6,54 @@
 //! entry's channel with its socket and what its reader had read. Then this thread hands the
 //! pair to a splice worker (`relay/splice/`) and ends: the phone's place and both connection
 //! units travel with the pair and are released when its legs end.
+//!
+//! A live handover wakes a waiting phone through the same channel ([`Attach::Wake`]): with the
+//! cell's attaches frozen, no data leg can take its pending entry any more, so the phone is
+//! deposited as waiting (its entry, place and deadline carried) unless a data leg took the
+//! entry just before the freeze, in which case its leg is already on the way and the attach
+//! goes ahead.
 
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
+use super::park::{Stage, WaitingPhoneRecord};
 use super::socket::Socket;
 use super::splice::{LegHandOff, Pair, Release};
 use super::splice_reader::SpliceReader;
-use super::{read_first_splice_text, ConnectionHold, RelayContext, Served};
-use crate::cell::state::{random_token, CellState, PhoneRefusal};
+use super::{read_first_splice_text, ConnectionHold, FirstFrame, RelayContext, Served};
+use crate::cell::state::{random_token, CellState, Pending, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 
+/// What a waiting phone hears on its pending entry's channel.
+pub enum Attach {
+    /// Its host's data leg, ready to be spliced.
+    Leg(LegHandOff),
+    /// A handover is quiescing the cell.
+    Wake,
+}
+
+/// Room for a wake and a leg at once: a data leg's send never waits behind a wake.
+const ATTACH_CHANNEL: usize = 2;
+
 /// One of the host's phone places (at most 8, SPEC §5.2), returned when dropped.
-struct PhonePlace {
+pub struct PhonePlace {
     cell: Arc<CellState<Socket>>,
     relay_host_id: String,
+}
+
+impl PhonePlace {
+    /// A place for a phone a handover brought (taken past the limit if need be: the phone is
+    /// connected already).
+    pub fn carried(cell: &Arc<CellState<Socket>>, relay_host_id: &str) -> PhonePlace {
+        cell.take_phone_place(relay_host_id);
+        PhonePlace {
+            cell: cell.clone(),
+            relay_host_id: relay_host_id.to_string(),
+        }
+    }
 }
 
 impl Drop for PhonePlace {
@@ -32,19 +62,40 @@ impl Drop for PhonePlace {
     }
 }
 
+/// Where a phone's first frame stands: not read yet (`text: None`, by `deadline`), or read and
+/// not yet acted on (a handover carried it).
+pub struct First {
+    pub path: String,
+    pub text: Option<String>,
+    pub deadline: Instant,
+}
+
 pub fn serve(
     context: &RelayContext,
     socket: Arc<Socket>,
     mut reader: SpliceReader,
     relay_host_id: &str,
     hold: &mut Option<ConnectionHold>,
+    first: First,
 ) -> Served {
-    let text = match read_first_splice_text(context, &mut reader) {
-        Ok(text) => text,
-        Err(code) => {
-            context.close(&socket, code, "first frame");
-            return Served::Ended;
-        }
+    let text = match first.text {
+        Some(text) => text,
+        None => match read_first_splice_text(&mut reader, first.deadline) {
+            FirstFrame::Text(text) => text,
+            FirstFrame::Refused(code) => {
+                context.close(&socket, code, "first frame");
+                return Served::Ended;
+            }
+            FirstFrame::Quiesce => {
+                return Served::parked(Stage::FirstFrame {
+                    path: first.path,
+                    claims: None,
+                    reader: reader.record(),
+                    text: None,
+                    deadline: first.deadline,
+                })
+            }
+        },
     };
     let credential = match serde_json::from_str::<PhoneFirst>(&text) {
         Ok(PhoneFirst::RelayAuth { v: 1, credential }) => credential,
@@ -54,7 +105,7 @@ pub fn serve(
         }
     };
     let ticket = random_token();
-    let (attach_tx, attach_rx) = sync_channel::<LegHandOff>(1);
+    let (attach_tx, attach_rx) = sync_channel::<Attach>(ATTACH_CHANNEL);
     let admitted = context.cell.admit_phone(
         relay_host_id,
         &credential,
@@ -64,11 +115,21 @@ pub fn serve(
     );
     let (conn_id, control) = match admitted {
         Ok(admitted) => admitted,
+        Err(PhoneRefusal::Frozen) => {
+            // A handover froze the attaches: carried with its first frame, acted on after.
+            return Served::parked(Stage::FirstFrame {
+                path: first.path,
+                claims: None,
+                reader: reader.record(),
+                text: Some(text),
+                deadline: first.deadline,
+            });
+        }
         Err(refusal) => {
             let code = match refusal {
                 PhoneRefusal::HostOffline => CloseCode::HostOffline,
                 PhoneRefusal::BadCredential => CloseCode::BadOuterCredential,
-                PhoneRefusal::TooManyPhones => CloseCode::LimitExceeded,
+                PhoneRefusal::TooManyPhones | PhoneRefusal::Frozen => CloseCode::LimitExceeded,
             };
             context.close(&socket, code, "phone refused");
             return Served::Ended;
@@ -83,7 +144,7 @@ pub fn serve(
     let attach_deadline_ms = context.timings.attach_deadline_ms;
     let open = RelayToHost::ConnOpen {
         conn_id: conn_id.clone(),
-        conn_ticket: ticket,
+        conn_ticket: ticket.clone(),
         attach_deadline_ms,
     };
     if control
@@ -95,19 +156,113 @@ pub fn serve(
         context.close(&socket, CloseCode::HostOffline, "host unavailable");
         return Served::Ended;
     }
-    let host = match attach_rx.recv_timeout(Duration::from_millis(attach_deadline_ms)) {
-        Ok(host) => host,
-        Err(_) => {
-            if context.cell.abandon_pending(&conn_id) {
-                context.close(&socket, CloseCode::HostOffline, "host did not attach");
-                return Served::Ended;
+    let waiting = WaitingPhoneRecord {
+        relay_host_id: relay_host_id.to_string(),
+        conn_id,
+        ticket,
+        generation: control.generation,
+    };
+    let deadline = crate::clock::instant() + Duration::from_millis(attach_deadline_ms);
+    wait_for_leg(
+        context, socket, reader, hold, place, waiting, attach_rx, deadline,
+    )
+}
+
+/// A waiting phone's channel, its pending entry put back ([`restore_waiting`]).
+pub struct Waiting(Receiver<Attach>);
+
+/// Puts a waiting phone's pending entry back in the cell with a new channel (a phone resumed
+/// after a handover). Done before the phone's thread starts, so that a data leg resumed beside
+/// it finds the entry.
+pub fn restore_waiting(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    waiting: &WaitingPhoneRecord,
+) -> Waiting {
+    let (attach_tx, attach_rx) = sync_channel::<Attach>(ATTACH_CHANNEL);
+    context.cell.restore_pending(
+        &waiting.conn_id,
+        Pending {
+            relay_host_id: waiting.relay_host_id.clone(),
+            ticket: waiting.ticket.clone(),
+            generation: waiting.generation,
+            phone: socket.clone(),
+            attach: attach_tx,
+        },
+    );
+    Waiting(attach_rx)
+}
+
+/// A waiting phone resumed after a handover: it waits for the rest of its attach deadline.
+pub fn resume_waiting(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    reader: SpliceReader,
+    hold: &mut Option<ConnectionHold>,
+    place: Option<PhonePlace>,
+    (waiting, channel): (WaitingPhoneRecord, Waiting),
+    deadline: Instant,
+) -> Served {
+    let place = place.unwrap_or_else(|| PhonePlace::carried(&context.cell, &waiting.relay_host_id));
+    wait_for_leg(
+        context, socket, reader, hold, place, waiting, channel.0, deadline,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn wait_for_leg(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    reader: SpliceReader,
+    hold: &mut Option<ConnectionHold>,
+    place: PhonePlace,
+    waiting: WaitingPhoneRecord,
+    attach_rx: Receiver<Attach>,
+    deadline: Instant,
+) -> Served {
+    let conn_id = waiting.conn_id.clone();
+    let host = loop {
+        let left = deadline.saturating_duration_since(crate::clock::instant());
+        match attach_rx.recv_timeout(left) {
+            Ok(Attach::Leg(host)) => break host,
+            Ok(Attach::Wake) => {
+                if !context.quiesce.is_quiescing() {
+                    continue;
+                }
+                if let Ok(Attach::Leg(host)) = attach_rx.try_recv() {
+                    break host;
+                }
+                if context.cell.pending_present(&conn_id) {
+                    return Served::Parked {
+                        stage: Stage::PhoneWaiting {
+                            phone: waiting,
+                            reader: reader.record(),
+                            attach_deadline: deadline,
+                        },
+                        place: Some(place),
+                    };
+                }
+                // A data leg took the entry just before the freeze: its leg is on its way.
+                match attach_rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(Attach::Leg(host)) => break host,
+                    _ => {
+                        context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                        return Served::Ended;
+                    }
+                }
             }
-            // A data leg took the entry as the deadline passed; its hand-off is on its way.
-            match attach_rx.recv_timeout(Duration::from_secs(1)) {
-                Ok(host) => host,
-                Err(_) => {
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+                if context.cell.abandon_pending(&conn_id) {
                     context.close(&socket, CloseCode::HostOffline, "host did not attach");
                     return Served::Ended;
+                }
+                // A data leg took the entry as the deadline passed; its hand-off is on its way.
+                match receive_leg(&attach_rx, Duration::from_secs(1)) {
+                    Some(host) => break host,
+                    None => {
+                        context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                        return Served::Ended;
+                    }
                 }
             }
         }
@@ -122,6 +277,7 @@ pub fn serve(
         buffered,
         parser,
         release,
+        relay_host_id: Some(waiting.relay_host_id.clone()),
     };
     match context.splice.hand_off(Pair { phone, host }) {
         Ok(()) => Served::HandedOff,
@@ -140,6 +296,25 @@ pub fn serve(
                 "internal error",
             );
             Served::Ended
+        }
+    }
+}
+
+/// The next leg on the channel within `wait` (wakes skipped).
+fn receive_leg(attach_rx: &Receiver<Attach>, wait: Duration) -> Option<LegHandOff> {
+    let deadline = crate::clock::instant() + wait;
+    loop {
+        match attach_rx.try_recv() {
+            Ok(Attach::Leg(host)) => return Some(host),
+            Ok(Attach::Wake) => continue,
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => {}
+        }
+        let left = deadline.saturating_duration_since(crate::clock::instant());
+        match attach_rx.recv_timeout(left) {
+            Ok(Attach::Leg(host)) => return Some(host),
+            Ok(Attach::Wake) => continue,
+            Err(_) => return None,
         }
     }
 }

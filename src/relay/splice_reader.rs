@@ -10,12 +10,13 @@
 
 use std::io::{self, Read};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use tungstenite::protocol::frame::coding::Data;
 use tungstenite::Message;
 
 use super::frames::{FrameKind, FrameParser, Parsed, Violation, MAX_HEADER_BYTES};
+use super::park::{wait_readable, Quiesce, ReaderRecord, Waited};
 use super::socket::{drain_for_linger, Socket};
 use crate::protocol::CloseCode;
 
@@ -34,8 +35,10 @@ pub enum SpliceEvent<'a> {
         fin: bool,
         payload: &'a [u8],
     },
-    /// No frame within the socket's read timeout.
+    /// No frame before the deadline.
     TimedOut,
+    /// A handover is quiescing the cell: deposit the connection.
+    Quiesce,
     /// The client broke a rule of RFC 6455 (or the leg's size limit).
     Violation(Violation),
     /// The peer closed or the connection failed.
@@ -56,12 +59,36 @@ pub struct SpliceReader {
     start: usize,
     end: usize,
     parser: FrameParser,
+    quiesce: Arc<Quiesce>,
 }
 
 impl SpliceReader {
     /// A reader over `socket`, starting with `tail` (bytes that arrived after the upgrade head).
-    pub fn new(socket: Arc<Socket>, tail: Vec<u8>, max_message: usize) -> SpliceReader {
-        let mut buf = tail;
+    pub fn new(
+        socket: Arc<Socket>,
+        tail: Vec<u8>,
+        max_message: usize,
+        quiesce: Arc<Quiesce>,
+    ) -> SpliceReader {
+        SpliceReader::from_record(
+            socket,
+            ReaderRecord {
+                buffered: tail,
+                ..ReaderRecord::default()
+            },
+            max_message,
+            quiesce,
+        )
+    }
+
+    /// A reader resumed from a handover's record.
+    pub fn from_record(
+        socket: Arc<Socket>,
+        record: ReaderRecord,
+        max_message: usize,
+        quiesce: Arc<Quiesce>,
+    ) -> SpliceReader {
+        let mut buf = record.buffered;
         let end = buf.len();
         buf.resize(INITIAL_BUFFER.max(end), 0);
         SpliceReader {
@@ -69,7 +96,17 @@ impl SpliceReader {
             buf,
             start: 0,
             end,
-            parser: FrameParser::new(max_message),
+            parser: FrameParser::with_state(max_message, record.parser),
+            quiesce,
+        }
+    }
+
+    /// What a handover carries: the bytes read past the last frame returned, and the parser.
+    pub fn record(&self) -> ReaderRecord {
+        ReaderRecord {
+            buffered: self.buf[self.start..self.end].to_vec(),
+            parser: self.parser.state(),
+            message: None,
         }
     }
 
@@ -84,8 +121,8 @@ impl SpliceReader {
         (self.buf[self.start..self.end].to_vec(), self.parser)
     }
 
-    /// The next data frame (control frames are dealt with on the way).
-    pub fn read(&mut self) -> SpliceEvent<'_> {
+    /// The next data frame by `deadline` (control frames are dealt with on the way).
+    pub fn read(&mut self, deadline: Instant) -> SpliceEvent<'_> {
         loop {
             match self.parser.parse(&mut self.buf[self.start..self.end]) {
                 Parsed::Frame(frame) => {
@@ -113,7 +150,7 @@ impl SpliceReader {
                 }
                 Parsed::Violation(violation) => return SpliceEvent::Violation(violation),
                 Parsed::Incomplete { needed } => {
-                    if let Some(event) = self.fill(needed.max(MAX_HEADER_BYTES)) {
+                    if let Some(event) = self.fill(needed.max(MAX_HEADER_BYTES), deadline) {
                         return event;
                     }
                 }
@@ -122,7 +159,12 @@ impl SpliceReader {
     }
 
     /// Makes room for a frame of `total` bytes and reads more; an event ends the read.
-    fn fill(&mut self, total: usize) -> Option<SpliceEvent<'static>> {
+    fn fill(&mut self, total: usize, deadline: Instant) -> Option<SpliceEvent<'static>> {
+        match wait_readable(self.socket.stream(), Some(deadline), &self.quiesce) {
+            Waited::Readable => {}
+            Waited::TimedOut => return Some(SpliceEvent::TimedOut),
+            Waited::Quiesce => return Some(SpliceEvent::Quiesce),
+        }
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
@@ -145,15 +187,17 @@ impl SpliceReader {
                 self.end += n;
                 None
             }
+            // A spurious wake-up or a stop and continue: wait again.
             Err(e)
                 if matches!(
                     e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
                 ) =>
             {
-                Some(SpliceEvent::TimedOut)
+                None
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => None,
             Err(_) => Some(SpliceEvent::Gone),
         }
     }
@@ -162,10 +206,5 @@ impl SpliceReader {
     /// [`drain_for_linger`]).
     pub fn drain_after_close(&mut self) {
         drain_for_linger(self.socket.stream());
-    }
-
-    /// Sets how long one read may wait (`None`: forever).
-    pub fn set_read_timeout(&self, timeout: Option<Duration>) {
-        let _ = self.socket.stream().set_read_timeout(timeout);
     }
 }

@@ -63,6 +63,9 @@ pub struct Leg {
     pub hangup_seen: bool,
     pub _release: Vec<Release>,
     pub kind: &'static str,
+    /// The host a phone leg belongs to (its place among the host's phones); a handover needs it
+    /// to take the place again.
+    pub relay_host_id: Option<String>,
 }
 
 impl Leg {
@@ -100,6 +103,16 @@ impl Output {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The bytes still to write (a handover carries them).
+    pub fn pending(&self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
+
+    /// Output that a handover carried.
+    pub fn carried(bytes: Vec<u8>) -> Output {
+        Output { bytes, start: 0 }
     }
 
     pub fn push(&mut self, bytes: &[u8]) {

@@ -33,6 +33,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
+use super::carry::{LegRecord, PairRecord, ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
 use super::leg::{
     close_frame, read_once, server_header, write_slices, Flushed, Leg, LegCounters, LegState,
     Output, ReadOutcome,
@@ -227,14 +228,215 @@ impl Worker {
     fn take_commands(&mut self) {
         loop {
             match self.inbox.try_recv() {
-                Ok(Command::Splice(pair)) => self.add_pair(*pair),
-                Ok(Command::Stop) => self.stop(),
+                Ok(command) => self.obey(command),
                 Err(TryRecvError::Empty) => return,
                 Err(TryRecvError::Disconnected) => {
                     self.inbox_closed = true;
                     return;
                 }
             }
+        }
+    }
+
+    fn obey(&mut self, command: Command) {
+        match command {
+            Command::Splice(pair) => self.add_pair(*pair),
+            Command::Resume(pair) => self.add_resumed(*pair),
+            Command::Stop => self.stop(),
+            Command::Park(request) => self.park(request),
+            Command::Unpark => {}
+        }
+    }
+
+    /// A live handover: export every leg and move nothing until unparked (the handover
+    /// failed) or the process exits (it succeeded). Commands that arrive meanwhile wait.
+    fn park(&mut self, request: ParkRequest) {
+        self.publish_counts();
+        let exported = self.export(&request.at);
+        if request.reply.send(exported).is_err() {
+            return;
+        }
+        let mut waiting = Vec::new();
+        loop {
+            match self.inbox.recv() {
+                Ok(Command::Unpark) => break,
+                Ok(Command::Park(again)) => {
+                    let _ = again.reply.send(self.export(&again.at));
+                }
+                Ok(other) => waiting.push(other),
+                Err(_) => {
+                    self.inbox_closed = true;
+                    break;
+                }
+            }
+        }
+        for command in waiting {
+            self.obey(command);
+        }
+    }
+
+    /// Every pair (or lone closing leg) this worker holds, as of `at`.
+    fn export(&self, at: &crate::carry::Snapshot) -> Vec<ParkedPair> {
+        let mut pairs = Vec::new();
+        for leg in self.slots.iter().flatten() {
+            // Each pair once: from its phone leg, or from a leg whose peer has ended.
+            let peer = leg.peer.and_then(|peer| {
+                self.slots
+                    .get(peer.slot as usize)?
+                    .as_ref()
+                    .filter(|p| p.key == peer)
+            });
+            if leg.kind != "phone" && peer.is_some() {
+                continue;
+            }
+            let (phone, host) = if leg.kind == "phone" {
+                (Some(leg), peer)
+            } else {
+                (peer, Some(leg))
+            };
+            let record_of = |leg: &Leg| self.leg_record(leg, at);
+            pairs.push(ParkedPair {
+                record: PairRecord {
+                    relay_host_id: phone.and_then(|leg| leg.relay_host_id.clone()),
+                    phone: phone.map(record_of),
+                    host: host.map(record_of),
+                },
+                phone: phone.map(|leg| leg.socket.clone()),
+                host: host.map(|leg| leg.socket.clone()),
+            });
+        }
+        pairs
+    }
+
+    fn leg_record(&self, leg: &Leg, at: &crate::carry::Snapshot) -> LegRecord {
+        let linger_left_ms = if leg.linger_armed {
+            self.timers
+                .due_of(leg.key, TimerKind::Linger)
+                .map(|due| at.left_ms(due))
+        } else {
+            None
+        };
+        LegRecord {
+            id: leg.socket.id,
+            parser: leg.parser.state(),
+            partial: leg.partial[..leg.filled.min(leg.partial.len())].to_vec(),
+            needed: leg.needed,
+            output: leg.output.pending().to_vec(),
+            closing: match leg.state {
+                LegState::Open => None,
+                LegState::Closing { linger } => Some(linger),
+            },
+            paused: leg.paused,
+            hangup_seen: leg.hangup_seen,
+            progress_ago_ms: at.age_ms(leg.last_progress_ms),
+            linger_left_ms,
+        }
+    }
+
+    /// Takes a pair a live handover brought: its legs as they were, registered, their output
+    /// written first, their timers going on, then read.
+    fn add_resumed(&mut self, pair: ResumedPair) {
+        if self.buf.is_empty() {
+            self.buf = vec![0; READ_BUFFER_BYTES];
+        }
+        let relay_host_id = pair.relay_host_id;
+        let mut keys = Vec::new();
+        for (resumed, kind) in [(pair.phone, "phone"), (pair.host, "data")] {
+            let Some(resumed) = resumed else {
+                keys.push(None);
+                continue;
+            };
+            let key = self.allocate();
+            let leg = self.resumed_leg(key, resumed, kind, relay_host_id.clone());
+            self.slots[key.slot as usize] = Some(leg);
+            keys.push(Some(key));
+        }
+        if let [Some(phone), Some(host)] = keys[..] {
+            for (key, peer) in [(phone, host), (host, phone)] {
+                if let Some(leg) = self.leg(key) {
+                    leg.peer = Some(peer);
+                }
+            }
+        }
+        let keys: Vec<LegKey> = keys.into_iter().flatten().collect();
+        for key in &keys {
+            let Some(leg) = self.leg(*key) else { continue };
+            let fd = leg.stream().as_raw_fd();
+            let registered = leg.stream().set_nonblocking(true).and_then(|()| {
+                self.poll.registry().register(
+                    &mut SourceFd(&fd),
+                    Token(key.slot as usize),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+            });
+            if let Err(e) = registered {
+                log::warn!("orca_relay_splice_register_failed error={e}");
+            }
+        }
+        let wedge_ms = self.timings.wedge_ms;
+        for key in &keys {
+            let Some(leg) = self.leg(*key) else { continue };
+            if !leg.output.is_empty() {
+                leg.wedge_armed = true;
+                let due = wedge_due(leg.last_progress_ms, wedge_ms);
+                self.timers.schedule(due, *key, TimerKind::Wedge);
+            }
+        }
+        for key in keys {
+            self.guarded(key, |worker| {
+                worker.flush(key);
+                worker.read(key);
+            });
+        }
+    }
+
+    fn resumed_leg(
+        &mut self,
+        key: LegKey,
+        resumed: ResumedLeg,
+        kind: &'static str,
+        relay_host_id: Option<String>,
+    ) -> Leg {
+        let record = resumed.record;
+        let filled = record.partial.len();
+        let mut partial = record.partial;
+        if record.needed > filled {
+            partial.reserve(record.needed.min(crate::protocol::SPLICE_MAX_FRAME_BYTES) - filled);
+        }
+        let state = match record.closing {
+            None => LegState::Open,
+            Some(linger) => LegState::Closing { linger },
+        };
+        let linger_armed = match resumed.linger_due_ms {
+            Some(due) => {
+                self.timers.schedule(due, key, TimerKind::Linger);
+                true
+            }
+            None => false,
+        };
+        Leg {
+            key,
+            socket: resumed.socket,
+            peer: None,
+            parser: crate::relay::frames::FrameParser::with_state(
+                crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                record.parser,
+            ),
+            partial,
+            filled,
+            needed: record.needed,
+            output: super::leg::Output::carried(record.output),
+            state,
+            paused: record.paused,
+            last_progress_ms: resumed.last_progress_ms,
+            wedge_armed: false,
+            linger_armed,
+            direction: if kind == "phone" { 0 } else { 1 },
+            backlogged: false,
+            hangup_seen: record.hangup_seen,
+            _release: resumed.release,
+            kind,
+            relay_host_id: if kind == "phone" { relay_host_id } else { None },
         }
     }
 
@@ -359,6 +561,7 @@ impl Worker {
             hangup_seen: false,
             _release: handoff.release,
             kind,
+            relay_host_id: handoff.relay_host_id,
         }
     }
 
