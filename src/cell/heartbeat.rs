@@ -347,6 +347,7 @@ mod tests {
                 sample,
                 crate::clock::system(),
                 stop_rx,
+                LastBeat::default(),
             )
         })
         .unwrap();

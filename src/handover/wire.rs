@@ -322,7 +322,7 @@ impl Channel {
         } else {
             // SAFETY: CMSG_SPACE is a pure size computation.
             let space =
-                unsafe { libc::CMSG_SPACE((fds.len() * std::mem::size_of::<RawFd>()) as u32) };
+                unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) };
             space as usize
         };
         // u64 words keep the control buffer aligned for cmsghdr.
@@ -342,7 +342,7 @@ impl Channel {
                 (*header).cmsg_level = libc::SOL_SOCKET;
                 (*header).cmsg_type = libc::SCM_RIGHTS;
                 (*header).cmsg_len =
-                    libc::CMSG_LEN((fds.len() * std::mem::size_of::<RawFd>()) as u32) as _;
+                    libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
                 std::ptr::copy_nonoverlapping(
                     fds.as_ptr() as *const u8,
                     libc::CMSG_DATA(header),

@@ -783,7 +783,7 @@ fn serve_stage(
             let parked = Parked {
                 id,
                 conn: ParkedConn::Socket(socket),
-                stage,
+                stage: *stage,
                 hold,
                 place,
             };
@@ -1000,14 +1000,17 @@ pub enum Served {
     /// A handover quiesced the cell at `stage`: the connection is deposited with its unit (and
     /// a phone's place) for whoever resumes it.
     Parked {
-        stage: Stage,
+        stage: Box<Stage>,
         place: Option<phone::PhonePlace>,
     },
 }
 
 impl Served {
     pub fn parked(stage: Stage) -> Served {
-        Served::Parked { stage, place: None }
+        Served::Parked {
+            stage: Box::new(stage),
+            place: None,
+        }
     }
 }
 

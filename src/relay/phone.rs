@@ -234,11 +234,11 @@ fn wait_for_leg(
                 }
                 if context.cell.pending_present(&conn_id) {
                     return Served::Parked {
-                        stage: Stage::PhoneWaiting {
+                        stage: Box::new(Stage::PhoneWaiting {
                             phone: waiting,
                             reader: reader.record(),
                             attach_deadline: deadline,
-                        },
+                        }),
                         place: Some(place),
                     };
                 }
