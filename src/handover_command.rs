@@ -145,7 +145,11 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<C
         .arg(socket)
         .arg("--token")
         .arg(token)
-        .stdin(Stdio::null());
+        // Its standard error is this command's until it adopts the running process's; its
+        // standard output is nobody's (a caller reading this command's output to its end must
+        // not wait for the relay).
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
     if let Some(fault) = &options.test_fault {
         command.arg("--test-fault").arg(fault);
     }

@@ -64,6 +64,10 @@ pub enum Kind {
     Committed = 13,
     /// running → next: the handover failed; exit without touching anything.
     Rollback = 14,
+    /// next → running: the cell and its connections are rebuilt; the spliced pairs can come
+    /// (the running process parks its splice workers only now, so streams pause only for the
+    /// pairs' part of the transfer).
+    Built = 15,
 }
 
 impl Kind {
@@ -71,7 +75,7 @@ impl Kind {
         use Kind::*;
         [
             Begin, Accepted, Refused, Abort, Outcome, Ready, Failed, Transfer, Fds, Chunk, End,
-            Confirm, Committed, Rollback,
+            Confirm, Committed, Rollback, Built,
         ]
         .into_iter()
         .find(|kind| *kind as u8 == value)

@@ -321,8 +321,7 @@ impl Channel {
             0
         } else {
             // SAFETY: CMSG_SPACE is a pure size computation.
-            let space =
-                unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) };
+            let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) };
             space as usize
         };
         // u64 words keep the control buffer aligned for cmsghdr.
@@ -341,8 +340,7 @@ impl Channel {
                 let header = libc::CMSG_FIRSTHDR(&message);
                 (*header).cmsg_level = libc::SOL_SOCKET;
                 (*header).cmsg_type = libc::SCM_RIGHTS;
-                (*header).cmsg_len =
-                    libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
+                (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
                 std::ptr::copy_nonoverlapping(
                     fds.as_ptr() as *const u8,
                     libc::CMSG_DATA(header),

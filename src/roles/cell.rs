@@ -1073,9 +1073,6 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let incarnation = taker
         .as_ref()
         .map_or(clock.now_ms() as i64, |taker| taker.document.incarnation);
-    if let Some(taker) = &taker {
-        registry.restore(&taker.document.metrics);
-    }
 
     // 1. Both listeners first: /health answers while the handshake runs.
     let listeners = super::listeners(&config, taker.as_mut(), true)?;
@@ -1153,14 +1150,16 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             if let Err(e) = taker.import_connections(&cell) {
                 return Err(taker.fail(&e.0));
             }
+            taker.receive_pairs(&cell, &registry, &clock)?;
             let (pairs, descriptors) = taker.commit(&cell)?;
             cell.resume_threads()?;
             let http = start_http(http_listener)?;
             log::info!(
-                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={}",
+                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
                 taker.header.from_pid,
                 taker.header.from_version,
-                taker.received_at.elapsed().as_millis()
+                taker.received_at.elapsed().as_millis(),
+                taker.phases()
             );
             http
         }

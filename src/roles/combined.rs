@@ -88,9 +88,6 @@ pub fn run(
         .as_ref()
         .map_or(clock.now_ms() as i64, |taker| taker.document.incarnation);
     let director_id = format!("combined-{incarnation}");
-    if let Some(taker) = &taker {
-        registry.restore(&taker.document.metrics);
-    }
 
     let listeners = super::listeners(&config, taker.as_mut(), true)?;
     let (ws_listener, ws_addr) = listeners
@@ -219,14 +216,16 @@ pub fn run(
             if let Err(e) = taker.import_connections(&cell) {
                 return Err(taker.fail(&e.0));
             }
+            taker.receive_pairs(&cell, &registry, &clock)?;
             let (pairs, descriptors) = taker.commit(&cell)?;
             cell.resume_threads()?;
             let http = start_http(http_listener)?;
             log::info!(
-                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={}",
+                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
                 taker.header.from_pid,
                 taker.header.from_version,
-                taker.received_at.elapsed().as_millis()
+                taker.received_at.elapsed().as_millis(),
+                taker.phases()
             );
             http
         }

@@ -84,7 +84,8 @@ pub struct PairEntry {
     pub pair: PairRecord,
 }
 
-/// The state document (see ARCHITECTURE.md "The state format").
+/// The state document's first part (see ARCHITECTURE.md "The state format"): everything but
+/// the spliced pairs, sent while streams still flow.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Document {
@@ -99,13 +100,26 @@ pub struct Document {
     pub listeners: ListenerIndices,
     pub cell: CellRecord,
     pub readiness: ReadinessRecord,
-    pub metrics: Vec<SeriesRecord>,
     pub connections: Vec<ConnectionRecord>,
+}
+
+/// The state document's second part: the spliced pairs and the metrics' totals, sent once the
+/// splice workers are parked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PairsDocument {
+    pub v: u32,
+    pub snapshot_ms: u64,
+    pub metrics: Vec<SeriesRecord>,
     pub pairs: Vec<PairEntry>,
 }
 
-/// Reads a state document of any version this build knows, upgraded to the current one.
-pub fn read_document(bytes: &[u8], reads: &[u32]) -> Result<Document, String> {
+/// Reads a part of the state document of any version this build knows, upgraded to the
+/// current one.
+pub fn read_document<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    reads: &[u32],
+) -> Result<T, String> {
     #[derive(Deserialize)]
     struct Version {
         v: u32,
@@ -259,8 +273,11 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
     let result = flight
         .wait_for_next(listener, &token)
         .and_then(|()| flight.quiesce())
-        .and_then(|snapshot| flight.transfer(snapshot))
-        .and_then(|()| flight.await_confirm())
+        .and_then(|snapshot| flight.transfer_cell(snapshot))
+        .and_then(|()| flight.await_next(Kind::Built))
+        .and_then(|()| flight.park_workers())
+        .and_then(|snapshot| flight.transfer_pairs(snapshot))
+        .and_then(|()| flight.await_next(Kind::Confirm))
         .and_then(|()| flight.commit());
     match result {
         Ok(()) => flight.exit_after_commit(),
@@ -277,6 +294,8 @@ struct Quiesced {
     pairs: Option<Vec<ParkedPair>>,
     paused_at: Option<Instant>,
     connections: usize,
+    /// Milestones for the log line: deposits done, threads stopped, workers parked, sent.
+    phases: Vec<(&'static str, Instant)>,
 }
 
 struct InFlight<'a> {
@@ -348,9 +367,9 @@ impl InFlight<'_> {
         }
     }
 
-    /// Quiesces the cell: bookings refused, acceptor stopped, attaches frozen, every relay
-    /// thread deposited, the cell-wide threads stopped, the splice workers parked (last: streams
-    /// pause only from here). Returns the snapshot's moment.
+    /// Quiesces the cell's connections: bookings refused, acceptor stopped, attaches frozen,
+    /// every relay thread deposited, the cell-wide threads stopped. Spliced pairs still flow.
+    /// Returns the snapshot's moment.
     fn quiesce(&mut self) -> Result<Snapshot, String> {
         let cell = &self.parts.cell;
         let context = &cell.context;
@@ -368,7 +387,20 @@ impl InFlight<'_> {
         }
         quiesced.deposits = context.quiesce.take_deposits();
         quiesced.connections = quiesced.deposits.len();
+        quiesced.phases.push(("deposited", clock::instant()));
         quiesced.threads = cell.quiesce_threads();
+        quiesced.phases.push(("threads", clock::instant()));
+        Ok(Snapshot {
+            now_ms: self.parts.clock.now_ms(),
+            now: clock::instant(),
+        })
+    }
+
+    /// Parks the splice workers (last: streams pause only from here). Returns the snapshot's
+    /// moment for the pairs.
+    fn park_workers(&mut self) -> Result<Snapshot, String> {
+        let context = &self.parts.cell.context;
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
         let snapshot = Snapshot {
             now_ms: self.parts.clock.now_ms(),
             now: clock::instant(),
@@ -377,14 +409,14 @@ impl InFlight<'_> {
         quiesced.pairs = Some(Vec::new());
         let pairs = context.splice.park(snapshot, self.deadline)?;
         quiesced.pairs = Some(pairs);
+        quiesced.phases.push(("parked", clock::instant()));
         Ok(snapshot)
     }
 
-    /// Sends the listeners, every descriptor and the state document.
-    fn transfer(&mut self, snapshot: Snapshot) -> Result<(), String> {
+    /// Sends the listeners, every deposited connection and the cell's state.
+    fn transfer_cell(&mut self, snapshot: Snapshot) -> Result<(), String> {
         let parts = self.parts;
         let cell = &parts.cell;
-        let (next, _) = self.next.as_ref().ok_or("no new process")?;
         let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
         let ws = cell
             .idle_listener_fd()
@@ -404,6 +436,29 @@ impl InFlight<'_> {
             });
             fds.push(parked.conn.raw_fd());
         }
+        let threads = quiesced
+            .threads
+            .as_ref()
+            .ok_or("the cell's threads were not running")?;
+        let document = Document {
+            v: STATE_VERSION,
+            role: parts.role.to_string(),
+            cell_id: cell.context.cell_id.to_string(),
+            incarnation: cell.context.incarnation,
+            snapshot_ms: snapshot.now_ms,
+            from_version: protocol::version(),
+            listeners,
+            cell: cell.record(&snapshot, threads),
+            readiness: cell.readiness().state_record(&snapshot),
+            connections,
+        };
+        self.send_part(&document, &fds, "sent")
+    }
+
+    /// Sends the spliced pairs' sockets and state, and the metrics' totals.
+    fn transfer_pairs(&mut self, snapshot: Snapshot) -> Result<(), String> {
+        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
+        let mut fds: Vec<RawFd> = Vec::new();
         let mut pairs = Vec::new();
         for pair in quiesced.pairs.iter().flatten() {
             let mut index_of = |socket: &Option<Arc<Socket>>| {
@@ -420,25 +475,24 @@ impl InFlight<'_> {
                 pair: pair.record.clone(),
             });
         }
-        let threads = quiesced
-            .threads
-            .as_ref()
-            .ok_or("the cell's threads were not running")?;
-        let document = Document {
+        let document = PairsDocument {
             v: STATE_VERSION,
-            role: parts.role.to_string(),
-            cell_id: cell.context.cell_id.to_string(),
-            incarnation: cell.context.incarnation,
             snapshot_ms: snapshot.now_ms,
-            from_version: protocol::version(),
-            listeners,
-            cell: cell.record(&snapshot, threads),
-            readiness: cell.readiness().state_record(&snapshot),
-            metrics: parts.registry.record(),
-            connections,
+            metrics: self.parts.registry.record(),
             pairs,
         };
-        let bytes = serde_json::to_vec(&document)
+        self.send_part(&document, &fds, "pairs sent")
+    }
+
+    /// One part of the state: its header, its descriptors, its document.
+    fn send_part<T: Serialize>(
+        &mut self,
+        document: &T,
+        fds: &[RawFd],
+        milestone: &'static str,
+    ) -> Result<(), String> {
+        let (next, _) = self.next.as_ref().ok_or("no new process")?;
+        let bytes = serde_json::to_vec(document)
             .map_err(|e| format!("cannot write the state document: {e}"))?;
         let header = Transfer {
             version: STATE_VERSION,
@@ -450,12 +504,16 @@ impl InFlight<'_> {
             from_pid: std::process::id(),
             from_version: protocol::version(),
         };
-        protocol::send_transfer(next, &header, &bytes, &fds, self.deadline)
-            .map_err(|e| format!("the transfer to the new process failed: {e}"))
+        protocol::send_transfer(next, &header, &bytes, fds, self.deadline)
+            .map_err(|e| format!("the transfer to the new process failed: {e}"))?;
+        if let Some(quiesced) = self.quiesced.as_mut() {
+            quiesced.phases.push((milestone, clock::instant()));
+        }
+        Ok(())
     }
 
-    /// Waits for the next process's `confirm`.
-    fn await_confirm(&mut self) -> Result<(), String> {
+    /// Waits for the next process's `built` or `confirm` (`wanted`).
+    fn await_next(&mut self, wanted: Kind) -> Result<(), String> {
         let next_fd = self
             .next
             .as_ref()
@@ -481,15 +539,17 @@ impl InFlight<'_> {
             }
             let (next, _) = self.next.as_ref().ok_or("no new process")?;
             return match receive(next, self.deadline) {
-                Ok((Kind::Confirm, _)) => Ok(()),
+                Ok((kind, _)) if kind == wanted => Ok(()),
                 Ok((Kind::Failed, message)) => Err(body::<Cause>(&message)
                     .map(|cause| cause.cause)
                     .unwrap_or_else(|_| "the new process failed".into())),
-                Ok(_) => Err("the new process sent something other than confirm".into()),
+                Ok(_) => Err(format!(
+                    "the new process sent something other than {wanted:?}"
+                )),
                 Err(wire::WireError::Closed) => {
                     Err("the new process exited before confirming".into())
                 }
-                Err(e) => Err(format!("the new process's confirmation failed: {e}")),
+                Err(e) => Err(format!("the new process's answer failed: {e}")),
             };
         }
     }
@@ -520,6 +580,19 @@ impl InFlight<'_> {
         Ok(())
     }
 
+    /// The milestones as `name:ms,…` from the start (the log line's `phases_ms`).
+    fn phases(&self) -> String {
+        let Some(quiesced) = self.quiesced.as_ref() else {
+            return "-".into();
+        };
+        quiesced
+            .phases
+            .iter()
+            .map(|(name, at)| format!("{name}:{}", at.duration_since(self.started).as_millis()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     fn outcome(&self, committed: bool, cause: Option<String>) -> Outcome {
         let quiesced = self.quiesced.as_ref();
         Outcome {
@@ -541,8 +614,9 @@ impl InFlight<'_> {
     /// process) and exits 0 without touching a handed connection (no destructor runs).
     fn exit_after_commit(self) -> ! {
         let outcome = self.outcome(true, None);
+        let phases = self.phases();
         log::info!(
-            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={}",
+            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases}",
             outcome.new_pid.unwrap_or(0),
             outcome.new_version.as_deref().unwrap_or("-"),
             outcome.connections,
@@ -708,11 +782,14 @@ pub struct Taker {
     pub gate: Arc<Gate>,
     pub document: Document,
     pub carry: Carry,
+    reads: Vec<u32>,
     pub header: Transfer,
     fds: Vec<Option<OwnedFd>>,
     /// Pairs to hand to the splice workers once committed.
     pairs: Vec<ResumedPair>,
     pub received_at: Instant,
+    /// Milestones for the log line (from `received_at`).
+    marks: Vec<(&'static str, Instant)>,
 }
 
 /// A take-over that could not go on: tell the giver (which rolls back) and stop.
@@ -796,7 +873,7 @@ impl Taker {
             );
             RunError(cause)
         };
-        let document = match read_document(&received.document, &reads) {
+        let document: Document = match read_document(&received.document, &reads) {
             Ok(document) => document,
             Err(cause) => return Err(fail(&channel, cause)),
         };
@@ -820,11 +897,27 @@ impl Taker {
             gate: Gate::new(),
             document,
             carry,
+            reads,
             header: received.header,
             fds: received.fds.into_iter().map(Some).collect(),
             pairs: Vec::new(),
             received_at,
+            marks: Vec::new(),
         })
+    }
+
+    /// Notes a milestone of the rebuild.
+    pub fn mark(&mut self, name: &'static str) {
+        self.marks.push((name, clock::instant()));
+    }
+
+    /// The milestones as `name:ms,…` since the transfer arrived.
+    pub fn phases(&self) -> String {
+        self.marks
+            .iter()
+            .map(|(name, at)| format!("{name}:{}", at.duration_since(self.received_at).as_millis()))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// Tells the giver this process cannot go on (it rolls back).
@@ -867,6 +960,7 @@ impl Taker {
     /// Gives every carried connection to a relay thread held at the gate, and prepares every
     /// pair for the splice workers; nothing does I/O until [`Taker::commit`] opens the gate.
     pub fn import_connections(&mut self, cell: &CellRuntime) -> Result<(), RunError> {
+        self.mark("built");
         let context = &cell.context;
         let now = clock::instant();
         let records = std::mem::take(&mut self.document.connections);
@@ -944,8 +1038,45 @@ impl Taker {
                 self.fail(&format!("cannot start a thread for connection {id}: {e}"))
             })?;
         }
-        let entries = std::mem::take(&mut self.document.pairs);
-        for entry in entries {
+        self.mark("threads");
+        Ok(())
+    }
+
+    /// Says `built`, receives the spliced pairs and the metrics' totals (the running process
+    /// parks its splice workers only now), and prepares each pair for a splice worker (handed
+    /// over at the commit).
+    pub fn receive_pairs(
+        &mut self,
+        cell: &CellRuntime,
+        registry: &Registry,
+        clock: &SharedClock,
+    ) -> Result<(), RunError> {
+        let deadline = clock::instant() + TAKER_WAIT;
+        send(&self.channel, Kind::Built, &serde_json::json!({}), deadline)
+            .map_err(|e| RunError(format!("the running relay did not hear built: {e}")))?;
+        let header: Transfer = match receive(&self.channel, deadline) {
+            Ok((Kind::Transfer, message)) => {
+                body(&message).map_err(|e| RunError(format!("a malformed transfer header: {e}")))?
+            }
+            Ok((Kind::Rollback | Kind::Refused, _)) | Err(_) => {
+                log::logger().flush();
+                std::process::exit(1);
+            }
+            Ok(_) => return Err(self.fail("an unexpected message instead of the pairs")),
+        };
+        let received =
+            protocol::receive_transfer(&self.channel, header, MAX_DOCUMENT, deadline, |_| {})
+                .map_err(|e| self.fail(&format!("the pairs' transfer failed: {e}")))?;
+        self.mark("pairs received");
+        let document: PairsDocument = match read_document(&received.document, &self.reads) {
+            Ok(document) => document,
+            Err(cause) => return Err(self.fail(&cause)),
+        };
+        registry.restore(&document.metrics);
+        let carry = Carry::new(clock.now_ms(), clock::instant(), document.snapshot_ms);
+        self.fds = received.fds.into_iter().map(Some).collect();
+        let context = &cell.context;
+        for entry in document.pairs {
             let mut leg = |fd: Option<usize>,
                            record: Option<crate::relay::splice::carry::LegRecord>,
                            kind: &'static str,
@@ -963,10 +1094,8 @@ impl Taker {
                 }
                 Ok(Some(ResumedLeg {
                     socket,
-                    last_progress_ms: self.carry.moment_ms(record.progress_ago_ms),
-                    linger_due_ms: record
-                        .linger_left_ms
-                        .map(|left| self.carry.deadline_ms(left)),
+                    last_progress_ms: carry.moment_ms(record.progress_ago_ms),
+                    linger_due_ms: record.linger_left_ms.map(|left| carry.deadline_ms(left)),
                     record,
                     release,
                 }))
@@ -985,6 +1114,7 @@ impl Taker {
                 host,
             });
         }
+        self.mark("pairs");
         Ok(())
     }
 
@@ -1015,6 +1145,7 @@ impl Taker {
             }
         }
         COMMITTED.store(true, Ordering::Release);
+        self.mark("committed");
         self.gate.open();
         let pairs = std::mem::take(&mut self.pairs);
         let count = pairs.len();
@@ -1048,9 +1179,9 @@ mod tests {
     #[test]
     fn only_known_versions_are_read() {
         let document = br#"{"v":99}"#;
-        let error = read_document(document, READS).unwrap_err();
+        let error = read_document::<Document>(document, READS).unwrap_err();
         assert!(error.contains("state version 99"), "{error}");
-        assert!(read_document(b"not json", READS).is_err());
+        assert!(read_document::<PairsDocument>(b"not json", READS).is_err());
     }
 
     #[test]
