@@ -13,7 +13,7 @@ mod harness;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use handover_kit::client::{self, Blocking, OP_BINARY, OP_CLOSE, OP_CONTINUE};
 use handover_kit::load::{Identity, Load, Spec};
@@ -90,7 +90,7 @@ impl Newcomers {
         let stop = Arc::new(AtomicBool::new(false));
         let accepted = Arc::new(AtomicUsize::new(0));
         let (ws, flag, count) = (relay.ws.clone(), stop.clone(), accepted.clone());
-        let thread = std::thread::spawn(move || {
+        let thread = orca_relay::threads::spawn("test-newcomers", move || {
             let mut failures = Vec::new();
             let mut kept = Vec::new();
             for identity in identities {
@@ -119,7 +119,8 @@ impl Newcomers {
                 orca_relay::clock::sleep(Duration::from_millis(20));
             }
             failures
-        });
+        })
+        .unwrap();
         Newcomers {
             stop,
             accepted,
@@ -357,12 +358,13 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
     let writer = {
         let mut phone_c = phone_c;
         let blob = blob.clone();
-        std::thread::spawn(move || {
+        orca_relay::threads::spawn("test-writer", move || {
             for chunk in blob.chunks(256 * 1024) {
                 phone_c.send(&frame(true, OP_BINARY, chunk)).unwrap();
             }
             phone_c
         })
+        .unwrap()
     };
     // A phone waiting for its data leg.
     let (d, mut control_d, generation_d) = desktop(&relay);
@@ -459,7 +461,7 @@ fn timers_resume_with_the_time_they_had_left() {
     let (_a, mut silent, _) = desktop(&relay);
     let (b, mut control_b, _) = desktop(&relay);
     let (mut phone, _, _) = waiting_phone(&relay, &b, &mut control_b);
-    let since = Instant::now();
+    let since = orca_relay::clock::instant();
     orca_relay::clock::sleep(Duration::from_secs(2));
     let (_outcome, _serving) = handed(&relay, None, &[]);
     let close_code = |blocking: &mut Blocking| loop {
@@ -534,7 +536,7 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
     let runs: Vec<_> = cases
         .into_iter()
         .map(|(name, extra, args, cause)| {
-            std::thread::spawn(move || {
+            orca_relay::threads::spawn("test-failure-case", move || {
                 let relay = Relay::combined(&load_env());
                 ready(&relay);
                 let identities = place(&relay, 20);
@@ -547,6 +549,7 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
                 let finished = load.finish(Duration::from_secs(30));
                 (name, cause, relay, outcome, report, finished)
             })
+            .unwrap()
         })
         .collect();
     for run in runs {

@@ -251,17 +251,15 @@ impl Load {
                 spec.clone(),
             );
             setup.push(
-                std::thread::Builder::new()
-                    .name("load-setup".into())
-                    .spawn(move || loop {
-                        let index = next.fetch_add(1, Ordering::Relaxed);
-                        if index >= spec.controls {
-                            return;
-                        }
-                        let session = set_up(&ws, &identities[index], index, index < spec.pairs);
-                        sessions.lock().unwrap().push((index, session));
-                    })
-                    .unwrap(),
+                orca_relay::threads::spawn("load-setup", move || loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    if index >= spec.controls {
+                        return;
+                    }
+                    let session = set_up(&ws, &identities[index], index, index < spec.pairs);
+                    sessions.lock().unwrap().push((index, session));
+                })
+                .unwrap(),
             );
         }
         for thread in setup {
@@ -280,10 +278,10 @@ impl Load {
             .into_iter()
             .map(|conns| {
                 let (shared, spec) = (shared.clone(), spec.clone());
-                std::thread::Builder::new()
-                    .name("load-loop".into())
-                    .spawn(move || run_loop(conns, shared, spec, origin))
-                    .unwrap()
+                orca_relay::threads::spawn("load-loop", move || {
+                    run_loop(conns, shared, spec, origin)
+                })
+                .unwrap()
             })
             .collect();
         Load {

@@ -224,24 +224,20 @@ impl Poller {
                 failures.clone(),
                 http.to_string(),
             );
-            std::thread::Builder::new()
-                .name("ready-poller".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::SeqCst) {
-                        for path in ["/ready", "/health"] {
-                            asked.fetch_add(1, Ordering::SeqCst);
-                            match get_status(&http, path) {
-                                Ok(200) => {}
-                                Ok(status) => {
-                                    failures.lock().unwrap().push(format!("{path} {status}"))
-                                }
-                                Err(e) => failures.lock().unwrap().push(format!("{path} {e}")),
-                            }
+            orca_relay::threads::spawn("ready-poller", move || {
+                while !stop.load(Ordering::SeqCst) {
+                    for path in ["/ready", "/health"] {
+                        asked.fetch_add(1, Ordering::SeqCst);
+                        match get_status(&http, path) {
+                            Ok(200) => {}
+                            Ok(status) => failures.lock().unwrap().push(format!("{path} {status}")),
+                            Err(e) => failures.lock().unwrap().push(format!("{path} {e}")),
                         }
-                        orca_relay::clock::sleep(Duration::from_millis(50));
                     }
-                })
-                .unwrap()
+                    orca_relay::clock::sleep(Duration::from_millis(50));
+                }
+            })
+            .unwrap()
         };
         Poller {
             stop,
