@@ -596,3 +596,337 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
         assert_eq!(relay.get("/ready").0, 200, "{name}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The cell's state goes with it.
+
+const CELL: &str = "c-handed";
+const PEER: &str = "c-peer";
+
+/// A `cell` role on SQLite with a fake director, shrunk dead-man timings and the switch
+/// `flags`; the test's view of its database.
+fn dead_man_cell(
+    flags: serde_json::Value,
+) -> (Relay, orca_relay::store::Store, FakeServer, FakeServer) {
+    let jwks = jwks_server();
+    let director = accepting_director();
+    let dir = Arc::new(TempDir::new("handover-dead-man"));
+    write_switch(&dir.0.join("switch.json"), CELL, 1, flags);
+    let mut env = cell_env(CELL, &jwks, &[&director]);
+    for (name, value) in [
+        ("ORCA_RELAY_DEAD_MAN_BASE_MS", "1500"),
+        ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "0"),
+        ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", "700"),
+        ("ORCA_RELAY_SWITCH_POLL_MS", "50"),
+        ("ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS", "200"),
+        ("ORCA_RELAY_HEARTBEAT_MS", "200"),
+    ] {
+        env.push((name.into(), value.into()));
+    }
+    let relay = Relay::start_in(dir.clone(), &env_refs(&env));
+    let store = orca_relay::store::Store::open(&orca_relay::store::StoreConfig::new(
+        None,
+        dir.0.join("relay.db"),
+    ))
+    .unwrap();
+    (relay, store, jwks, director)
+}
+
+fn metric_value(relay: &Relay, series: &str) -> f64 {
+    relay.metric(series).unwrap_or(0.0)
+}
+
+/// A held cell is still held and asks for a slot on the same schedule (no burst, no gap, the
+/// held line not logged again); a tripped cell stays latched with its slot (its row still
+/// says `db`), and the director's return does not re-arm it.
+#[test]
+fn the_dead_man_goes_on_where_it_was() {
+    handover_kit::adopt_orphans();
+    let held = orca_relay::threads::spawn("test-held", || {
+        let (relay, store, _jwks, _director) =
+            dead_man_cell(json!({"admitMode":"reserve","deadManTripSlots":1}));
+        store.set_admit_mode(PEER, "reserve").unwrap();
+        store.write_admit_effective(PEER, 1, "db").unwrap();
+        let mut polls = DirectorPolls::start(&relay);
+        assert!(wait_until(DEADLINE, || metric_value(
+            &relay,
+            "orca_relay_admit_mode{kind=\"raw\"}"
+        ) == 1.0));
+        polls.stop();
+        assert!(relay
+            .wait_for_log("orca_relay_cell_reserve_dead_man_held", DEADLINE)
+            .is_some());
+        let refused = "orca_relay_trip_slot_claims_total{result=\"refused\"}";
+        assert!(wait_until(DEADLINE, || metric_value(&relay, refused) >= 2.0));
+        let (_, serving) = handed(&relay, None, &[]);
+        assert_eq!(
+            metric_value(&relay, "orca_relay_dead_man_state{state=\"held\"}"),
+            1.0
+        );
+        // Claims go on every 700 ms: four more within about three seconds, not a burst.
+        let after = metric_value(&relay, refused);
+        let started = orca_relay::clock::instant();
+        assert!(wait_until(DEADLINE, || metric_value(&relay, refused) >= after + 4.0));
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(1_800) && took < Duration::from_secs(6),
+            "four claims took {took:?} at a 700 ms retry"
+        );
+        assert_eq!(
+            relay.count_log("orca_relay_cell_reserve_dead_man_held"),
+            1,
+            "logged once"
+        );
+        assert_eq!(
+            relay.count_log("orca_relay_cell_reserve_dead_man_tripped"),
+            0
+        );
+        assert_eq!(
+            metric_value(&relay, "orca_relay_dead_man_state{state=\"held\"}"),
+            1.0
+        );
+        drop(serving);
+    })
+    .unwrap();
+    let tripped = orca_relay::threads::spawn("test-tripped", || {
+        let (relay, store, _jwks, _director) =
+            dead_man_cell(json!({"admitMode":"reserve","deadManTripSlots":1}));
+        let mut polls = DirectorPolls::start(&relay);
+        assert!(wait_until(DEADLINE, || metric_value(
+            &relay,
+            "orca_relay_admit_mode{kind=\"raw\"}"
+        ) == 1.0));
+        polls.stop();
+        assert!(relay
+            .wait_for_log("orca_relay_cell_reserve_dead_man_tripped", DEADLINE)
+            .is_some());
+        let row_before = store.admit_effective(CELL).unwrap().unwrap();
+        assert_eq!(row_before.mode, "db");
+        let (_, serving) = handed(&relay, None, &[]);
+        // The director is back: a tripped cell stays latched until a higher generation.
+        let _polls = DirectorPolls::start(&relay);
+        orca_relay::clock::sleep(Duration::from_secs(3));
+        assert_eq!(
+            metric_value(&relay, "orca_relay_dead_man_state{state=\"tripped\"}"),
+            1.0
+        );
+        assert_eq!(
+            metric_value(&relay, "orca_relay_admit_mode{kind=\"raw\"}"),
+            0.0
+        );
+        let row = store.admit_effective(CELL).unwrap().unwrap();
+        assert_eq!(row.mode, "db", "the slot is kept");
+        assert_eq!(
+            row.cell_incarnation, row_before.cell_incarnation,
+            "the same incarnation"
+        );
+        assert_eq!(
+            relay.count_log("orca_relay_cell_reserve_dead_man_tripped"),
+            1,
+            "no second trip"
+        );
+        drop(serving);
+    })
+    .unwrap();
+    held.join().expect("held");
+    tripped.join().expect("tripped");
+}
+
+/// On a reserve-mode combined relay: a desktop that leaves before the handover and comes back
+/// after it at the same epoch is admitted from memory; a booking made before is honoured after;
+/// an invite minted before is accepted after.
+#[test]
+fn seats_bookings_and_invites_go_with_it() {
+    handover_kit::adopt_orphans();
+    let dir = Arc::new(TempDir::new("handover-reserve"));
+    write_switch(
+        &dir.0.join("switch.json"),
+        "combined",
+        1,
+        json!({"admitMode":"reserve"}),
+    );
+    let relay = Relay::start_in(
+        dir,
+        &[
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_SWITCH_POLL_MS", "50"),
+            ("ORCA_RELAY_FEED_POLL_MS", "100"),
+        ],
+    );
+    ready(&relay);
+    assert!(wait_until(DEADLINE, || metric_value(
+        &relay,
+        "orca_relay_admit_mode{kind=\"raw\"}"
+    ) == 1.0));
+    // Memory: seated, then gone before the handover.
+    let (leaver, control, _) = desktop(&relay);
+    drop(control);
+    assert!(wait_until(DEADLINE, || metric_value(
+        &relay,
+        "orca_relay_connections{kind=\"control\"}"
+    ) == 0.0));
+    // A booking, as a director makes it.
+    let booked = host_id();
+    let booked_user = format!("user-{booked}");
+    assert_eq!(relay.book(&booked_user, &booked, 41), "ok");
+    // An invite, minted by a seated desktop.
+    let (inviter, mut control, generation) = desktop(&relay);
+    control
+        .send_json(json!({"type":"invite-create","reqId":"i"}))
+        .unwrap();
+    let invite = control.json().unwrap()["inviteToken"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let memory = "orca_relay_admissions_total{path=\"memory\",outcome=\"admitted\"}";
+    let booking = "orca_relay_admissions_total{path=\"booking\",outcome=\"admitted\"}";
+    let (memory_before, booking_before) =
+        (metric_value(&relay, memory), metric_value(&relay, booking));
+
+    let (_, _serving) = handed(&relay, None, &[]);
+
+    let (stream, rest) =
+        client::connect(&relay.ws, "/v1/host/control", Some(&leaver.token)).unwrap();
+    let mut back = Blocking::new(stream, rest);
+    back.send_json(json!({"type":"host-hello","v":1,"relayHostId":leaver.relay_host_id,"assignmentEpoch":leaver.epoch}))
+        .unwrap();
+    assert_eq!(back.json().unwrap()["type"], "host-hello-ack");
+    assert_eq!(
+        metric_value(&relay, memory),
+        memory_before + 1.0,
+        "admitted from memory"
+    );
+    let token = token(&booked_user, &booked);
+    let (stream, rest) = client::connect(&relay.ws, "/v1/host/control", Some(&token)).unwrap();
+    let mut with_booking = Blocking::new(stream, rest);
+    with_booking
+        .send_json(json!({"type":"host-hello","v":1,"relayHostId":booked,"assignmentEpoch":41}))
+        .unwrap();
+    assert_eq!(with_booking.json().unwrap()["type"], "host-hello-ack");
+    assert_eq!(
+        metric_value(&relay, booking),
+        booking_before + 1.0,
+        "admitted from the booking"
+    );
+    let (stream, rest) = client::connect(
+        &relay.ws,
+        &format!("/v1/connect/{}", inviter.relay_host_id),
+        None,
+    )
+    .unwrap();
+    let mut phone = Blocking::new(stream, rest);
+    phone
+        .send_json(json!({"type":"relay-auth","v":1,"credential":invite}))
+        .unwrap();
+    let open = control.json().unwrap();
+    assert_eq!(open["type"], "conn-open", "the invite is accepted: {open}");
+    let mut leg = data_leg(
+        &relay,
+        open["connId"].as_str().unwrap(),
+        open["connTicket"].as_str().unwrap(),
+        generation,
+    );
+    assert_eq!(phone.json().unwrap()["type"], "relay-hello");
+    phone.send(&frame(true, OP_BINARY, b"hi")).unwrap();
+    assert_eq!(leg.frame().unwrap().2, b"hi");
+}
+
+/// Readiness inside a JWKS grace window stays inside it, with the same deadline: `/ready` is
+/// 200 degraded after the handover and turns 503 when the grace that began before it ends.
+#[test]
+fn a_readiness_grace_keeps_its_deadline() {
+    handover_kit::adopt_orphans();
+    let mut jwks = restartable_jwks_server();
+    let jwks_url = format!("{}/jwks.json", jwks.url());
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_JWKS_URL", &jwks_url),
+        ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+        ("ORCA_RELAY_READINESS_JWKS_GRACE_MS", "8000"),
+        ("ORCA_RELAY_READINESS_PROBE_MS", "100"),
+    ]);
+    ready(&relay);
+    jwks.stop();
+    let stopped = orca_relay::clock::instant();
+    assert!(relay
+        .wait_for_log(
+            "orca_relay_readiness_grace_entered dependency=jwks",
+            DEADLINE
+        )
+        .is_some());
+    orca_relay::clock::sleep(Duration::from_secs(2));
+    let (_, _serving) = handed(&relay, None, &[]);
+    let (status, body) = relay.get("/ready");
+    assert_eq!(status, 200, "still inside the grace: {body}");
+    assert!(body.contains("\"degraded\":true"), "{body}");
+    assert!(wait_until(DEADLINE, || relay.get("/ready").0 == 503));
+    let expired = stopped.elapsed();
+    assert!(
+        expired >= Duration::from_millis(7_500) && expired < Duration::from_millis(9_800),
+        "the 8 s grace ended {expired:?} after the outage began (a restarted grace: 10 s or more)"
+    );
+    assert_eq!(
+        relay.count_log("orca_relay_readiness_grace_entered dependency=jwks"),
+        1,
+        "the crossing is not logged again by the next process"
+    );
+}
+
+/// A changed setting applied by the handover is in force afterwards, every connection kept: a
+/// lower connection cap (new connections refused, the ones over it kept) and a second service
+/// token (accepted at once).
+#[test]
+fn a_changed_env_applies_with_every_connection_kept() {
+    handover_kit::raise_fd_limit();
+    handover_kit::adopt_orphans();
+    let mut env = load_env();
+    env.push(("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN));
+    let relay = Relay::combined(&env);
+    ready(&relay);
+    let identities = place(&relay, 30);
+    let load = Load::start(&relay.ws, Spec::new(30, 5), identities);
+    let second = "a-second-service-token";
+    let seats_with = |token: &str| {
+        ureq::get(&relay.http_url("/internal/seats"))
+            .set("Authorization", &format!("Bearer {token}"))
+            .timeout(Duration::from_secs(10))
+            .call()
+            .map_or_else(
+                |e| match e {
+                    ureq::Error::Status(status, _) => status,
+                    _ => 0,
+                },
+                |r| r.status(),
+            )
+    };
+    assert_eq!(seats_with(second), 401);
+    orca_relay::clock::sleep(Duration::from_secs(1));
+    load.mark();
+    let tokens = format!("{SERVICE_TOKEN},{second}");
+    let (_, _serving) = handed(
+        &relay,
+        None,
+        &[
+            ("ORCA_RELAY_CONNECTION_CAP", "20"),
+            ("ORCA_RELAY_SERVICE_TOKEN", &tokens),
+        ],
+    );
+    assert_eq!(
+        handover_kit::metric(&relay.http, "orca_relay_connection_cap"),
+        Some(20.0)
+    );
+    assert_eq!(seats_with(second), 200, "the second token is accepted");
+    assert_eq!(seats_with(SERVICE_TOKEN), 200, "and the first still");
+    let newcomer = place(&relay, 1).remove(0);
+    assert_eq!(
+        client::connect(&relay.ws, "/v1/host/control", Some(&newcomer.token)).err(),
+        Some(503),
+        "over the new cap"
+    );
+    orca_relay::clock::sleep(Duration::from_secs(2));
+    let report = load.report();
+    let finished = load.finish(Duration::from_secs(30));
+    assert!(finished.closed.is_empty(), "closed: {:?}", finished.closed);
+    assert!(finished.violations.is_empty());
+    assert_eq!(finished.messages_received, finished.messages_sent);
+    assert_eq!(report.pinged_since_mark, 30, "{report:?}");
+}
