@@ -195,11 +195,20 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
     assert!(joined > 0);
     // The backpressured pair's desktop reads again: everything that waited arrives in order.
     load.resume_desktop(0);
+    // The newcomers have left: the process holds the load's connections only.
+    assert!(wait_until(DEADLINE, || handover_kit::metric(
+        &relay.http,
+        "orca_relay_connections{kind=\"control\"}"
+    ) == Some(1_000.0)));
+    orca_relay::clock::sleep(Duration::from_secs(2));
     let first_footprint = footprint(serving.pid);
 
     // Nineteen more, each to a fresh process of the same build.
+    let mut windows = vec![];
     for round in 2..=20 {
+        let began = load.elapsed_ms();
         let (outcome, next_serving) = handed(&relay, Some(&next), &[]);
+        windows.push((began, load.elapsed_ms(), outcome.stdout.clone()));
         assert!(
             outcome.stdout.contains("1000 connections") || outcome.stdout.contains("connections")
         );
@@ -230,7 +239,7 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
     assert!(backpressure_before.is_some());
     assert!(
         report.max_stall_ms < 1_000,
-        "the longest stall of a stream over 20 handovers: {report:?}; first: {first:?}"
+        "the longest stall of a stream over 20 handovers: {report:?}; first: {first:?}; handovers: {windows:?}"
     );
     // One process to the next: the same descriptors and threads (the connections and the
     // relay's own), memory within noise.
@@ -244,7 +253,9 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
         b.rss_kib <= a.rss_kib + a.rss_kib / 4,
         "memory {a:?} -> {b:?}"
     );
-    eprintln!("first handover: {first:?}\nfootprints: {a:?} -> {b:?}\nload: {finished:?}");
+    eprintln!(
+        "first handover: {first:?}\nfootprints: {a:?} -> {b:?}\nload: {finished:?}\nhandovers: {windows:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

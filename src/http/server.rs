@@ -269,13 +269,28 @@ impl HttpServer {
     /// (their answers say `Connection: close`), and joins: the acceptor, then every connection
     /// thread (for at most [`STOP_WAIT`]).
     pub fn stop(self) {
+        self.stop_closing(false);
+    }
+
+    /// Stops as a live handover's running process does before it exits: as [`HttpServer::stop`],
+    /// except that a connection still waiting for its first request head is served, not closed
+    /// (the next process shares the listener; the client chose this process by chance).
+    pub fn stop_for_handover(self) {
+        self.stop_closing(true);
+    }
+
+    fn stop_closing(self, serve_fresh: bool) {
         self.shared.stopping.store(true, Ordering::Release);
         // The acceptor returns at once and closes its listener: the port stops taking
         // connections unless another process holds it too (a live handover's next process, a
         // socket unit), which then goes on accepting.
         self.wake.set();
         crate::threads::join_logged("http-acceptor", self.acceptor);
-        self.shared.table.close();
+        if serve_fresh {
+            self.shared.table.close_idle();
+        } else {
+            self.shared.table.close();
+        }
         self.shared.spares.stop();
         let deadline = clock::instant() + STOP_WAIT;
         let mut live = self.shared.live.lock().unwrap_or_else(|e| e.into_inner());

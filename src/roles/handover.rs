@@ -640,7 +640,7 @@ impl InFlight<'_> {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(http) = http {
-            http.stop();
+            http.stop_for_handover();
         }
         log::info!(
             "orca_relay_shutdown_finished role={} handed_over=true",
@@ -1146,7 +1146,8 @@ impl Taker {
         }
         COMMITTED.store(true, Ordering::Release);
         self.mark("committed");
-        self.gate.open();
+        // The streams first: a thousand relay threads waking at once at the gate must not
+        // stand between a splice worker and its pairs.
         let pairs = std::mem::take(&mut self.pairs);
         let count = pairs.len();
         for pair in pairs {
@@ -1157,6 +1158,7 @@ impl Taker {
                 );
             }
         }
+        self.gate.open();
         Ok((count, self.header.fds))
     }
 }

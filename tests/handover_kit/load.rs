@@ -89,6 +89,8 @@ pub struct Report {
     pub max_stall_ms: u64,
     /// Controls that heard a ping since the mark.
     pub pinged_since_mark: usize,
+    /// The longest gaps: (when the gap ended, ms since the load started; its length, ms).
+    pub worst_gaps: Vec<(u64, u64)>,
     /// Streams that received a message since the mark.
     pub streams_flowing_since_mark: usize,
 }
@@ -109,6 +111,7 @@ struct Shared {
     received: AtomicU64,
     bytes_received: AtomicU64,
     max_stall_ms: AtomicU64,
+    worst_gaps: Mutex<Vec<(u64, u64)>>,
     pinged: AtomicUsize,
     flowing: AtomicUsize,
     /// Streams whose receiving end has everything its sender sent (after stop_sending).
@@ -293,6 +296,11 @@ impl Load {
         }
     }
 
+    /// Milliseconds since the load started (to place [`Report::worst_gaps`]).
+    pub fn elapsed_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
     /// From now on: stalls are measured, and pings and arrivals are counted.
     pub fn mark(&self) {
         self.shared.pinged.store(0, Ordering::SeqCst);
@@ -324,6 +332,7 @@ impl Load {
             bytes_received: s.bytes_received.load(Ordering::SeqCst),
             max_stall_ms: s.max_stall_ms.load(Ordering::SeqCst),
             pinged_since_mark: s.pinged.load(Ordering::SeqCst),
+            worst_gaps: s.worst_gaps.lock().unwrap().clone(),
             streams_flowing_since_mark: s.flowing.load(Ordering::SeqCst),
         }
     }
@@ -510,7 +519,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                 &spec,
                 now,
                 mark,
-                &paused,
+                origin,
             );
         }
         // Send what is due.
@@ -580,7 +589,7 @@ fn read_conn(
     spec: &Spec,
     now: Instant,
     mark: Option<Instant>,
-    _paused: &[usize],
+    origin: Instant,
 ) {
     loop {
         // Frames first (bytes may be waiting from setup or an earlier read).
@@ -588,7 +597,7 @@ fn read_conn(
             let at = conn.in_start;
             let body = conn.inbuf[at + payload.start..at + payload.end].to_vec();
             conn.in_start += len;
-            handle_frame(conn, fin, opcode, body, shared, spec, now, mark);
+            handle_frame(conn, fin, opcode, body, shared, spec, now, mark, origin);
             if conn.closed {
                 return;
             }
@@ -617,6 +626,7 @@ fn handle_frame(
     spec: &Spec,
     now: Instant,
     mark: Option<Instant>,
+    origin: Instant,
 ) {
     match opcode {
         OP_CLOSE => {
@@ -710,6 +720,13 @@ fn handle_frame(
                         };
                         if !backpressured {
                             shared.max_stall_ms.fetch_max(gap, Ordering::SeqCst);
+                            if gap >= 300 {
+                                let at = now.saturating_duration_since(origin).as_millis() as u64;
+                                let mut worst = shared.worst_gaps.lock().unwrap();
+                                worst.push((at, gap));
+                                worst.sort_by(|a, b| b.1.cmp(&a.1));
+                                worst.truncate(12);
+                            }
                         }
                     }
                 }
