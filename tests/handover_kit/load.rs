@@ -724,7 +724,7 @@ fn handle_frame(
                                 let at = now.saturating_duration_since(origin).as_millis() as u64;
                                 let mut worst = shared.worst_gaps.lock().unwrap();
                                 worst.push((at, gap));
-                                worst.sort_by(|a, b| b.1.cmp(&a.1));
+                                worst.sort_by_key(|gap| std::cmp::Reverse(gap.1));
                                 worst.truncate(12);
                             }
                         }
