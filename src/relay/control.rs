@@ -354,6 +354,11 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: In
         }
         next = crate::clock::instant() + period;
         for control in context.cell.controls() {
+            // A pass over thousands of leases takes a while: a stop (a drain, a handover) is
+            // heard between two renewals; the pass is then due again at once.
+            if !matches!(stop.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
+                return crate::clock::instant();
+            }
             let Some(lease_id) = control.lease_id.as_deref() else {
                 continue;
             };

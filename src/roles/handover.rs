@@ -367,14 +367,19 @@ impl InFlight<'_> {
         }
     }
 
-    /// Quiesces the cell's connections: bookings refused, acceptor stopped, attaches frozen,
-    /// every relay thread deposited, the cell-wide threads stopped. Spliced pairs still flow.
+    /// Quiesces the cell's connections: bookings refused, the cell-wide threads stopped, the
+    /// acceptor stopped, attaches frozen, every relay thread deposited. Spliced pairs still
+    /// flow.
     /// Returns the snapshot's moment.
     fn quiesce(&mut self) -> Result<Snapshot, String> {
         let cell = &self.parts.cell;
         let context = &cell.context;
         cell.frozen.store(true, Ordering::Release);
         let quiesced = self.quiesced.insert(Quiesced::default());
+        // The cell-wide threads first: none of them writes to (or closes) a connection once it
+        // is deposited.
+        quiesced.threads = cell.quiesce_threads();
+        quiesced.phases.push(("threads", clock::instant()));
         cell.stop_acceptor();
         context.cell.freeze_attaches(|| Attach::Wake);
         context.quiesce.begin();
@@ -388,8 +393,6 @@ impl InFlight<'_> {
         quiesced.deposits = context.quiesce.take_deposits();
         quiesced.connections = quiesced.deposits.len();
         quiesced.phases.push(("deposited", clock::instant()));
-        quiesced.threads = cell.quiesce_threads();
-        quiesced.phases.push(("threads", clock::instant()));
         Ok(Snapshot {
             now_ms: self.parts.clock.now_ms(),
             now: clock::instant(),
