@@ -170,10 +170,12 @@ fn a_drain_with_a_desktop_still_connected_sleeps_instead_of_spinning() {
     assert_eq!(read_close(&mut desktop.control), Some(4503));
     let (cpu, wall) = (cpu_time(relay.pid()) - cpu_before, wall_before.elapsed());
     assert_eq!(relay.wait_exit(WAIT), Some(0), "{}", relay.log_text());
-    // A sleeping wait costs a few milliseconds; a spinning one a core (half of one on a
-    // loaded machine): far over a tenth of the wall time either way.
+    eprintln!("the drain used {cpu:?} of CPU in {wall:?}");
+    // A sleeping wait costs a few milliseconds; a spinning one a core, and still a good
+    // share of one on a machine loaded beyond its cores (13 % of 4 s, measured under a
+    // release build on both cores): over a twentieth of the wall time either way.
     assert!(
-        cpu < wall / 10,
+        cpu < wall / 20,
         "the drain used {cpu:?} of CPU in {wall:?} of waiting"
     );
 }
