@@ -165,9 +165,9 @@ fn host_traces() -> Vec<(String, bool)> {
 /// A namespace with the package installed (dpkg, maintainer scripts included) and both
 /// units linked where an operator's units live.
 fn installed(label: &str) -> Namespace {
-    let deb = deb();
+    // The machine first (root, util-linux, systemd), then the package: each fails in one line.
     let ns = Namespace::boot(label);
-    let dpkg = ns.install_deb(&deb);
+    let dpkg = ns.install_deb(&deb());
     // Everything the package puts on a machine is there, the postinst's user included.
     for (what, present) in traces(&|path| ns.path(path)) {
         if what != "/var/lib/orca-relay" {

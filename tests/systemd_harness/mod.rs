@@ -98,32 +98,30 @@ const PROGRAMS: &[(&str, &str)] = &[
 /// Whether this machine can run the systemd tests; `Err` is one line saying what is missing
 /// and how to install it.
 pub fn preflight() -> Result<(), String> {
-    let missing = |what: &str, install: &str| {
-        format!(
-            "systemd tests cannot run on this machine: {what} (install: {install}; scripts/test \
-             installs it)"
-        )
+    let refuse = |what: &str, remedy: &str| {
+        format!("systemd tests cannot run on this machine: {what}; {remedy}")
     };
+    let install = |package: &str| format!("apt-get install {package} (scripts/test installs it)");
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Err(missing(
+        return Err(refuse(
             "they need root (namespaces, mounts, cgroups)",
-            "run the tests as root",
+            "run them as root, as scripts/test does",
         ));
     }
     for (program, package) in PROGRAMS {
         if find_program(program).is_none() {
-            return Err(missing(
+            return Err(refuse(
                 &format!("{program} is not on PATH"),
-                &format!("apt-get install {package}"),
+                &install(package),
             ));
         }
     }
     for file in [SYSTEMD, "/lib/systemd/systemd-journald"] {
         if !Path::new(file).exists() {
-            return Err(missing(
+            return Err(refuse(
                 &format!("{file} does not exist"),
-                "apt-get install systemd",
+                &install("systemd"),
             ));
         }
     }
@@ -132,16 +130,16 @@ pub fn preflight() -> Result<(), String> {
         .lines()
         .any(|l| l.trim_end().ends_with("overlay"))
     {
-        return Err(missing("the kernel has no overlayfs", "modprobe overlay"));
+        return Err(refuse("the kernel has no overlayfs", "modprobe overlay"));
     }
     if cgroup2_root().is_none() {
-        return Err(missing(
+        return Err(refuse(
             "no cgroup2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified",
             "boot with cgroup v2 (or the hybrid layout)",
         ));
     }
     if !Path::new(STATE_ROOT).is_dir() {
-        return Err(missing(
+        return Err(refuse(
             &format!("{STATE_ROOT} does not exist (the namespace mounts its tmpfs there)"),
             &format!("mkdir {STATE_ROOT}"),
         ));
@@ -817,10 +815,17 @@ impl Namespace {
             return;
         }
         self.stopped = true;
-        if self.pid1 != 0 {
-            // SAFETY: kill has no memory-safety preconditions; pid1 is the init of our
-            // namespace (a zombie or a reused pid is excluded: unshare, its parent, has not
-            // reaped it before we wait for unshare below).
+        // Only while it is still unshare's child: a PID 1 that ended on its own was reaped by
+        // unshare, and its pid may belong to another process by now.
+        let unshare = self.unshare.id();
+        let children = std::fs::read_to_string(format!("/proc/{unshare}/task/{unshare}/children"))
+            .unwrap_or_default();
+        if self.pid1 != 0
+            && children
+                .split_whitespace()
+                .any(|p| p == self.pid1.to_string())
+        {
+            // SAFETY: kill has no memory-safety preconditions; the pid is our namespace's init.
             unsafe { libc::kill(self.pid1 as libc::pid_t, libc::SIGKILL) };
         }
         if !wait_until(Duration::from_secs(10), || {

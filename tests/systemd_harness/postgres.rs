@@ -40,8 +40,8 @@ impl Namespace {
     pub fn start_postgresql(&self) -> String {
         let bindir = bindir().unwrap_or_else(|| {
             panic!(
-                "systemd tests cannot run on this machine: PostgreSQL is not installed (install: \
-                 apt-get install postgresql-15; scripts/test installs it)"
+                "systemd tests cannot run on this machine: PostgreSQL is not installed; apt-get \
+                 install postgresql-15 (scripts/test installs it)"
             )
         });
         let data = format!("{STATE_ROOT}/postgresql");
