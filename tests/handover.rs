@@ -17,17 +17,18 @@ use std::time::Duration;
 
 use handover_kit::client::{self, Blocking, OP_BINARY, OP_CLOSE, OP_CONTINUE};
 use handover_kit::load::{Identity, Load, Spec};
+use handover_kit::remote::RemoteLoad;
 use handover_kit::{build_with_note, footprint, hand_over, Handover, Poller, Serving};
 use harness::*;
 use serde_json::json;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Test timings: pings every second (a control's liveness shows within one), a wedge window
+/// Test timings: pings every two seconds (a control's liveness shows within two), a wedge window
 /// long enough for a desktop that stops reading during the test.
 fn load_env() -> Vec<(&'static str, &'static str)> {
     vec![
-        ("ORCA_RELAY_PING_MS", "1000"),
+        ("ORCA_RELAY_PING_MS", "2000"),
         ("ORCA_RELAY_WEDGE_MS", "60000"),
         ("ORCA_RELAY_CONNECTION_CAP", "20000"),
         ("ORCA_RELAY_SPLICE_WORKERS", "2"),
@@ -153,7 +154,7 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
     ready(&relay);
     let identities = place(&relay, 1_000);
     let newcomers = place(&relay, 200);
-    let load = Load::start(&relay.ws, Spec::new(1_000, 200), identities);
+    let mut load = RemoteLoad::start("load_helper", &relay.ws, Spec::new(1_000, 200), identities);
     let next = build_with_note("next");
     orca_relay::clock::sleep(Duration::from_secs(2));
     // Pair 0's desktop stops reading: its phone's messages pile up in the relay.
@@ -555,7 +556,7 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
                 orca_relay::clock::sleep(Duration::from_secs(1));
                 load.mark();
                 let outcome = hand_over(&relay, None, &extra, &args);
-                orca_relay::clock::sleep(Duration::from_secs(2));
+                orca_relay::clock::sleep(Duration::from_secs(3));
                 let report = load.report();
                 let finished = load.finish(Duration::from_secs(30));
                 (name, cause, relay, outcome, report, finished)
@@ -933,11 +934,17 @@ fn a_changed_env_applies_with_every_connection_kept() {
         Some(503),
         "over the new cap"
     );
-    orca_relay::clock::sleep(Duration::from_secs(2));
+    orca_relay::clock::sleep(Duration::from_secs(3));
     let report = load.report();
     let finished = load.finish(Duration::from_secs(30));
     assert!(finished.closed.is_empty(), "closed: {:?}", finished.closed);
     assert!(finished.violations.is_empty());
     assert_eq!(finished.messages_received, finished.messages_sent);
     assert_eq!(report.pinged_since_mark, 30, "{report:?}");
+}
+
+/// The load's own process (`handover_kit::remote`): nothing unless started as one.
+#[test]
+fn load_helper() {
+    handover_kit::remote::helper_main();
 }

@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use handover_kit::load::{Identity, Load, Spec};
+use handover_kit::load::{Identity, Spec};
+use handover_kit::remote::RemoteLoad;
 use handover_kit::{build_with_note, hand_over, Poller, Serving};
 use harness::*;
 use orca_relay::store::{Store, StoreConfig};
@@ -51,7 +52,7 @@ fn a_postgres_cell_under_load_hands_over_losing_nothing() {
         ("ORCA_RELAY_ROLE", "cell"),
         ("ORCA_RELAY_CELL_ID", "pg-handed"),
         ("ORCA_RELAY_DIRECTOR_URLS", &director.http_url("")),
-        ("ORCA_RELAY_PING_MS", "1000"),
+        ("ORCA_RELAY_PING_MS", "2000"),
         ("ORCA_RELAY_WEDGE_MS", "60000"),
         ("ORCA_RELAY_CONNECTION_CAP", "20000"),
         ("ORCA_RELAY_DATABASE_POOL_MAX", "20"),
@@ -82,7 +83,7 @@ fn a_postgres_cell_under_load_hands_over_losing_nothing() {
         })
         .collect();
     let sample = identities[7].relay_host_id.clone();
-    let load = Load::start(&cell.ws, Spec::new(1_000, 200), identities);
+    let mut load = RemoteLoad::start("load_helper", &cell.ws, Spec::new(1_000, 200), identities);
     let now = || orca_relay::clock::system().now_ms() as i64;
     assert_eq!(store.live_leases_for_host(&sample, now()).unwrap(), 1);
     let row_before = store.admit_effective("pg-handed").unwrap().unwrap();
@@ -140,4 +141,10 @@ fn a_postgres_cell_under_load_hands_over_losing_nothing() {
         "{report:?}; {outcome:?}; the handover ran from {began} to {ended} ms"
     );
     eprintln!("{outcome:?}\n{finished:?}");
+}
+
+/// The load's own process (`handover_kit::remote`): nothing unless started as one.
+#[test]
+fn load_helper() {
+    handover_kit::remote::helper_main();
 }

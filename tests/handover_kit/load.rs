@@ -21,7 +21,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::client::{self, Blocking, OP_BINARY, OP_CLOSE, OP_CONTINUE, OP_PING, OP_PONG, OP_TEXT};
 
 /// One desktop: who it is and where it was placed.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Identity {
     pub user_id: String,
     pub relay_host_id: String,
@@ -30,7 +30,7 @@ pub struct Identity {
 }
 
 /// What load to put on.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Spec {
     pub controls: usize,
     /// Pairs, on the first controls.
@@ -45,6 +45,8 @@ pub struct Spec {
     pub loops: usize,
     /// Threads setting the sessions up.
     pub setup_threads: usize,
+    /// The network namespace to connect from (`/proc/<pid>/ns/net`), if not this one.
+    pub netns: Option<std::path::PathBuf>,
 }
 
 impl Spec {
@@ -68,12 +70,13 @@ impl Spec {
             },
             loops: 2,
             setup_threads: 4,
+            netns: None,
         }
     }
 }
 
 /// What the load saw.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Report {
     pub controls: usize,
     pub pairs: usize,
@@ -254,13 +257,18 @@ impl Load {
                 spec.clone(),
             );
             setup.push(
-                orca_relay::threads::spawn("load-setup", move || loop {
-                    let index = next.fetch_add(1, Ordering::Relaxed);
-                    if index >= spec.controls {
-                        return;
+                orca_relay::threads::spawn("load-setup", move || {
+                    if let Some(netns) = spec.netns.as_deref() {
+                        super::join_netns(netns);
                     }
-                    let session = set_up(&ws, &identities[index], index, index < spec.pairs);
-                    sessions.lock().unwrap().push((index, session));
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        if index >= spec.controls {
+                            return;
+                        }
+                        let session = set_up(&ws, &identities[index], index, index < spec.pairs);
+                        sessions.lock().unwrap().push((index, session));
+                    }
                 })
                 .unwrap(),
             );

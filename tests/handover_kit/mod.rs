@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod load;
+pub mod remote;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -214,6 +215,12 @@ fn get_status(addr: &str, path: &str) -> Result<u16, String> {
 
 impl Poller {
     pub fn start(http: &str) -> Poller {
+        Poller::start_in(http, None)
+    }
+
+    /// As [`Poller::start`], from inside the network namespace `netns`.
+    pub fn start_in(http: &str, netns: Option<&Path>) -> Poller {
+        let netns = netns.map(Path::to_path_buf);
         let stop = Arc::new(AtomicBool::new(false));
         let asked = Arc::new(AtomicU64::new(0));
         let failures: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -225,6 +232,9 @@ impl Poller {
                 http.to_string(),
             );
             orca_relay::threads::spawn("ready-poller", move || {
+                if let Some(netns) = &netns {
+                    join_netns(netns);
+                }
                 while !stop.load(Ordering::SeqCst) {
                     for path in ["/ready", "/health"] {
                         asked.fetch_add(1, Ordering::SeqCst);
@@ -267,6 +277,34 @@ impl Drop for Poller {
             let _ = thread.join();
         }
     }
+}
+
+/// Joins this thread to the network namespace at `netns` (`/proc/<pid>/ns/net`): sockets it
+/// opens from now on belong to that network (the systemd tests' namespaces).
+pub fn join_netns(netns: &Path) {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(netns).expect("open the network namespace");
+    // SAFETY: setns changes only this thread's network namespace, to the one the descriptor
+    // names.
+    let joined = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(joined, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
+/// Runs `what` on a thread in the network namespace `netns` (or this one's, for `None`).
+pub fn in_netns<T: Send + 'static>(
+    netns: Option<&Path>,
+    what: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let netns = netns.map(Path::to_path_buf);
+    orca_relay::threads::spawn("test-in-netns", move || {
+        if let Some(netns) = &netns {
+            join_netns(netns);
+        }
+        what()
+    })
+    .expect("spawn")
+    .join()
+    .expect("the thread in the namespace panicked")
 }
 
 /// Raises this test process's descriptor limit to its hard limit (thousands of client
