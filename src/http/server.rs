@@ -225,7 +225,8 @@ pub struct HttpServer {
     /// Wakes the acceptor out of its wait to stop it. (Not `shutdown(2)` on the listener: a
     /// live handover's next process, or a systemd socket unit, shares it.)
     wake: Arc<crate::wake::Wake>,
-    acceptor: JoinHandle<()>,
+    /// `None` once the acceptor has stopped.
+    acceptor: Option<JoinHandle<()>>,
 }
 
 impl HttpServer {
@@ -261,7 +262,7 @@ impl HttpServer {
         Ok(HttpServer {
             shared,
             wake,
-            acceptor,
+            acceptor: Some(acceptor),
         })
     }
 
@@ -279,13 +280,20 @@ impl HttpServer {
         self.stop_closing(true);
     }
 
-    fn stop_closing(self, serve_fresh: bool) {
+    /// Stops accepting (the acceptor returns at once and closes its listener: the port stops
+    /// taking connections unless another process holds it too, a live handover's next process
+    /// or a socket unit, which then goes on accepting). Connections already accepted are
+    /// served on.
+    pub fn stop_accepting(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
-        // The acceptor returns at once and closes its listener: the port stops taking
-        // connections unless another process holds it too (a live handover's next process, a
-        // socket unit), which then goes on accepting.
         self.wake.set();
-        crate::threads::join_logged("http-acceptor", self.acceptor);
+        if let Some(acceptor) = self.acceptor.take() {
+            crate::threads::join_logged("http-acceptor", acceptor);
+        }
+    }
+
+    fn stop_closing(mut self, serve_fresh: bool) {
+        self.stop_accepting();
         if serve_fresh {
             self.shared.table.close_idle();
         } else {

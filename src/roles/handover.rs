@@ -616,6 +616,18 @@ impl InFlight<'_> {
     /// beating, lets its HTTP requests in flight finish (the listener stays open for the next
     /// process) and exits 0 without touching a handed connection (no destructor runs).
     fn exit_after_commit(self) -> ! {
+        // No new HTTP connection for this process from now on: once the command has the
+        // outcome, every request is the next process's.
+        let http = self
+            .parts
+            .http
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let http = http.map(|mut http| {
+            http.stop_accepting();
+            http
+        });
         let outcome = self.outcome(true, None);
         let phases = self.phases();
         log::info!(
@@ -636,12 +648,6 @@ impl InFlight<'_> {
             );
         }
         self.parts.cell.stop_heartbeat();
-        let http = self
-            .parts
-            .http
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
         if let Some(http) = http {
             http.stop_for_handover();
         }
