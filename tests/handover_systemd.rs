@@ -248,6 +248,118 @@ fn systemctl_reload_hands_over_under_load_and_systemd_follows_the_next_process()
     eprintln!("{finished:?}");
 }
 
+/// The optional socket units: systemd holds both listeners and passes them by name; the
+/// first connection starts the cell; a restart refuses nobody (`/health` asked every 50 ms
+/// through it never fails); a reload hands the systemd-held listeners over like its own.
+#[test]
+fn the_socket_units_hold_the_listeners_through_restarts_and_reloads() {
+    let ns = Namespace::boot("handover-sockets");
+    install(&ns);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for socket in ["orca-relay-cell-ws.socket", "orca-relay-cell-http.socket"] {
+        ns.add_unit(
+            socket,
+            &std::fs::read_to_string(root.join("systemd").join(socket)).unwrap(),
+        );
+        ns.systemctl_ok(&["start", socket]);
+    }
+    assert_eq!(ns.show(UNIT, "ActiveState"), "inactive");
+    let netns = netns(&ns);
+    // The first request starts the cell (socket activation) and is answered.
+    let (status, _) = in_netns(Some(&netns), || {
+        let mut status = (0, String::new());
+        systemd_harness::wait_until(Duration::from_secs(60), || {
+            status = ureq::get(&format!("http://{HTTP}/health"))
+                .timeout(Duration::from_secs(30))
+                .call()
+                .map(|r| (r.status(), String::new()))
+                .unwrap_or((0, String::new()));
+            status.0 == 200
+        });
+        status
+    });
+    assert_eq!(status, 200);
+    ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
+    ns.wait_for_entry(UNIT, Duration::from_secs(10), |entry| {
+        entry
+            .message
+            .contains("orca_relay_listeners_from_systemd ws=true http=true")
+    });
+    let desktop = place(&ns, 1).remove(0);
+    let mut control = in_netns(Some(&netns), move || {
+        let (stream, rest) =
+            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
+        let mut control = Blocking::new(stream, rest);
+        control
+            .send_json(
+                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
+                "assignmentEpoch":desktop.epoch}),
+            )
+            .unwrap();
+        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
+        control
+    });
+    // A restart drains the control, but the listeners stay open: no request is refused.
+    let poller = Poller::start_in(HTTP, Some(&netns));
+    let before = ns.main_pid(UNIT);
+    ns.systemctl_ok(&["restart", UNIT]);
+    ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
+    assert_ne!(ns.main_pid(UNIT), before);
+    orca_relay::clock::sleep(Duration::from_secs(1));
+    let (asked, failures) = poller.stop();
+    assert!(asked > 0);
+    // `/ready` says 503 while the old process drains and the new one starts; what must not
+    // happen is a request refused or left unanswered.
+    let unanswered: Vec<&String> = failures
+        .iter()
+        .filter(|failure| !failure.ends_with(" 503"))
+        .collect();
+    assert!(
+        unanswered.is_empty(),
+        "{} of {asked} requests unanswered through a restart: {unanswered:?}",
+        unanswered.len()
+    );
+    assert!(
+        !failures.iter().any(|f| f.starts_with("/health")),
+        "{failures:?}"
+    );
+    let code = loop {
+        match control.frame() {
+            Ok((_, OP_CLOSE, payload)) => break u16::from_be_bytes([payload[0], payload[1]]),
+            Ok(_) => continue,
+            Err(e) => panic!("no close frame: {e}"),
+        }
+    };
+    assert_eq!(code, 4503, "a restart still drains");
+    // A reload hands the systemd-held listeners over with the connections.
+    let desktop = place(&ns, 1).remove(0);
+    let mut control = in_netns(Some(&netns), move || {
+        let (stream, rest) =
+            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
+        let mut control = Blocking::new(stream, rest);
+        control
+            .send_json(
+                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
+                "assignmentEpoch":desktop.epoch}),
+            )
+            .unwrap();
+        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
+        control
+    });
+    let pid = ns.main_pid(UNIT);
+    let reload = ns.systemctl(&["reload", UNIT]);
+    assert!(
+        reload.status.success(),
+        "{reload:?}\n{}",
+        ns.journal_text(UNIT)
+    );
+    assert_ne!(ns.main_pid(UNIT), pid);
+    control
+        .send_json(json!({"type":"invite-create","reqId":"after"}))
+        .unwrap();
+    assert_eq!(control.json().unwrap()["type"], "invite-created");
+}
+
 /// The load's own process (`handover_kit::remote`): nothing unless started as one.
 #[test]
 fn load_helper() {
