@@ -1129,8 +1129,9 @@ impl Taker {
 
     /// Confirms and waits for the giver's word. `committed`: the gate opens, the pairs go to the
     /// splice workers, and this process owns everything. A `rollback` (or a refusal) ends this
-    /// process at once with status 1, having touched nothing. A giver that vanished without a
-    /// word cannot resume anything any more: this process takes over.
+    /// process at once with status 1, having touched nothing; so does a giver that went away
+    /// without a word (it may have failed to send its `rollback` and be serving again: only a
+    /// `committed` read here makes this process an owner).
     pub fn commit(&mut self, cell: &CellRuntime) -> Result<(usize, usize), RunError> {
         if self.fault == Some(Fault::NeverConfirm) {
             // A test's fault: never confirm; the giver's clock runs out and it rolls back.
@@ -1146,7 +1147,7 @@ impl Taker {
         )
         .map_err(|e| RunError(format!("the running relay did not hear confirm: {e}")))?;
         match receive(&self.channel, deadline) {
-            Ok((Kind::Committed, _)) | Err(wire::WireError::Closed) => {}
+            Ok((Kind::Committed, _)) => {}
             Ok(_) | Err(_) => {
                 // Rolled back (or no word): exit without touching a connection.
                 log::logger().flush();
