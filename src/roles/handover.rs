@@ -381,8 +381,10 @@ impl InFlight<'_> {
         quiesced.threads = cell.quiesce_threads();
         quiesced.phases.push(("threads", clock::instant()));
         cell.stop_acceptor();
-        context.cell.freeze_attaches(|| Attach::Wake);
+        // Quiescing before the attaches freeze: a waiting phone woken by the freeze must find
+        // the quiesce begun, or it would take the wake for nothing and wait on.
         context.quiesce.begin();
+        context.cell.freeze_attaches(|| Attach::Wake);
         let all_parked = context.thread_permits.wait_idle(self.deadline);
         if !all_parked {
             return Err(format!(
