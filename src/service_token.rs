@@ -169,12 +169,11 @@ impl ServiceTokens {
         self.accepted.is_empty()
     }
 
-    /// True when the `Authorization` header is `Bearer <one of the tokens>`. Compares the
-    /// presented token's digest with every accepted digest, whatever matched first.
+    /// True when the `Authorization` header is `Bearer <one of the tokens>` (the scheme in any
+    /// case, [`bearer_credentials`]). Compares the presented token's digest with every accepted
+    /// digest, whatever matched first.
     pub fn accepts(&self, authorization: Option<&str>) -> bool {
-        let presented = authorization
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .unwrap_or("");
+        let presented = bearer_credentials(authorization).unwrap_or("");
         let presented = digest(presented);
         let mut matched = false;
         for accepted in &self.accepted {
@@ -183,6 +182,15 @@ impl ServiceTokens {
         }
         matched
     }
+}
+
+/// The credentials of an `Authorization: Bearer <token>` header: the scheme is matched in any
+/// case and followed by one or more spaces (RFC 9110 §11.1, §11.4; RFC 6750 §2.1). `None` for
+/// another scheme, a missing header or an empty token.
+pub fn bearer_credentials(authorization: Option<&str>) -> Option<&str> {
+    let (scheme, rest) = authorization?.split_once(' ')?;
+    let token = rest.trim_start_matches(' ');
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
 /// A peer's HTTP answer that refuses the token (401): [`ServiceTokens::call_peer`] tries the
@@ -208,14 +216,23 @@ mod tests {
         assert_eq!(tokens.len(), 2);
         assert!(tokens.accepts(Some("Bearer new-token")));
         assert!(tokens.accepts(Some("Bearer old-token")));
+        // The scheme is case-insensitive and followed by one or more spaces (RFC 9110 §11).
+        for accepted in [
+            "bearer new-token",
+            "BEARER old-token",
+            "bEaReR new-token",
+            "Bearer  new-token",
+        ] {
+            assert!(tokens.accepts(Some(accepted)), "{accepted:?}");
+        }
         for refused in [
             None,
             Some(""),
             Some("Bearer "),
+            Some("Bearer"),
             Some("Bearer new-toke"),
             Some("Bearer new-token,old-token"),
-            Some("Bearer  new-token"),
-            Some("bearer new-token"),
+            Some("Bearernew-token"),
             Some("Basic new-token"),
             Some("new-token"),
         ] {

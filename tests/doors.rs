@@ -305,8 +305,10 @@ fn pending_phone_and_data_legs_never_keep_a_desktop_out() {
         &refused[..refused.len().min(10)]
     );
     assert!(took < Duration::from_secs(1), "the desktop took {took:?}");
+    // The pingers and tricklers (two thirds) are pending; the 8 MiB declarers are closed as
+    // soon as their header arrives.
     assert!(
-        pending >= 1500.0,
+        pending >= 1200.0,
         "only {pending} pending when measured (openers too slow?)"
     );
     let per_socket = rss_during.saturating_sub(rss_before) as f64 / pending;
@@ -424,7 +426,12 @@ fn ten_thousand_invite_creates_leave_the_bound_outstanding() {
         "RSS grew by {} KiB",
         rss_after - rss_before
     );
-    // The first invite was replaced by newer ones: it admits no phone.
+    // One more invite, once the rate allows it: the ninth replaces the oldest, which then
+    // admits no phone.
+    let kept = desktop.invite();
+    assert!(relay
+        .metric("orca_relay_invites_outstanding")
+        .is_some_and(|n| n <= 8.0));
     let phone_url = relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id));
     let mut phone = ws_connect(&phone_url, None).unwrap();
     send_json(
@@ -432,30 +439,19 @@ fn ten_thousand_invite_creates_leave_the_bound_outstanding() {
         serde_json::json!({"type":"relay-auth","v":1,"credential":first}),
     );
     assert_eq!(read_close(&mut phone), Some(4401));
-
-    // A fresh invite works until the control leaves; after that it is gone, even once the same
-    // desktop is back.
-    let mut rate_wait = 0;
-    let kept = loop {
-        send_json(
-            &mut desktop.control,
-            serde_json::json!({"type":"invite-create","reqId":"late"}),
-        );
-        let answer = read_json(&mut desktop.control);
-        if answer["type"] == "invite-created" {
-            break answer["inviteToken"].as_str().unwrap().to_string();
-        }
-        rate_wait += 1;
-        assert!(rate_wait < 50, "never allowed another invite: {answer}");
-        clock::sleep(Duration::from_millis(200));
-    };
+    // Every invite goes when the control leaves.
     let _ = desktop.control.close(None);
     drop(desktop);
     assert!(wait_until(Duration::from_secs(5), || relay
         .metric("orca_relay_connections{kind=\"control\"}")
         == Some(0.0)));
     assert_eq!(relay.metric("orca_relay_invites_outstanding"), Some(0.0));
-    let _ = kept;
+    let mut phone = ws_connect(&phone_url, None).unwrap();
+    send_json(
+        &mut phone,
+        serde_json::json!({"type":"relay-auth","v":1,"credential":kept}),
+    );
+    assert_eq!(read_close(&mut phone), Some(4404), "the host is gone");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -482,7 +478,7 @@ fn withheld_bodies_never_keep_ready_or_a_feed_poll_from_their_200() {
         let stop = stop.clone();
         orca_relay::threads::spawn("test-withheld", move || {
             let request = |n: usize| -> Vec<u8> {
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     b"POST /v1/assign HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"v\":".to_vec()
                 } else {
                     b"GET /health HTTP/1.1\r\nHost: r\r\nContent-Length: 60000\r\n\r\n".to_vec()
@@ -534,8 +530,8 @@ fn withheld_bodies_never_keep_ready_or_a_feed_poll_from_their_200() {
             >= 500.0
     }));
     let mut latencies = Vec::new();
-    for n in 0..60 {
-        let (path, bearer) = if n % 2 == 0 {
+    for n in 0..60u32 {
+        let (path, bearer) = if n.is_multiple_of(2) {
             ("/ready", None)
         } else {
             ("/internal/seats?reserver=1", Some(SERVICE_TOKEN))

@@ -486,12 +486,22 @@ impl Desktop {
         }
     }
 
+    /// Asks for an invite; a `rate_limited` refusal is waited out as its `retryAfterMs` says,
+    /// as a desktop does.
     pub fn invite(&mut self) -> String {
-        send_json(
-            &mut self.control,
-            serde_json::json!({"type":"invite-create","reqId":"r1"}),
-        );
-        let created = read_json(&mut self.control);
+        let created = loop {
+            send_json(
+                &mut self.control,
+                serde_json::json!({"type":"invite-create","reqId":"r1"}),
+            );
+            let answer = read_json(&mut self.control);
+            if answer["type"] == "invite-refused" && answer["reason"] == "rate_limited" {
+                let wait = answer["retryAfterMs"].as_u64().unwrap_or(1000);
+                orca_relay::clock::sleep(Duration::from_millis(wait));
+                continue;
+            }
+            break answer;
+        };
         assert_eq!(created["type"], "invite-created", "{created}");
         assert_eq!(created["reqId"], "r1");
         assert_eq!(created["maxAttempts"], 5);
