@@ -39,8 +39,8 @@ const RUN_HELP: &str = "\
 usage: orca-relay run    (or orca-relay with no arguments)
 
 Runs the role named by ORCA_RELAY_ROLE (combined, cell, director) until SIGTERM, which drains.
-Configuration comes from the environment (see `orca-relay check-config --help` and the
-README's configuration table). A bad configuration stops it with one line per problem.
+Configuration comes from the environment (see `orca-relay check-config --help` and
+docs/CONFIGURATION.md). A bad configuration stops it with one line per problem.
 ";
 
 const MIGRATE_HELP: &str = "\
