@@ -351,6 +351,125 @@ fn pending_phone_and_data_legs_never_keep_a_desktop_out() {
     assert_eq!(relay.metric("orca_relay_connection_units"), Some(3.0));
 }
 
+/// A desktop with a valid token that trickles its hello (a byte every 200 ms) is closed 4401 at
+/// its first-frame deadline: the bytes do not extend it.
+#[test]
+fn a_control_that_trickles_its_hello_is_closed_at_its_deadline() {
+    let relay = Relay::combined(&[("ORCA_RELAY_FIRST_FRAME_MS", "1000")]);
+    let relay_host_id = host_id();
+    let token = token(&format!("user-{relay_host_id}"), &relay_host_id);
+    let mut stream = TcpStream::connect(&relay.ws).unwrap();
+    stream
+        .write_all(
+            upgrade_request(
+                "/v1/host/control",
+                &format!("Authorization: Bearer {token}\r\n"),
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    let (status, _, _) = read_head(&mut stream, Duration::from_secs(5)).expect("an answer");
+    assert_eq!(status, 101);
+    let upgraded = clock::instant();
+    let hello = serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":1}).to_string();
+    let mut frame = Vec::new();
+    orca_relay::relay::frames::encode_client_frame(
+        0x81,
+        hello.as_bytes(),
+        [5, 6, 7, 8],
+        &mut frame,
+    );
+    let mut writer = stream.try_clone().unwrap();
+    let trickle = orca_relay::threads::spawn("test-hello-trickle", move || {
+        for byte in frame {
+            if writer.write_all(&[byte]).is_err() {
+                return;
+            }
+            clock::sleep(Duration::from_millis(200));
+        }
+    })
+    .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let mut answer = [0u8; 4];
+    let closed = stream.read_exact(&mut answer);
+    let took = upgraded.elapsed();
+    drop(stream);
+    let _ = trickle.join();
+    assert!(closed.is_ok(), "no close frame: {closed:?} after {took:?}");
+    assert_eq!(answer[0], 0x88, "a close frame");
+    assert_eq!(u16::from_be_bytes([answer[2], answer[3]]), 4401);
+    assert!(took < Duration::from_secs(3), "closed after {took:?}");
+}
+
+/// A desktop token whose key needs a JWKS fetch is checked off the acceptor's loop: while that
+/// fetch takes 1.5 s, another desktop (a cached key) is upgraded at once.
+#[test]
+fn a_slow_jwks_fetch_never_stalls_other_upgrades() {
+    const ROTATED: &str = "rotated-kid";
+    // The first fetch (the readiness probe at start) serves the test key; every later one
+    // answers 1.5 s late with the rotated kid as well.
+    let fetches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let jwks = {
+        let fetches = fetches.clone();
+        let first = jwks_body();
+        let mut both: serde_json::Value = serde_json::from_str(&first).unwrap();
+        let mut rotated = both["keys"][0].clone();
+        rotated["kid"] = serde_json::json!(ROTATED);
+        both["keys"].as_array_mut().unwrap().push(rotated);
+        let both = both.to_string();
+        FakeServer::start(move |_| {
+            if fetches.fetch_add(1, Ordering::SeqCst) == 0 {
+                (200, first.clone())
+            } else {
+                // The slow key server the scenario is about.
+                clock::sleep(Duration::from_millis(1500));
+                (200, both.clone())
+            }
+        })
+    };
+    let jwks_url = format!("{}/jwks.json", jwks.url());
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_JWKS_URL", jwks_url.as_str()),
+        ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+        ("ORCA_RELAY_READINESS_PROBE_MS", "600000"),
+    ]);
+    assert!(wait_until(Duration::from_secs(10), || fetches
+        .load(Ordering::SeqCst)
+        >= 1
+        && relay.get("/ready").0 == 200));
+    let rotated = {
+        let url = relay.ws_url("/v1/host/control");
+        let host = host_id();
+        let token = es256_token_with_kid(ROTATED, &format!("user-{host}"), &host);
+        orca_relay::threads::spawn("test-rotated-desktop", move || {
+            let started = clock::instant();
+            (try_upgrade(&url, Some(&token)), started.elapsed())
+        })
+        .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || fetches.load(Ordering::SeqCst)
+            >= 2),
+        "the unknown kid fetched the key set"
+    );
+    let host = host_id();
+    let token = es256_token(&format!("user-{host}"), &host);
+    let started = clock::instant();
+    let cached = try_upgrade(&relay.ws_url("/v1/host/control"), Some(&token));
+    let took = started.elapsed();
+    let (rotated, rotated_took) = rotated.join().unwrap();
+    eprintln!("cached key upgraded in {took:?}; the rotated kid in {rotated_took:?}");
+    assert_eq!(cached, Upgrade::Opened);
+    assert!(
+        took < Duration::from_secs(1),
+        "a cached key waited {took:?}"
+    );
+    assert_eq!(rotated, Upgrade::Opened, "the fetched key verifies");
+    assert!(rotated_took >= Duration::from_millis(1400));
+}
+
 fn read_json_text(ws: &mut Ws) -> String {
     loop {
         match ws.read().expect("read") {

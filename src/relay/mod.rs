@@ -495,17 +495,17 @@ pub fn shed_under_pool_pressure(
     pool_has_waiters && !(raw_reserve && admissible_without_sql())
 }
 
-/// Reads the first frame of a control socket within the first-frame deadline: it must be a
-/// text frame.
+/// Reads the first frame of a control socket by the first-frame deadline (one instant from
+/// the upgrade, whatever arrives before it): it must be a text frame.
 pub(crate) fn read_first_text(
     context: &RelayContext,
     reader: &mut socket::Reader,
 ) -> Result<String, CloseCode> {
-    let _ = reader
-        .socket()
-        .stream()
-        .set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
-    match reader.read() {
+    let deadline = crate::clock::instant() + Duration::from_millis(context.timings.first_frame_ms);
+    reader.set_deadline(Some(deadline));
+    let event = reader.read();
+    reader.set_deadline(None);
+    match event {
         socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
         socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
         socket::ReadEvent::Protocol => Err(CloseCode::ProtocolError),
