@@ -189,14 +189,17 @@ impl Plane {
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
         loop {
+            let next_deadline = self
+                .deadlines
+                .peek()
+                .map(|Reverse((due, _, _))| due.saturating_duration_since(clock::instant()));
             let timeout = if self.listener_ready {
                 Some(Duration::ZERO)
             } else if self.accept_failing {
-                Some(ACCEPT_BACKOFF)
+                // The listener is retried after a short wait, never in a spin.
+                Some(next_deadline.map_or(ACCEPT_BACKOFF, |due| due.min(ACCEPT_BACKOFF)))
             } else {
-                self.deadlines
-                    .peek()
-                    .map(|Reverse((due, _, _))| due.saturating_duration_since(clock::instant()))
+                next_deadline
             };
             match self.poll.poll(&mut events, timeout) {
                 Ok(()) => {}
@@ -243,7 +246,6 @@ impl Plane {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.listener_ready = false;
-                    self.accept_recovered();
                     return;
                 }
                 Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
