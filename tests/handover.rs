@@ -350,7 +350,8 @@ fn frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
 /// Every kind of connection crosses a handover exactly where it was: a control halfway
 /// through a message, a pair halfway through a frame and a fragmented message, a pair whose
 /// desktop does not read (3 MiB waiting in the relay), a phone waiting for its data leg, a
-/// connection halfway through its upgrade head, an upgraded control that has not said hello.
+/// phone halfway through its relay-auth (pending, in the acceptor's loop), a connection
+/// halfway through its upgrade head, an upgraded control that has not said hello.
 /// Every byte read and not yet forwarded is carried.
 #[test]
 fn every_kind_of_connection_crosses_a_handover_where_it_was() {
@@ -386,6 +387,23 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
     // A phone waiting for its data leg.
     let (d, mut control_d, generation_d) = desktop(&relay);
     let (mut phone_d, conn_id_d, ticket_d) = waiting_phone(&relay, &d, &mut control_d);
+    // A phone upgraded and halfway through its relay-auth: the acceptor's pending loop holds
+    // it (no credential checked yet).
+    control_b
+        .send_json(json!({"type":"invite-create","reqId":"late"}))
+        .unwrap();
+    let late_invite = control_b.json().unwrap()["inviteToken"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (stream, rest) =
+        client::connect(&relay.ws, &format!("/v1/connect/{}", b.relay_host_id), None)
+            .expect("phone upgrade");
+    let mut phone_late = Blocking::new(stream, rest);
+    let late_auth = client::text_frame(
+        &json!({"type":"relay-auth","v":1,"credential":late_invite}).to_string(),
+    );
+    phone_late.send(&late_auth[..9]).unwrap();
     // A connection halfway through its upgrade head.
     let e = place(&relay, 1).remove(0);
     let mut upgrading = std::net::TcpStream::connect(&relay.ws).unwrap();
@@ -440,6 +458,19 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
         .send(&frame(true, OP_BINARY, b"to the desktop"))
         .unwrap();
     assert_eq!(leg_d.frame().unwrap().2, b"to the desktop");
+    // The phone's relay-auth completes: its host hears conn-open from the next process.
+    phone_late.send(&late_auth[9..]).unwrap();
+    let open = control_b.json().unwrap();
+    assert_eq!(open["type"], "conn-open", "{open}");
+    let mut leg_late = data_leg(
+        &relay,
+        open["connId"].as_str().unwrap(),
+        open["connTicket"].as_str().unwrap(),
+        generation_b,
+    );
+    assert_eq!(phone_late.json().unwrap()["type"], "relay-hello");
+    phone_late.send(&frame(true, OP_BINARY, b"late")).unwrap();
+    assert_eq!(leg_late.frame().unwrap().2, b"late");
     // The upgrade completes.
     std::io::Write::write_all(&mut upgrading, &head.as_bytes()[40..]).unwrap();
     let mut upgraded = Blocking::new(upgrading, Vec::new());
@@ -786,7 +817,8 @@ fn the_dead_man_goes_on_where_it_was() {
 
 /// On a reserve-mode combined relay: a desktop that leaves before the handover and comes back
 /// after it at the same epoch is admitted from memory; a booking made before is honoured after;
-/// an invite minted before is accepted after.
+/// an invite minted before is accepted after; a desktop that spent its burst of invite-creates
+/// has not got it back.
 #[test]
 fn seats_bookings_and_invites_go_with_it() {
     handover_kit::adopt_orphans();
@@ -832,12 +864,34 @@ fn seats_bookings_and_invites_go_with_it() {
         .as_str()
         .unwrap()
         .to_string();
+    // A desktop that spent its burst of invite-creates: its bucket goes with it.
+    let (_, mut spender, _) = desktop(&relay);
+    let create = |control: &mut Blocking| {
+        control
+            .send_json(json!({"type":"invite-create","reqId":"r"}))
+            .unwrap();
+        control.json().unwrap()["type"] == "invite-created"
+    };
+    let spent = (0..protocol_burst())
+        .filter(|_| create(&mut spender))
+        .count();
+    assert_eq!(spent, protocol_burst());
     let memory = "orca_relay_admissions_total{path=\"memory\",outcome=\"admitted\"}";
     let booking = "orca_relay_admissions_total{path=\"booking\",outcome=\"admitted\"}";
     let (memory_before, booking_before) =
         (metric_value(&relay, memory), metric_value(&relay, booking));
 
-    let (_, _serving) = handed(&relay, None, &[]);
+    let (outcome, _serving) = handed(&relay, None, &[]);
+    // Refilled by one a second since, not a fresh burst (the handover took well under the 8 s
+    // that would refill it all).
+    let after = (0..protocol_burst())
+        .filter(|_| create(&mut spender))
+        .count();
+    assert!(
+        after < protocol_burst(),
+        "{after} invites created at once after the handover ({:?})",
+        outcome.took
+    );
 
     let (stream, rest) =
         client::connect(&relay.ws, "/v1/host/control", Some(&leaver.token)).unwrap();
@@ -883,6 +937,11 @@ fn seats_bookings_and_invites_go_with_it() {
     assert_eq!(phone.json().unwrap()["type"], "relay-hello");
     phone.send(&frame(true, OP_BINARY, b"hi")).unwrap();
     assert_eq!(leg.frame().unwrap().2, b"hi");
+}
+
+/// A control's burst of `invite-create`s.
+fn protocol_burst() -> usize {
+    orca_relay::protocol::INVITE_CREATE_BURST as usize
 }
 
 /// Readiness inside a JWKS grace window stays inside it, with the same deadline: `/ready` is

@@ -1,18 +1,15 @@
-//! The data plane: the `acceptor` thread and one `relay-<id>` thread per WebSocket connection.
+//! The data plane: the `acceptor` thread (the pending plane), one `relay-<id>` thread per
+//! authenticated control and phone until its pair is spliced, and the splice workers.
 //!
-//! The acceptor only accepts: it admits each connection into the table of **pending upgrades**
-//! (`ORCA_RELAY_PENDING_UPGRADES_MAX`, apart from the connection cap) and hands it to a new relay
-//! thread. The upgrade happens on that thread: the head within 5 s of acceptance, the phase,
-//! the route, the token, pool pressure, and only then a unit of the **connection cap**, so the
-//! cap counts admitted sockets only. Every refusal (404, 426, 401, 503) goes through
-//! [`refuse_upgrade`]: counted, answered, handed to the reaper, and everything the connection
-//! held is released as the thread returns.
-//!
-//! When the pending table is full, the socket that has waited longest for its head is shed (closed
-//! without an answer, counted) to admit the new one: whoever holds pending entries without
-//! finishing a head cannot lock desktops out, and answering needs the head, which is the very
-//! thing the shed socket has not sent. When every pending socket is past its head (being
-//! authenticated), the newcomer is dropped at once, counted; desktops retry with backoff.
+//! Every connection is **pending** from its accept until its credential is checked, whatever
+//! its path (SPEC §12): it lives in the acceptor's table (`pending.rs`,
+//! `ORCA_RELAY_PENDING_UPGRADES_MAX`, the oldest shed first when full) with one absolute
+//! deadline, and holds no unit of the **connection cap**, no relay thread and no phone place. A
+//! desktop's credential is its token (in the head); a phone's and a data leg's is their first
+//! frame (an invite, a ticket), read by the acceptor too. Only an authenticated connection takes
+//! a unit (and, for a control or a phone, a thread permit and its relay thread), so the cap
+//! counts admitted sockets only and nobody without a credential can hold a desktop's place.
+//! Every refusal is counted and answered: an HTTP status before the upgrade, a close code after.
 //!
 //! A panic in a relay thread is caught at the top of the thread: it costs that connection a
 //! close (4429), never the process.
@@ -22,6 +19,7 @@ pub mod control_reader;
 pub mod data;
 pub mod frames;
 pub mod park;
+pub mod pending;
 pub mod phone;
 pub mod socket;
 pub mod splice;
@@ -30,26 +28,24 @@ pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::auth::Verifier;
+use crate::auth::{HostClaims, Verifier};
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
 use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
 use crate::clock::SharedClock;
 use crate::config::Timings;
-use crate::http::table::{Admission, ConnectionTable, Ticket};
 use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
-use crate::threads::Permits;
+use crate::threads::{Permit, Permits};
 use control_reader::{ControlFrames, Deadline};
 use park::{Gate, Parked, ParkedConn, Quiesce, ReaderRecord, Stage, Wake};
 use socket::{Reaper, Socket};
-use splice_reader::{SpliceEvent, SpliceReader};
 use upgrade::Route;
 
 impl Peer for Socket {
@@ -248,8 +244,10 @@ pub struct RelayContext {
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
     pub mode: Arc<CellMode>,
-    /// Sockets between accept and admission (or refusal).
-    pub pending: Arc<ConnectionTable>,
+    /// Sockets between accept and their credential (or refusal), now, and at most
+    /// (`ORCA_RELAY_PENDING_UPGRADES_MAX`): the acceptor's table (`pending.rs`).
+    pub pending_now: Arc<AtomicUsize>,
+    pub pending_upgrades_max: usize,
     /// The event-loop workers attached pairs are handed to.
     pub splice: Arc<splice::SplicePlane>,
     /// Relay threads at most at once: the process's threaded capacity.
@@ -337,23 +335,32 @@ impl RelayContext {
         }
         registry.counter(
             "orca_relay_ws_pending_upgrades_shed_total",
-            "Pending upgrades (head not yet complete) closed to admit a newer connection.",
+            "Pending connections (no credential checked yet) closed to admit a newer one.",
             &[],
         );
-        let pending = ConnectionTable::new(pending_upgrades_max as usize);
+        let pending_now = Arc::new(AtomicUsize::new(0));
         {
-            let pending = pending.clone();
+            let pending = pending_now.clone();
             registry.sampled_gauge(
                 "orca_relay_ws_pending_upgrades",
-                "WebSocket connections accepted and not yet admitted or refused.",
-                move || vec![(Vec::new(), pending.len() as f64)],
+                "WebSocket connections accepted whose credential is not checked yet.",
+                move || vec![(Vec::new(), pending.load(Ordering::Acquire) as f64)],
+            );
+        }
+        let cell = Arc::new(CellState::new(clock.clone()));
+        {
+            let cell = cell.clone();
+            registry.sampled_gauge(
+                "orca_relay_invites_outstanding",
+                "Invites minted and not yet used up, expired or dropped (at most 8 per desktop).",
+                move || vec![(Vec::new(), cell.invite_count() as f64)],
             );
         }
         RelayContext {
             cell_id: cell_id.into(),
             incarnation,
             timings: Arc::new(timings),
-            cell: Arc::new(CellState::new(clock.clone())),
+            cell,
             verifier,
             store,
             clock,
@@ -364,7 +371,8 @@ impl RelayContext {
             slots,
             phase,
             metrics: RelayMetrics::new(registry),
-            pending,
+            pending_now,
+            pending_upgrades_max: pending_upgrades_max as usize,
             splice,
             thread_permits,
             admission_failures: Arc::default(),
@@ -373,8 +381,20 @@ impl RelayContext {
         }
     }
 
-    /// The id the next connection gets (a handover carries it, so ids stay unique).
+    /// Closes `socket` with `code` and counts it.
+    pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
+        if socket.close(code, reason, &self.reaper) {
+            self.metrics.close(code);
+        }
+    }
+
+    /// A new connection id (the `relay-<id>` thread's name, the socket's id).
     pub fn next_connection_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The id the next connection will get (a handover carries it, so ids stay unique).
+    pub fn peek_next_connection_id(&self) -> u64 {
         self.next_id.load(Ordering::Relaxed)
     }
 
@@ -382,367 +402,57 @@ impl RelayContext {
     pub fn continue_ids_from(&self, next: u64) {
         self.next_id.fetch_max(next, Ordering::Relaxed);
     }
-
-    /// Closes `socket` with `code` and counts it.
-    pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
-        if socket.close(code, reason, &self.reaper) {
-            self.metrics.close(code);
-        }
-    }
 }
 
-/// The `acceptor` thread body: accepts until `stop` is set, then gives the listener back (a
-/// live handover passes it on, or starts a new acceptor on it). It never reads from a
-/// connection, and a connection it accepted is always served: stopping never drops one (during
-/// a handover, new connections wait in the listener's backlog for whichever process accepts
-/// next).
-pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<Wake>) -> TcpListener {
-    let _ = crate::http::server::raise_backlog(&listener);
-    // Waits go through `poll` beside the stop's eventfd; the accept itself never blocks.
-    let _ = listener.set_nonblocking(true);
-    // One descriptor kept in reserve: when the process is out of descriptors (EMFILE, ENFILE)
-    // it is given up for a moment so that the waiting connection can be accepted, answered
-    // 503 and closed, instead of staying in the backlog until the client gives up.
-    let mut spare = open_spare();
-    // Resource exhaustion is logged once per run of failures.
-    let mut accept_failing = false;
-    let mut spawn_failing = false;
-    loop {
-        if !park::wait_acceptable(&listener, &stop) {
-            break;
-        }
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
-            Err(e) => {
-                if !accept_failing {
-                    log::warn!("orca_relay_accept_failed error={e}");
-                    accept_failing = true;
-                }
-                if out_of_descriptors(&e) && spare.take().is_some() {
-                    if let Ok((stream, _)) = listener.accept() {
-                        let _ = stream.set_nonblocking(false);
-                        refuse_at_accept(&context, stream, "descriptors");
-                    }
-                    spare = open_spare();
-                    continue;
-                }
-                // Anything else: back off briefly instead of spinning.
-                crate::clock::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let _ = stream.set_nonblocking(false);
-        if accept_failing {
-            log::info!("orca_relay_accept_recovered");
-            accept_failing = false;
-        }
-        if spare.is_none() {
-            spare = open_spare();
-        }
-        let accepted = crate::clock::instant();
-        let _ = stream.set_nodelay(true);
-        // A relay thread only with a permit: the thread capacity is never reached by a spawn.
-        let Some(permit) = context.thread_permits.try_take() else {
-            refuse_at_accept(&context, stream, "threads");
-            continue;
-        };
-        let stream = Arc::new(stream);
-        let ticket = match context.pending.admit(&stream) {
-            Admission::Admitted { ticket, shed } => {
-                if shed {
-                    context.metrics.pending_shed();
-                }
-                ticket
-            }
-            Admission::Full => {
-                context.metrics.dropped_at_accept("pending_upgrades_full");
-                continue;
-            }
-        };
-        let id = context.next_id.fetch_add(1, Ordering::Relaxed);
-        let thread_context = context.clone();
-        let spawned = crate::threads::spawn_with_stack(
-            format!("relay-{id}"),
-            crate::threads::RELAY_STACK_BYTES,
-            move || {
-                let _permit = permit;
-                serve_connection(thread_context, stream, ticket, id, accepted)
-            },
-        );
-        match spawned {
-            Ok(_) => spawn_failing = false,
-            Err(e) => {
-                // The stream and its pending entry were moved into the closure and dropped.
-                context.metrics.dropped_at_accept("thread_spawn");
-                if !spawn_failing {
-                    log::warn!("orca_relay_thread_spawn_failed error={e}");
-                    spawn_failing = true;
-                }
-            }
-        }
-    }
-    let _ = listener.set_nonblocking(false);
-    listener
-}
-
-fn open_spare() -> Option<std::fs::File> {
-    std::fs::File::open("/dev/null").ok()
-}
-
-fn out_of_descriptors(error: &std::io::Error) -> bool {
-    matches!(
-        error.raw_os_error(),
-        Some(libc::EMFILE) | Some(libc::ENFILE)
-    )
-}
-
-/// Refuses a connection on the acceptor itself, before any head is read: a thread or a
-/// descriptor could not be had. 503 with `Retry-After: 2`, counted; the answer fits the empty
-/// socket buffer of a new connection, so the write does not wait.
-fn refuse_at_accept(context: &RelayContext, stream: TcpStream, reason: &str) {
-    context.metrics.upgrade_refused(503, reason);
-    let stream = Arc::new(stream);
-    let _ = stream.set_nonblocking(true);
-    let _ = std::io::Write::write(
-        &mut &*stream,
-        upgrade::refusal(503, reason, Some(2)).as_bytes(),
-    );
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    context
-        .reaper
-        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
-}
-
-/// One way an upgrade is refused: the status, the reason counted in
-/// `orca_relay_upgrades_refused_total`, the `error` of the answer, and `Retry-After`.
-struct Refusal<'a> {
-    status: u16,
-    reason: &'a str,
-    answer: &'a str,
-    retry_after_s: Option<u32>,
-}
-
-impl<'a> Refusal<'a> {
-    /// 503 with `Retry-After: 2`, the reason as the answer.
-    fn unavailable(reason: &'a str) -> Self {
-        Refusal {
-            status: 503,
-            reason,
-            answer: reason,
-            retry_after_s: Some(2),
-        }
-    }
-}
-
-/// Refuses an upgrade: counted, answered, our side closed, and the socket handed to the reaper,
-/// which drops it [`upgrade::REFUSAL_LINGER`] later whatever the client sends. The caller
-/// returns at once, releasing its pending entry (and any unit). Every refusal of the WebSocket
-/// port after accept goes through here.
-fn refuse_upgrade(context: &RelayContext, stream: Arc<TcpStream>, refusal: Refusal<'_>) {
-    context
-        .metrics
-        .upgrade_refused(refusal.status, refusal.reason);
-    upgrade::refuse(
-        &stream,
-        refusal.status,
-        refusal.answer,
-        refusal.retry_after_s,
-    );
-    context
-        .reaper
-        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
-}
-
-/// One connection, from upgrade to close. The pending entry is released once the connection is
-/// admitted or refused; the connection unit, taken only at admission, when this returns.
-fn serve_connection(
+/// The `acceptor` thread body: the pending plane (`pending.rs`), starting with connections a
+/// handover carried (`carried`), until `stop` is set; then the listener and every pending
+/// connection are given back, as they were (a handover passes them on; a drain closes them,
+/// [`pending::close_parked`]).
+pub fn run_acceptor(
+    listener: TcpListener,
     context: RelayContext,
-    stream: Arc<TcpStream>,
-    pending: Ticket,
-    id: u64,
-    accepted: Instant,
-) {
-    upgrade_from(
-        context,
-        stream,
-        pending,
-        id,
-        Vec::new(),
-        accepted + upgrade::UPGRADE_DEADLINE,
-    )
+    stop: Arc<Wake>,
+    carried: Vec<Parked>,
+) -> (TcpListener, Vec<Parked>) {
+    pending::run(listener, context, stop, carried)
 }
 
-/// How reading an upgrade head ended.
-enum HeadRead {
-    Request(upgrade::UpgradeRequest),
-    /// A handover quiesced the cell: what had arrived of the head.
-    Quiesce(Vec<u8>),
-    /// Timed out, closed, malformed: the connection is dropped.
-    Failed,
-}
-
-/// Reads the upgrade head by `deadline`, starting with what had already arrived (`received`),
-/// parking at a handover's quiesce.
-fn read_upgrade_head(
+/// Starts the relay thread of an authenticated desktop control (its 101 is written): it reads
+/// the hello, is admitted (SPEC §5.3) and serves the control until it closes (or a handover
+/// parks it). The unit and the permit are released as the thread ends.
+fn spawn_control(
     context: &RelayContext,
-    stream: &TcpStream,
-    mut received: Vec<u8>,
-    deadline: Instant,
-) -> HeadRead {
-    use std::io::Read;
-    loop {
-        match upgrade::parse_head(&received) {
-            Ok(Some(request)) => return HeadRead::Request(request),
-            Ok(None) => {}
-            Err(_) => return HeadRead::Failed,
-        }
-        if received.len() >= crate::http::head::MAX_HEAD_BYTES {
-            return HeadRead::Failed;
-        }
-        match park::wait_readable(stream, Some(deadline), &context.quiesce) {
-            park::Waited::Readable => {}
-            park::Waited::TimedOut => return HeadRead::Failed,
-            park::Waited::Quiesce => return HeadRead::Quiesce(received),
-        }
-        let mut chunk = [0u8; 1024];
-        let room = (crate::http::head::MAX_HEAD_BYTES - received.len()).min(chunk.len());
-        match (&*stream).read(&mut chunk[..room]) {
-            Ok(0) => return HeadRead::Failed,
-            Ok(n) => received.extend_from_slice(&chunk[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-                ) => {}
-            Err(_) => return HeadRead::Failed,
-        }
-    }
-}
-
-/// The upgrade, from the head (what of it had arrived: `received`) to admission, then the
-/// connection's life.
-fn upgrade_from(
-    context: RelayContext,
-    stream: Arc<TcpStream>,
-    pending: Ticket,
     id: u64,
-    received: Vec<u8>,
-    deadline: Instant,
-) {
-    let request = match read_upgrade_head(&context, &stream, received, deadline) {
-        HeadRead::Request(request) => request,
-        HeadRead::Quiesce(received) => {
-            let parked = Parked {
-                id,
-                conn: ParkedConn::Upgrading { stream, pending },
-                stage: Stage::Upgrading { received, deadline },
-                hold: None,
-                place: None,
+    stream: TcpStream,
+    tail: Vec<u8>,
+    claims: HostClaims,
+    unit: SlotGuard,
+    permit: Permit,
+) -> std::io::Result<()> {
+    let context = context.clone();
+    crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
+            let socket = Socket::new_control(id, stream);
+            let hold = ConnectionHold::new(unit, context.metrics.connections("control"));
+            let stage = Stage::FirstFrame {
+                path: "/v1/host/control".into(),
+                claims: Some(park::ClaimsRecord::from(&claims)),
+                reader: ReaderRecord {
+                    buffered: tail,
+                    ..ReaderRecord::default()
+                },
+                text: None,
+                deadline: clock_deadline(context.timings.first_frame_ms),
             };
-            return deposit(&context, parked);
-        }
-        HeadRead::Failed => return,
-    };
-    if !pending.hold() {
-        // Shed while its head arrived: already shut down.
-        return;
-    }
-    match context.phase.get() {
-        Phase::SERVING => {}
-        Phase::STARTING => {
-            return refuse_upgrade(&context, stream, Refusal::unavailable("starting"))
-        }
-        _ => return refuse_upgrade(&context, stream, Refusal::unavailable("draining")),
-    }
-    let Some(route) = upgrade::route(&request.path) else {
-        let refusal = Refusal {
-            status: 404,
-            reason: "unknown_path",
-            answer: "not_found",
-            retry_after_s: None,
-        };
-        return refuse_upgrade(&context, stream, refusal);
-    };
-    let Some(key) = request.key.clone().filter(|_| request.is_websocket) else {
-        let refusal = Refusal {
-            status: 426,
-            reason: "not_websocket",
-            answer: "websocket_upgrade_required",
-            retry_after_s: None,
-        };
-        return refuse_upgrade(&context, stream, refusal);
-    };
-    // The desktop's token is checked before the upgrade: a bad token never gets a socket.
-    let claims = if route == Route::Control {
-        let verified = crate::auth::parse_bearer(request.authorization.as_deref())
-            .and_then(|token| context.verifier.verify_host_token(token));
-        match verified {
-            Ok(claims) => Some(claims),
-            Err(e) => {
-                let refusal = Refusal {
-                    status: 401,
-                    reason: e.reason_code(),
-                    answer: "bad_outer_credential",
-                    retry_after_s: None,
-                };
-                return refuse_upgrade(&context, stream, refusal);
-            }
-        }
-    } else {
-        None
-    };
-    if let Some(claims) = &claims {
-        // Under pool pressure, a hello the cell cannot admit without the database (memory or
-        // a booking) is shed rather than queued behind the pool (SPEC §5.3).
-        let shed = shed_under_pool_pressure(
-            context.store.has_waiters(),
-            context.mode.raw_is_reserve(),
-            || {
-                context.cell.remembers(&claims.relay_host_id)
-                    || context.bookings.holds(
-                        &claims.user_id,
-                        &claims.relay_host_id,
-                        context.clock.now_ms(),
-                    )
-            },
-        );
-        if shed {
-            return refuse_upgrade(&context, stream, Refusal::unavailable("pool_pressure"));
-        }
-    }
-    // Admitted: the connection cap counts from here on.
-    let Some(slot) = context.slots.try_take() else {
-        return refuse_upgrade(&context, stream, Refusal::unavailable("connection_cap"));
-    };
-    drop(pending);
-    let Ok(stream) = Arc::try_unwrap(stream) else {
-        // Only a shed entry keeps a second handle, and a shed socket never gets this far.
-        return;
-    };
-    if upgrade::accept(&stream, &key).is_err() {
-        return;
-    }
-    let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-    let socket = Socket::new_control(id, stream);
-    let gauge = context.metrics.connections(route.kind());
-    gauge.inc();
-    // The unit and the gauge travel with a splice leg to its worker; a control keeps them here.
-    let hold = Some(ConnectionHold { _slot: slot, gauge });
-    let first_frame = clock_deadline(context.timings.first_frame_ms);
-    let reader = ReaderRecord {
-        buffered: request.tail,
-        ..ReaderRecord::default()
-    };
-    let stage = Stage::FirstFrame {
-        path: request.path,
-        claims: claims.as_ref().map(park::ClaimsRecord::from),
-        reader,
-        text: None,
-        deadline: first_frame,
-    };
-    serve_stage(&context, socket, stage, hold, None, None);
+            serve_stage(&context, socket, stage, Some(hold), None, None);
+        },
+    )
+    .map(|_| ())
 }
 
 /// Deposits a connection with the handover; one the handover no longer takes (it ended while
@@ -761,8 +471,7 @@ fn clock_deadline(ms: u64) -> Instant {
 }
 
 /// An admitted connection from `stage` on: its first frame, a seated control's read loop, a
-/// phone waiting for its data leg. A panic costs this connection a close (4429); a handover's
-/// quiesce deposits it with everything it holds.
+/// phone waiting for its data leg.
 fn serve_stage(
     context: &RelayContext,
     socket: Arc<Socket>,
@@ -771,12 +480,26 @@ fn serve_stage(
     place: Option<phone::PhonePlace>,
     waiting: Option<phone::Waiting>,
 ) {
-    let id = socket.id;
     let kind = stage_kind(&stage);
+    serve_admitted(context, socket, kind, hold, |socket, hold| {
+        run_stage(context, socket, stage, hold, place, waiting)
+    });
+}
+
+/// Runs an admitted connection's relay-thread body under `catch_unwind`: a panic costs the
+/// connection a 4429 and is logged; a handover's quiesce deposits it with everything it holds.
+/// Unless the body handed the socket on (or parked it), the socket is closed before its unit
+/// (in `hold`) is returned.
+pub(crate) fn serve_admitted(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    kind: &str,
+    hold: Option<ConnectionHold>,
+    body: impl FnOnce(Arc<Socket>, &mut Option<ConnectionHold>) -> Served,
+) {
+    let id = socket.id;
     let mut hold = hold;
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        run_stage(context, socket.clone(), stage, &mut hold, place, waiting)
-    }));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(socket.clone(), &mut hold)));
     match outcome {
         Ok(Served::HandedOff) => return,
         Ok(Served::Parked { stage, place }) => {
@@ -849,47 +572,8 @@ fn run_stage(
                     },
                 )
             }
-            Some(Route::Phone { relay_host_id }) => {
-                let reader = SpliceReader::from_record(
-                    socket.clone(),
-                    reader,
-                    crate::protocol::SPLICE_MAX_FRAME_BYTES,
-                    context.quiesce.clone(),
-                );
-                phone::serve(
-                    context,
-                    socket,
-                    reader,
-                    &relay_host_id,
-                    hold,
-                    phone::First {
-                        path,
-                        text,
-                        deadline,
-                    },
-                )
-            }
-            Some(Route::DataLeg { conn_id }) => {
-                let reader = SpliceReader::from_record(
-                    socket.clone(),
-                    reader,
-                    crate::protocol::SPLICE_MAX_FRAME_BYTES,
-                    context.quiesce.clone(),
-                );
-                data::serve(
-                    context,
-                    socket,
-                    reader,
-                    &conn_id,
-                    hold,
-                    data::First {
-                        path,
-                        text,
-                        deadline,
-                    },
-                )
-            }
-            None => {
+            // A splice leg's first frame is read by the acceptor's pending loop, never here.
+            Some(Route::Phone { .. } | Route::DataLeg { .. }) | None => {
                 context.close(&socket, CloseCode::LimitExceeded, "internal error");
                 Served::Ended
             }
@@ -898,6 +582,7 @@ fn run_stage(
             control,
             reader,
             silence_deadline,
+            invites,
         } => {
             let reader = control_reader::Reader::resume(
                 socket.clone(),
@@ -906,19 +591,13 @@ fn run_stage(
                 silence_deadline,
                 Duration::from_millis(context.timings.silence_ms),
             );
-            control::resume(context, socket, reader, control)
+            control::resume(context, socket, reader, control, invites)
         }
         Stage::PhoneWaiting {
             phone,
             reader,
             attach_deadline,
         } => {
-            let reader = SpliceReader::from_record(
-                socket.clone(),
-                reader,
-                crate::protocol::SPLICE_MAX_FRAME_BYTES,
-                context.quiesce.clone(),
-            );
             let waiting =
                 waiting.unwrap_or_else(|| phone::restore_waiting(context, &socket, &phone));
             phone::resume_waiting(
@@ -976,15 +655,15 @@ pub fn resume(
                 hold,
                 place,
             } = parked;
-            match (conn, stage) {
-                (
-                    ParkedConn::Upgrading { stream, pending },
-                    Stage::Upgrading { received, deadline },
-                ) => upgrade_from(thread_context, stream, pending, id, received, deadline),
-                (ParkedConn::Socket(socket), stage) => {
+            match conn {
+                ParkedConn::Socket(socket) => {
                     serve_stage(&thread_context, socket, stage, hold, place, waiting)
                 }
-                (ParkedConn::Upgrading { .. }, _) => {}
+                // A pending connection belongs to the acceptor's loop (`pending::run`).
+                ParkedConn::Pending(stream) => {
+                    log::error!("orca_relay_resume_misrouted conn={id}");
+                    drop(stream);
+                }
             }
         },
     )
@@ -1022,6 +701,12 @@ pub struct ConnectionHold {
 }
 
 impl ConnectionHold {
+    /// Counts the connection in `gauge` until dropped.
+    pub fn new(slot: SlotGuard, gauge: Gauge) -> ConnectionHold {
+        gauge.inc();
+        ConnectionHold { _slot: slot, gauge }
+    }
+
     /// The unit and gauge of a connection a live handover brought: the unit is taken even
     /// past the cap (the connection exists already).
     pub fn carried(context: &RelayContext, kind: &str) -> ConnectionHold {
@@ -1060,25 +745,6 @@ pub(crate) enum FirstFrame {
     Refused(CloseCode),
     /// A handover quiesced the cell.
     Quiesce,
-}
-
-/// Reads the first frame of a splice leg by `deadline`: it must be one whole text frame.
-pub(crate) fn read_first_splice_text(reader: &mut SpliceReader, deadline: Instant) -> FirstFrame {
-    match reader.read(deadline) {
-        SpliceEvent::Frame {
-            data: tungstenite::protocol::frame::coding::Data::Text,
-            fin: true,
-            payload,
-        } => match String::from_utf8(payload.to_vec()) {
-            Ok(text) => FirstFrame::Text(text),
-            Err(_) => FirstFrame::Refused(CloseCode::BadOuterCredential),
-        },
-        SpliceEvent::Violation(violation) => {
-            FirstFrame::Refused(splice_reader::violation_close_code(violation))
-        }
-        SpliceEvent::Quiesce => FirstFrame::Quiesce,
-        _ => FirstFrame::Refused(CloseCode::BadOuterCredential),
-    }
 }
 
 /// Reads the first frame of a control socket by `deadline`: it must be a text frame.

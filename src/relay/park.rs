@@ -28,7 +28,6 @@ use super::socket::Socket;
 use super::ConnectionHold;
 use crate::cell::state::AdmitPath;
 use crate::clock;
-use crate::http::table::Ticket;
 pub use crate::wake::{wait_acceptable, Wake};
 
 /// Holds the threads of a received handover before their first I/O until the handover has
@@ -195,8 +194,9 @@ pub fn wait_readable(stream: &TcpStream, deadline: Option<Instant>, quiesce: &Qu
     }
 }
 
-/// A relay thread's connection, deposited while quiescing. Nothing it holds is released: the
-/// unit of the cap, the phone's place and the pending-upgrade entry travel with it.
+/// A connection deposited while quiescing (by its relay thread, or by the acceptor's pending
+/// loop). Nothing it holds is released: the unit of the cap and the phone's place travel with
+/// it.
 pub struct Parked {
     pub id: u64,
     pub conn: ParkedConn,
@@ -209,11 +209,9 @@ pub struct Parked {
 
 /// The descriptor of a parked connection, as its stage holds it.
 pub enum ParkedConn {
-    /// Before the upgrade: the stream and its pending-upgrade entry.
-    Upgrading {
-        stream: Arc<TcpStream>,
-        pending: Ticket,
-    },
+    /// A pending connection of the acceptor's loop (its credential not checked yet): its
+    /// stage is `Upgrading` or a splice leg's `FirstFrame`.
+    Pending(TcpStream),
     /// An upgraded WebSocket.
     Socket(Arc<Socket>),
 }
@@ -221,7 +219,7 @@ pub enum ParkedConn {
 impl ParkedConn {
     pub fn raw_fd(&self) -> RawFd {
         match self {
-            ParkedConn::Upgrading { stream, .. } => stream.as_raw_fd(),
+            ParkedConn::Pending(stream) => stream.as_raw_fd(),
             ParkedConn::Socket(socket) => socket.stream().as_raw_fd(),
         }
     }
@@ -309,6 +307,22 @@ impl From<AdmitPathRecord> for AdmitPath {
     }
 }
 
+/// A control's `invite-create` token bucket (`control::InviteRate`), its refill moment as an
+/// instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InviteBucket {
+    pub available: u32,
+    pub refilled_at: Instant,
+}
+
+/// [`InviteBucket`] as the state document carries it: the refill moment as its age.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InviteRateRecord {
+    pub available: u32,
+    pub refilled_ago_ms: u64,
+}
+
 /// A phone waiting for its host's data leg: its pending entry in the cell.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -341,6 +355,7 @@ pub enum Stage {
         control: ControlRecord,
         reader: ReaderRecord,
         silence_deadline: Instant,
+        invites: InviteBucket,
     },
     /// A phone that sent `conn-open` to its host and waits for the data leg.
     PhoneWaiting {
@@ -373,6 +388,10 @@ pub enum StageRecord {
         control: ControlRecord,
         reader: ReaderRecord,
         silence_left_ms: u64,
+        /// Since state version 2: the control's `invite-create` bucket. A version-1 process had
+        /// no limit: its controls resume with a full bucket.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        invites: Option<InviteRateRecord>,
     },
     #[serde(rename_all = "camelCase")]
     PhoneWaiting {
@@ -384,6 +403,12 @@ pub enum StageRecord {
 
 fn left_ms(deadline: Instant, now: Instant) -> u64 {
     deadline.saturating_duration_since(now).as_millis() as u64
+}
+
+/// The instant `age_ms` before `now` (`now` itself if the process is younger than that).
+fn ago(age_ms: u64, now: Instant) -> Instant {
+    now.checked_sub(Duration::from_millis(age_ms))
+        .unwrap_or(now)
 }
 
 fn deadline_in(left_ms: u64, now: Instant) -> Instant {
@@ -415,10 +440,17 @@ impl Stage {
                 control,
                 reader,
                 silence_deadline,
+                invites,
             } => StageRecord::Control {
                 control: control.clone(),
                 reader: reader.clone(),
                 silence_left_ms: left_ms(*silence_deadline, now),
+                invites: Some(InviteRateRecord {
+                    available: invites.available,
+                    refilled_ago_ms: now
+                        .saturating_duration_since(invites.refilled_at)
+                        .as_millis() as u64,
+                }),
             },
             Stage::PhoneWaiting {
                 phone,
@@ -432,9 +464,13 @@ impl Stage {
         }
     }
 
-    /// Whether the stage holds an admitted connection (a unit of the cap).
-    pub fn is_admitted(&self) -> bool {
-        !matches!(self, Stage::Upgrading { .. })
+    /// Whether the connection belongs to the acceptor's pending loop (no credential checked
+    /// yet: an upgrade head arriving, a splice leg's first frame), not to a relay thread.
+    pub fn is_pending(&self) -> bool {
+        matches!(
+            self,
+            Stage::Upgrading { .. } | Stage::FirstFrame { claims: None, .. }
+        )
     }
 }
 
@@ -468,10 +504,21 @@ impl StageRecord {
                 control,
                 reader,
                 silence_left_ms,
+                invites,
             } => Stage::Control {
                 control,
                 reader,
                 silence_deadline: at(silence_left_ms),
+                invites: match invites {
+                    Some(record) => InviteBucket {
+                        available: record.available,
+                        refilled_at: ago(record.refilled_ago_ms.saturating_add(elapsed_ms), now),
+                    },
+                    None => InviteBucket {
+                        available: crate::protocol::INVITE_CREATE_BURST,
+                        refilled_at: now,
+                    },
+                },
             },
             StageRecord::PhoneWaiting {
                 phone,

@@ -1,17 +1,20 @@
-//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2), on its relay thread until the
-//! pair is spliced.
+//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2).
 //!
-//! The phone authenticates with an invite; the cell tells the host (`conn-open`) and waits up
-//! to the attach deadline for the host's data leg, which announces itself through the pending
-//! entry's channel with its socket and what its reader had read. Then this thread hands the
-//! pair to a splice worker (`relay/splice/`) and ends: the phone's place and both connection
-//! units travel with the pair and are released when its legs end.
+//! Its credential is its first frame, `relay-auth` with an invite, read by the acceptor's
+//! pending loop; [`authenticate`] checks it there (the host online, the invite live, fewer than
+//! 8 phones: all in memory, under the cell's lock) and only then does the phone take a unit of
+//! the connection cap, a relay-thread permit and one of the host's phone places. Its relay
+//! thread ([`serve`]) tells the host (`conn-open`), waits up to the attach deadline for the
+//! host's data leg (which `data.rs` passes through the pending entry's channel), sends the
+//! phone `relay-hello`, hands the pair to a splice worker (`relay/splice/`) and ends: the
+//! phone's place and both connection units travel with the pair and are released when its legs
+//! end.
 //!
 //! A live handover wakes a waiting phone through the same channel ([`Attach::Wake`]): with the
 //! cell's attaches frozen, no data leg can take its pending entry any more, so the phone is
-//! deposited as waiting (its entry, place and deadline carried) unless a data leg took the
-//! entry just before the freeze, in which case its leg is already on the way and the attach
-//! goes ahead.
+//! deposited as waiting (its entry, place, what its reader holds and its deadline carried)
+//! unless a data leg took the entry just before the freeze, in which case its leg is already on
+//! the way and the attach goes ahead.
 
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -19,12 +22,12 @@ use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
-use super::park::{Stage, WaitingPhoneRecord};
+use super::park::{ReaderRecord, Stage, WaitingPhoneRecord};
+use super::pending::{close_pending, close_pending_socket, PendingLeg};
 use super::socket::Socket;
 use super::splice::{LegHandOff, Pair, Release};
-use super::splice_reader::SpliceReader;
-use super::{read_first_splice_text, ConnectionHold, FirstFrame, RelayContext, Served};
-use crate::cell::state::{random_token, CellState, Pending, PhoneRefusal};
+use super::{ConnectionHold, RelayContext, Served};
+use crate::cell::state::{random_token, CellState, Control, Pending, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 
 /// What a waiting phone hears on its pending entry's channel.
@@ -62,49 +65,55 @@ impl Drop for PhonePlace {
     }
 }
 
-/// Where a phone's first frame stands: not read yet (`text: None`, by `deadline`), or read and
-/// not yet acted on (a handover carried it).
-pub struct First {
-    pub path: String,
-    pub text: Option<String>,
-    pub deadline: Instant,
+/// An authenticated phone, as its relay thread takes it over.
+struct Admitted {
+    conn_id: String,
+    control: Control<Socket>,
+    ticket: String,
+    attach: Receiver<Attach>,
+    /// What the first-frame reader read past `relay-auth`, and its parser.
+    buffered: Vec<u8>,
+    parser: super::frames::FrameParser,
+    place: PhonePlace,
 }
 
-pub fn serve(
+/// Checks a phone's first frame on the acceptor's thread and, if it authenticates, starts its
+/// relay thread. `None` when it was refused (closed with its code); otherwise the spawn's
+/// result.
+pub(super) fn authenticate(
     context: &RelayContext,
-    socket: Arc<Socket>,
-    mut reader: SpliceReader,
+    leg: PendingLeg,
     relay_host_id: &str,
-    hold: &mut Option<ConnectionHold>,
-    first: First,
-) -> Served {
-    let text = match first.text {
-        Some(text) => text,
-        None => match read_first_splice_text(&mut reader, first.deadline) {
-            FirstFrame::Text(text) => text,
-            FirstFrame::Refused(code) => {
-                context.close(&socket, code, "first frame");
-                return Served::Ended;
-            }
-            FirstFrame::Quiesce => {
-                return Served::parked(Stage::FirstFrame {
-                    path: first.path,
-                    claims: None,
-                    reader: reader.record(),
-                    text: None,
-                    deadline: first.deadline,
-                })
-            }
-        },
-    };
-    let credential = match serde_json::from_str::<PhoneFirst>(&text) {
+    text: &str,
+) -> Option<std::io::Result<()>> {
+    let PendingLeg { id, stream, reader } = leg;
+    let credential = match serde_json::from_str::<PhoneFirst>(text) {
         Ok(PhoneFirst::RelayAuth { v: 1, credential }) => credential,
         _ => {
-            context.close(&socket, CloseCode::BadOuterCredential, "bad relay-auth");
-            return Served::Ended;
+            close_pending(
+                context,
+                stream,
+                CloseCode::BadOuterCredential,
+                "bad relay-auth",
+            );
+            return None;
         }
     };
-    let ticket = random_token();
+    // Nothing is taken until the invite is checked, and everything is taken before the phone
+    // is registered with its host: a refusal after that point never happens.
+    let Some(unit) = context.slots.try_take() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
+        return None;
+    };
+    let Some(permit) = context.thread_permits.try_take() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "no thread");
+        return None;
+    };
+    let Ok(ticket) = random_token() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "try again");
+        return None;
+    };
+    let socket = Socket::new_splice(id, stream);
     let (attach_tx, attach_rx) = sync_channel::<Attach>(ATTACH_CHANNEL);
     let admitted = context.cell.admit_phone(
         relay_host_id,
@@ -115,24 +124,15 @@ pub fn serve(
     );
     let (conn_id, control) = match admitted {
         Ok(admitted) => admitted,
-        Err(PhoneRefusal::Frozen) => {
-            // A handover froze the attaches: carried with its first frame, acted on after.
-            return Served::parked(Stage::FirstFrame {
-                path: first.path,
-                claims: None,
-                reader: reader.record(),
-                text: Some(text),
-                deadline: first.deadline,
-            });
-        }
         Err(refusal) => {
             let code = match refusal {
                 PhoneRefusal::HostOffline => CloseCode::HostOffline,
                 PhoneRefusal::BadCredential => CloseCode::BadOuterCredential,
+                // Attaches freeze only while the acceptor is parked: not met here.
                 PhoneRefusal::TooManyPhones | PhoneRefusal::Frozen => CloseCode::LimitExceeded,
             };
-            context.close(&socket, code, "phone refused");
-            return Served::Ended;
+            close_pending_socket(context, socket, code, "phone refused");
+            return None;
         }
     };
     // From here on this phone holds one of the host's phone places.
@@ -140,7 +140,61 @@ pub fn serve(
         cell: context.cell.clone(),
         relay_host_id: relay_host_id.to_string(),
     };
+    let hold = ConnectionHold::new(unit, context.metrics.connections("phone"));
+    let (buffered, parser) = reader.into_parts();
+    let admitted = Admitted {
+        conn_id: conn_id.clone(),
+        control,
+        ticket,
+        attach: attach_rx,
+        buffered,
+        parser,
+        place,
+    };
+    let thread_context = context.clone();
+    let thread_socket = socket.clone();
+    let spawned = crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            let context = thread_context;
+            let socket = thread_socket;
+            super::serve_admitted(&context, socket, "phone", Some(hold), |socket, hold| {
+                serve(&context, socket, admitted, hold)
+            });
+        },
+    );
+    if spawned.is_err() {
+        // The closure (place, unit, permit) is gone; the host's pending entry goes too.
+        context.cell.abandon_pending(&conn_id);
+        close_pending_socket(context, socket, CloseCode::LimitExceeded, "try again");
+    }
+    Some(spawned.map(|_| ()))
+}
 
+/// The phone's relay thread: `conn-open` to the host, the wait for its data leg (or a
+/// handover's quiesce), `relay-hello`, the hand-off to a splice worker.
+fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    admitted: Admitted,
+    hold: &mut Option<ConnectionHold>,
+) -> Served {
+    let Admitted {
+        conn_id,
+        control,
+        ticket,
+        attach,
+        buffered,
+        parser,
+        place,
+    } = admitted;
+    // The pending loop read it without blocking; this thread writes with the wedge window.
+    let _ = socket.stream().set_nonblocking(false);
+    let _ = socket
+        .stream()
+        .set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
     let attach_deadline_ms = context.timings.attach_deadline_ms;
     let open = RelayToHost::ConnOpen {
         conn_id: conn_id.clone(),
@@ -157,14 +211,19 @@ pub fn serve(
         return Served::Ended;
     }
     let waiting = WaitingPhoneRecord {
-        relay_host_id: relay_host_id.to_string(),
+        relay_host_id: control.relay_host_id.clone(),
         conn_id,
         ticket,
         generation: control.generation,
     };
+    let reader = ReaderRecord {
+        buffered,
+        parser: parser.state(),
+        message: None,
+    };
     let deadline = crate::clock::instant() + Duration::from_millis(attach_deadline_ms);
     wait_for_leg(
-        context, socket, reader, hold, place, waiting, attach_rx, deadline,
+        context, socket, reader, hold, place, waiting, attach, deadline,
     )
 }
 
@@ -197,7 +256,7 @@ pub fn restore_waiting(
 pub fn resume_waiting(
     context: &RelayContext,
     socket: Arc<Socket>,
-    reader: SpliceReader,
+    reader: ReaderRecord,
     hold: &mut Option<ConnectionHold>,
     place: Option<PhonePlace>,
     (waiting, channel): (WaitingPhoneRecord, Waiting),
@@ -209,11 +268,13 @@ pub fn resume_waiting(
     )
 }
 
+/// Waits for the host's data leg by `deadline`, then `relay-hello` and the hand-off; or parks
+/// at a handover's quiesce. `reader` holds what the phone sent past its `relay-auth`.
 #[allow(clippy::too_many_arguments)]
 fn wait_for_leg(
     context: &RelayContext,
     socket: Arc<Socket>,
-    reader: SpliceReader,
+    reader: ReaderRecord,
     hold: &mut Option<ConnectionHold>,
     place: PhonePlace,
     waiting: WaitingPhoneRecord,
@@ -236,7 +297,7 @@ fn wait_for_leg(
                     return Served::Parked {
                         stage: Box::new(Stage::PhoneWaiting {
                             phone: waiting,
-                            reader: reader.record(),
+                            reader,
                             attach_deadline: deadline,
                         }),
                         place: Some(place),
@@ -267,15 +328,25 @@ fn wait_for_leg(
             }
         }
     };
-    let (buffered, parser) = reader.into_parts();
+    // The phone hears relay-hello before any spliced frame: it is sent before the hand-off.
+    if socket
+        .send(Message::text(protocol::relay_hello_json()))
+        .is_err()
+    {
+        context.close(&host.socket, CloseCode::PeerDropped, "phone left");
+        return Served::Ended;
+    }
     let mut release: Vec<Release> = vec![Box::new(place)];
     if let Some(hold) = hold.take() {
         release.push(Box::new(hold));
     }
     let phone = LegHandOff {
         socket: socket.clone(),
-        buffered,
-        parser,
+        buffered: reader.buffered,
+        parser: super::frames::FrameParser::with_state(
+            crate::protocol::SPLICE_MAX_FRAME_BYTES,
+            reader.parser,
+        ),
         release,
         relay_host_id: Some(waiting.relay_host_id.clone()),
     };

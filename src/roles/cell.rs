@@ -49,7 +49,7 @@ use crate::lifecycle::{Shutdown, ShutdownState};
 use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
-use crate::relay::park::{Quiesce, Wake};
+use crate::relay::park::{Parked, Quiesce, Wake};
 use crate::relay::socket::{Reaper, Socket};
 use crate::relay::splice::{SplicePlane, SpliceTimings};
 use crate::relay::{self, Phase, RelayContext};
@@ -154,6 +154,9 @@ struct ThreadSetup {
     renewal: Duration,
 }
 
+/// What a stopped acceptor gives back: its listener and its pending connections.
+type AcceptorEnd = (TcpListener, Vec<Parked>);
+
 /// A running cell.
 pub struct CellRuntime {
     pub context: RelayContext,
@@ -161,7 +164,10 @@ pub struct CellRuntime {
     internal: Option<InternalApi>,
     ws_addr: SocketAddr,
     acceptor_stop: Arc<Wake>,
-    acceptor: Mutex<Option<JoinHandle<TcpListener>>>,
+    acceptor: Mutex<Option<JoinHandle<AcceptorEnd>>>,
+    /// Pending connections (no credential checked yet) for the next acceptor: a handover's,
+    /// or this process's own after a failed one.
+    carried_pending: Mutex<Vec<Parked>>,
     /// The WebSocket listener while no acceptor runs on it (before a handover's commit, or
     /// while one quiesces).
     idle_listener: Mutex<Option<TcpListener>>,
@@ -384,6 +390,7 @@ impl CellRuntime {
             ws_addr,
             acceptor_stop,
             acceptor: Mutex::new(None),
+            carried_pending: Mutex::new(Vec::new()),
             idle_listener: Mutex::new(Some(setup.ws_listener)),
             threads: Mutex::new(Vec::new()),
             cell_threads: Mutex::new(None),
@@ -424,11 +431,12 @@ impl CellRuntime {
         let Some(listener) = lock(&self.idle_listener).take() else {
             return Ok(());
         };
+        let carried = std::mem::take(&mut *lock(&self.carried_pending));
         self.acceptor_stop.clear();
         let context = self.context.clone();
         let stop = self.acceptor_stop.clone();
         let handle = threads::spawn("acceptor", move || {
-            relay::run_acceptor(listener, context, stop)
+            relay::run_acceptor(listener, context, stop, carried)
         })
         .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
         *lock(&self.acceptor) = Some(handle);
@@ -436,14 +444,22 @@ impl CellRuntime {
     }
 
     /// Stops the acceptor (no connection it accepted is dropped; new ones wait in the
-    /// backlog) and keeps the listener.
-    pub fn stop_acceptor(&self) {
+    /// backlog), keeps the listener, and gives back the pending connections it held, as they
+    /// were.
+    pub fn stop_acceptor(&self) -> Vec<Parked> {
         self.acceptor_stop.set();
         if let Some(acceptor) = lock(&self.acceptor).take() {
-            if let Some(listener) = threads::join_logged("acceptor", acceptor) {
+            if let Some((listener, pending)) = threads::join_logged("acceptor", acceptor) {
                 *lock(&self.idle_listener) = Some(listener);
+                return pending;
             }
         }
+        Vec::new()
+    }
+
+    /// Pending connections for the next acceptor to start with ([`CellRuntime::start_acceptor`]).
+    pub fn carry_pending(&self, pending: Vec<Parked>) {
+        lock(&self.carried_pending).extend(pending);
     }
 
     /// The WebSocket listener's descriptor, for a live handover (the acceptor stopped).
@@ -575,8 +591,10 @@ impl CellRuntime {
             self.restart_threads(state)?;
         }
         self.resume_reregistration();
-        self.start_acceptor()?;
-        self.serve()
+        // Serving before the acceptor starts: a connection that waited in the backlog through
+        // the handover must not be told the cell is starting.
+        self.serve()?;
+        self.start_acceptor()
     }
 
     /// A tripped cell whose memory- or booking-admitted controls were not all re-registered
@@ -635,7 +653,7 @@ impl CellRuntime {
                     ready,
                 )
             }),
-            next_connection_id: self.context.next_connection_id(),
+            next_connection_id: self.context.peek_next_connection_id(),
         }
     }
 
@@ -702,7 +720,10 @@ impl CellRuntime {
         self.readiness.set_phase(readiness::Phase::Draining);
         self.context.phase.set(Phase::DRAINING);
         self.context.mode.set_draining();
-        self.stop_acceptor();
+        // Pending connections (no credential yet) are closed: a splice leg waiting for its
+        // first frame with 4503.
+        let pending = self.stop_acceptor();
+        relay::pending::close_parked(&self.context, pending);
         let drain = protocol::to_json(&RelayToHost::Drain {
             grace_ms: self.drain_grace.as_millis() as u64,
             recovery: "resolve-director".into(),

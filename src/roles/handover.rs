@@ -46,9 +46,17 @@ use super::cell::{CellRecord, CellRuntime, CellThreadsState};
 use super::RunError;
 
 /// The state document's version this build writes.
-pub const STATE_VERSION: u32 = 1;
+///
+/// 1. The first.
+/// 2. A control carries its `invite-create` bucket (`invites`; a version-1 control resumes with
+///    a full one: its process had no limit); invites are listed host by host, oldest first
+///    (version 1: by token), at most 8 a host (the oldest of a version-1 host beyond that are
+///    dropped); a connection the acceptor's pending loop held (a head arriving, a splice leg's
+///    first frame) is one with no `claims` (version 1 had them on relay threads: they go to
+///    the pending loop, as a version-2 process would have them).
+pub const STATE_VERSION: u32 = 2;
 /// The versions this build reads (every one from the first).
-pub const READS: &[u32] = &[1];
+pub const READS: &[u32] = &[1, 2];
 /// The most a state document may weigh (pending output is bounded per leg; this bounds a
 /// document that lies about its size).
 const MAX_DOCUMENT: usize = 1 << 30;
@@ -380,7 +388,8 @@ impl InFlight<'_> {
         // is deposited.
         quiesced.threads = cell.quiesce_threads();
         quiesced.phases.push(("threads", clock::instant()));
-        cell.stop_acceptor();
+        // The acceptor's pending connections (no credential checked yet) as they stand.
+        quiesced.deposits = cell.stop_acceptor();
         // Quiescing before the attaches freeze: a waiting phone woken by the freeze must find
         // the quiesce begun, or it would take the wake for nothing and wait on.
         context.quiesce.begin();
@@ -392,7 +401,7 @@ impl InFlight<'_> {
                 context.thread_permits.used()
             ));
         }
-        quiesced.deposits = context.quiesce.take_deposits();
+        quiesced.deposits.extend(context.quiesce.take_deposits());
         quiesced.connections = quiesced.deposits.len();
         quiesced.phases.push(("deposited", clock::instant()));
         Ok(Snapshot {
@@ -683,6 +692,10 @@ impl InFlight<'_> {
             let mut deposits = quiesced.deposits;
             deposits.extend(context.quiesce.end());
             context.cell.thaw_attaches();
+            let (pending, deposits): (Vec<Parked>, Vec<Parked>) = deposits
+                .into_iter()
+                .partition(|parked| parked.stage.is_pending());
+            cell.carry_pending(pending);
             resume_all(context, deposits, None);
             if quiesced.pairs.is_some() {
                 context.splice.unpark();
@@ -976,31 +989,23 @@ impl Taker {
         let now = clock::instant();
         let records = std::mem::take(&mut self.document.connections);
         let mut deposits = Vec::new();
+        let mut pending = Vec::new();
         for record in records {
             let fd = self.take_fd(record.fd)?;
             let stream = std::net::TcpStream::from(fd);
             let stage = record.stage.stage(now, self.carry.elapsed_ms);
             let wedge = Duration::from_millis(context.timings.wedge_ms);
             let parked = match stage {
-                Stage::Upgrading { .. } => {
-                    let stream = Arc::new(stream);
-                    let pending = match context.pending.admit(&stream) {
-                        crate::http::table::Admission::Admitted { ticket, .. } => ticket,
-                        crate::http::table::Admission::Full => {
-                            log::warn!(
-                                "orca_relay_handover_upgrade_dropped conn={} reason=pending_upgrades_full",
-                                record.id
-                            );
-                            continue;
-                        }
-                    };
-                    Parked {
+                // The acceptor's pending loop takes these once the handover has committed.
+                stage if stage.is_pending() => {
+                    pending.push(Parked {
                         id: record.id,
-                        conn: ParkedConn::Upgrading { stream, pending },
+                        conn: ParkedConn::Pending(stream),
                         stage,
                         hold: None,
                         place: None,
-                    }
+                    });
+                    continue;
                 }
                 stage => {
                     let _ = stream.set_write_timeout(Some(wedge));
@@ -1049,6 +1054,7 @@ impl Taker {
                 self.fail(&format!("cannot start a thread for connection {id}: {e}"))
             })?;
         }
+        cell.carry_pending(pending);
         self.mark("threads");
         Ok(())
     }
@@ -1182,7 +1188,7 @@ fn stage_kind(stage: &Stage) -> &'static str {
         Stage::FirstFrame { path, .. } => {
             crate::relay::upgrade::route(path).map_or("control", |r| r.kind())
         }
-        Stage::Upgrading { .. } => "control",
+        Stage::Upgrading { .. } => "pending",
     }
 }
 
@@ -1196,6 +1202,40 @@ mod tests {
         let error = read_document::<Document>(document, READS).unwrap_err();
         assert!(error.contains("state version 99"), "{error}");
         assert!(read_document::<PairsDocument>(b"not json", READS).is_err());
+    }
+
+    /// The state a version-1 build sent (`tests/fixtures/handover/v1`, captured from the build
+    /// before the format's last change) reads as this version: its controls resume with a
+    /// full invite bucket.
+    #[test]
+    fn a_version_1_document_reads() {
+        let cell = include_bytes!("../../tests/fixtures/handover/v1/cell.json");
+        let pairs = include_bytes!("../../tests/fixtures/handover/v1/pairs.json");
+        let document = read_document::<Document>(cell, READS).unwrap();
+        assert_eq!(document.v, 1);
+        let controls: Vec<_> = document
+            .connections
+            .iter()
+            .filter(|record| {
+                matches!(
+                    record.stage,
+                    crate::relay::park::StageRecord::Control { .. }
+                )
+            })
+            .collect();
+        assert_eq!(controls.len(), 3);
+        let now = clock::instant();
+        for record in controls {
+            match record.stage.clone().stage(now, 0) {
+                Stage::Control { invites, .. } => {
+                    assert_eq!(invites.available, crate::protocol::INVITE_CREATE_BURST)
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let pairs = read_document::<PairsDocument>(pairs, READS).unwrap();
+        assert_eq!(pairs.pairs.len(), 1);
+        assert!(read_document::<Document>(cell, &[2]).is_err());
     }
 
     #[test]
