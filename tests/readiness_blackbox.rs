@@ -239,10 +239,14 @@ fn jwks_outage_is_ridden_out_from_the_cached_keys_then_expires_and_recovers() {
         relay.count_log("orca_relay_readiness_grace_left dependency=jwks grace=recovered"),
         1
     );
-    assert_eq!(
-        relay.count_log("orca_relay_readiness_dependency_up dependency=jwks"),
-        2,
-        "cold boot and the return after the expired window"
+    assert!(
+        relay.wait_for_log_count(
+            "orca_relay_readiness_dependency_up dependency=jwks",
+            2,
+            WAIT
+        ),
+        "cold boot and the return after the expired window:\n{}",
+        relay.log_text()
     );
     assert_eq!(relay.count_log("dependency=sql"), 1, "only sql's first up");
     health.finish("jwks outage");
