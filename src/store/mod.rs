@@ -311,20 +311,24 @@ pub(crate) const LIST_CELLS: &str =
  LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
  ORDER BY c.cell_id";
 
-/// The tables keyed by `cell_id` whose rows belong to one cell (forgetting deletes them all).
-pub(crate) const CELL_TABLES: [&str; 5] = [
+/// The tables keyed by `cell_id` whose rows belong to the cell's process: forgetting a cell
+/// deletes them all. Not `relay_cell_admit_modes`: that row is the operator's record of the
+/// cell's switch (SPEC §12), so a cell that comes back after a long absence is placed in the
+/// mode its operator set (a reserve cell inside the trip-slot bound and the budget), not as
+/// `db`. It holds one row per cell id an operator ever recorded, so it grows only with the
+/// operator's own writes.
+pub(crate) const CELL_TABLES: [&str; 4] = [
     "relay_cells",
     "relay_cell_runtime",
-    "relay_cell_admit_modes",
     "relay_cell_admit_effective",
     "relay_assignment_activity_leases",
 ];
 
 /// The per-cell tables a deregistered cell leaves rows in, with the column stamped by the
-/// database (or, for leases, the expiry) that says how long the row has been untouched.
-pub(crate) const UNREGISTERED_LEFTOVERS: [(&str, &str); 3] = [
+/// database that says how long the row has been untouched (the operator's admit-mode record
+/// stays, as above).
+pub(crate) const UNREGISTERED_LEFTOVERS: [(&str, &str); 2] = [
     ("relay_cell_runtime", "last_heartbeat_at"),
-    ("relay_cell_admit_modes", "updated_at"),
     ("relay_cell_admit_effective", "updated_at"),
 ];
 
@@ -535,9 +539,10 @@ impl Store {
     }
 
     /// Forgets every cell the database has not heard from for more than `silent_ms`
-    /// ([`CellRow::silent_ms`]): all of its rows (registration, runtime, admit-mode record,
-    /// admit-effective row, activity leases). Rows of cells no longer registered are deleted
-    /// once untouched for as long. Returns the ids of the registered cells forgotten.
+    /// ([`CellRow::silent_ms`]): all of its rows (registration, runtime, admit-effective row,
+    /// activity leases) except the operator's admit-mode record ([`CELL_TABLES`]). Rows of
+    /// cells no longer registered are deleted once untouched for as long. Returns the ids of the
+    /// registered cells forgotten.
     pub fn forget_silent_cells(&self, silent_ms: i64) -> Result<Vec<String>, StoreError> {
         dispatch!(self, store => store.forget_silent_cells(silent_ms))
     }
