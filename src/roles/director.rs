@@ -23,7 +23,7 @@ use crate::clock::{self, SharedClock};
 use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
-use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig, Pacing};
 use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
@@ -105,7 +105,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         service_token: service_token.clone(),
         clock: clock.clone(),
         registry: registry.clone(),
-        period: Duration::from_millis(config.timings.feed_poll_ms),
+        pacing: Pacing::from_config(&config),
         membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
