@@ -381,3 +381,32 @@ fn sql_outage_degrades_then_expires_and_a_process_born_during_it_waits_without_c
     health.finish("sql outage, running process");
     cold_health.finish("sql outage, process born during it");
 }
+
+/// The combined role's `/ready` says 200 only once its own director would place a desktop on
+/// its cell (issue 20: a 503 `relay_capacity_exhausted` 85 ms after the first 200, the cell's
+/// ready heartbeat not yet in the store). Each run starts a relay, asks `/ready` as fast as a
+/// load balancer could, and places a desktop the moment it says 200.
+#[test]
+fn a_combined_relays_first_ready_200_is_followed_by_a_placement_not_a_503() {
+    for run in 0..10 {
+        let relay = Relay::launch(Arc::new(TempDir::new("first-ready")), &[])
+            .expect_listening("orca_relay_listening");
+        let started = orca_relay::clock::instant();
+        while ready(&relay).0 != 200 {
+            assert!(started.elapsed() < WAIT, "run {run}: never ready");
+            orca_relay::clock::sleep(Duration::from_millis(1));
+        }
+        let host = host_id();
+        let (status, body) = relay.post(
+            "/v1/assign",
+            Some(&token("first-ready", &host)),
+            &json!({"v":1,"relayHostId":host}).to_string(),
+        );
+        assert_eq!(
+            status,
+            200,
+            "run {run}: the first placement after /ready said 200: {body}\n{}",
+            relay.log_text()
+        );
+    }
+}

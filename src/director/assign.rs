@@ -29,7 +29,7 @@ use crate::clock::SharedClock;
 use crate::http::{Reply, Request};
 use crate::metrics::{Counter, Registry};
 use crate::service_token::ServiceTokens;
-use crate::store::{Store, StoreError};
+use crate::store::{CellRow, Store, StoreError};
 
 /// Public bodies over 4 KiB are refused (SPEC §5.4).
 pub const ASSIGN_BODY_LIMIT: usize = 4 * 1024;
@@ -218,6 +218,31 @@ impl Fleet {
             membership,
             rng: Mutex::new(Rng::from_os()),
         }
+    }
+
+    /// Whether a new desktop could be placed on `cell_id` now: rule 2 of [`placement`] counts
+    /// it a candidate, judged from `cells` (the store's rows) and this director's feed board as
+    /// a placement would judge them. The combined role's `/ready` waits for this at start
+    /// (`roles::ServeGate`), so its first 200 is never followed by a 503
+    /// `relay_capacity_exhausted` for want of a heartbeat or a feed answer not yet recorded.
+    pub fn places_on(
+        &self,
+        cells: &[CellRow],
+        cell_id: &str,
+        now_ms: u64,
+        monotonic_ms: u64,
+    ) -> bool {
+        let params = Params {
+            now_ms,
+            heartbeat_fresh_ms: self.heartbeat_fresh_ms,
+            feed_fresh_ms: self.feed_fresh_ms,
+            retire_after_ms: self.membership.retire_after(monotonic_ms),
+        };
+        let feeds = self.board.snapshot();
+        let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        placement::candidates(cells, &feeds, &params, &[], &mut rng)
+            .iter()
+            .any(|candidate| candidate.cell_id == cell_id)
     }
 }
 

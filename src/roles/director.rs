@@ -19,7 +19,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{self, SharedClock};
+use crate::clock;
 use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
@@ -143,9 +143,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
             membership,
             config.timings.trip_slot_stale_ms,
         ),
-        readiness: readiness.clone(),
-        registry: registry.clone(),
-        clock: clock.clone(),
+        process: super::ProcessRoutes {
+            registry: registry.clone(),
+            readiness: readiness.clone(),
+            clock: clock.clone(),
+            metrics_wait_for_start: false,
+            ready_gate: None,
+        },
         migrated,
     });
     let handler = {
@@ -224,17 +228,13 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
 struct Routes {
     assign: AssignContext,
     admin: AdminContext,
-    readiness: Readiness,
-    registry: Registry,
-    clock: SharedClock,
+    process: super::ProcessRoutes,
     migrated: Arc<AtomicBool>,
 }
 
 impl Routes {
     fn route(&self, request: &mut Request<'_>) -> Reply {
-        if let Some(reply) =
-            super::process_route(request, &self.registry, &self.readiness, &self.clock)
-        {
+        if let Some(reply) = self.process.route(request) {
             return reply;
         }
         let store_route = request.path == "/v1/assign" || request.path.starts_with("/v1/admin/");
