@@ -85,8 +85,12 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let jwks_verifier = verifier.clone();
         let sql_store = store.clone();
         let probes = Probes {
-            jwks: Some(Box::new(move || jwks_verifier.probe())),
-            sql: Box::new(move || sql_store.ping().map_err(|e| e.reason_code())),
+            jwks: Some(Box::new(move || jwks_verifier.probe().map_err(Into::into))),
+            sql: Box::new(move || {
+                sql_store
+                    .probe()
+                    .map_err(|e| readiness::ProbeFailure::from(&e))
+            }),
         };
         let readiness = readiness.clone();
         let clock = clock.clone();

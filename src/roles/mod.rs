@@ -154,7 +154,7 @@ pub fn start_prober(
     let period_ms = config.timings.readiness_probe_ms;
     let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
         let verifier = verifier.clone();
-        Some(Box::new(move || verifier.probe()))
+        Some(Box::new(move || verifier.probe().map_err(Into::into)))
     } else {
         None
     };
@@ -163,11 +163,13 @@ pub fn start_prober(
     let probes = crate::readiness::Probes {
         jwks,
         sql: Box::new(move || {
-            sql_store.ping().map_err(|e| e.reason_code())?;
+            sql_store
+                .probe()
+                .map_err(|e| crate::readiness::ProbeFailure::from(&e))?;
             if migrated.load(std::sync::atomic::Ordering::Acquire) {
                 Ok(())
             } else {
-                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING)
+                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING.into())
             }
         }),
     };
