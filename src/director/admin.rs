@@ -294,8 +294,8 @@ impl AdminContext {
 
     fn store_failed(&self, what: &str, error: &StoreError) -> Reply {
         log::warn!(
-            "orca_relay_director_admin_store_failed action={what} reason={}",
-            error.reason_code()
+            "orca_relay_director_admin_store_failed action={what} {}",
+            error.log_fields()
         );
         Reply::error(503, "relay_store_unavailable").with_header("Retry-After", "2")
     }

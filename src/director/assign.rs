@@ -370,8 +370,8 @@ fn answer(request: &mut Request<'_>, context: &AssignContext) -> Reply {
 fn store_unavailable(relay_host_id: &str) -> impl Fn(StoreError) -> Reply + '_ {
     move |e: StoreError| {
         log::warn!(
-            "orca_relay_assign_store_failed host={relay_host_id} reason={}",
-            e.reason_code()
+            "orca_relay_assign_store_failed host={relay_host_id} {}",
+            e.log_fields()
         );
         unavailable("relay_store_unavailable")
     }

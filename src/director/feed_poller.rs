@@ -962,7 +962,8 @@ impl Rounds {
                     let reason = error.reason_code();
                     if store_failing != Some(reason) {
                         log::warn!(
-                            "orca_relay_director_feed_poller_cells_unavailable reason={reason} known_cells={}",
+                            "orca_relay_director_feed_poller_cells_unavailable {} known_cells={}",
+                            error.log_fields(),
                             cells.len()
                         );
                     }

@@ -168,7 +168,7 @@ pub fn run_sweeper(store: Store, rules: Rules, clock: SharedClock, stop: Receive
             Err(error) => {
                 let reason = error.reason_code();
                 if failing != Some(reason) {
-                    log::warn!("orca_relay_director_sweep_failed reason={reason}");
+                    log::warn!("orca_relay_director_sweep_failed {}", error.log_fields());
                 }
                 failing = Some(reason);
             }

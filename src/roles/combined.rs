@@ -356,9 +356,9 @@ impl SelfRecord {
             Ok(()) => true,
             Err(e) => {
                 log::warn!(
-                    "orca_relay_self_registration_deferred cell_id={} reason={}",
+                    "orca_relay_self_registration_deferred cell_id={} {}",
                     self.cell_id,
-                    e.reason_code()
+                    e.log_fields()
                 );
                 false
             }
@@ -398,9 +398,9 @@ impl SelfRecord {
                     Err(e) => {
                         if !failing {
                             log::warn!(
-                                "orca_relay_self_admit_mode_failed cell_id={} reason={}",
+                                "orca_relay_self_admit_mode_failed cell_id={} {}",
                                 self.cell_id,
-                                e.reason_code()
+                                e.log_fields()
                             );
                         }
                         failing = true;

@@ -214,7 +214,8 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
                 let reason = error.reason_code();
                 if last_reason != Some(reason) {
                     log::warn!(
-                        "orca_relay_migrations_failed reason={reason} retry_ms={} error={error}",
+                        "orca_relay_migrations_failed {} retry_ms={} error={error}",
+                        error.log_fields(),
                         wait.as_millis()
                     );
                     last_reason = Some(reason);

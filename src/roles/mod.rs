@@ -217,14 +217,14 @@ pub fn migrate_in_background(
         }
         Err(e) => Err(e),
     };
-    let first_reason = match first {
+    let first_failure = match first {
         Ok(()) => {
             migrated.store(true, Ordering::Release);
             return Ok((migrated, None));
         }
-        Err(e) => e.reason_code(),
+        Err(e) => e.log_fields(),
     };
-    log::warn!("orca_relay_migrations_pending reason={first_reason}");
+    log::warn!("orca_relay_migrations_pending {first_failure}");
     let store = store.clone();
     let done = migrated.clone();
     crate::threads::spawn("migrator", move || {
