@@ -410,3 +410,90 @@ fn a_combined_relays_first_ready_200_is_followed_by_a_placement_not_a_503() {
         );
     }
 }
+
+/// A tmpfs of `bytes` mounted at `path` (the tests run as root), unmounted when dropped.
+struct SmallDisk {
+    path: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(path: &std::path::Path, bytes: u64) -> SmallDisk {
+        std::fs::create_dir_all(path).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}")])
+            .arg("tmpfs")
+            .arg(path)
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mount a {bytes}-byte tmpfs at {} (this test runs as root): {status}",
+            path.display()
+        );
+        SmallDisk {
+            path: path.to_path_buf(),
+        }
+    }
+
+    /// Writes a file until the filesystem refuses (ENOSPC).
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let filler = self.path.join("filler");
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = file.sync_all();
+        filler
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+    }
+}
+
+/// SPEC §12: a SQLite database whose disk is full cannot take writes; the readiness probe says
+/// so (`sql_disk_full`, `SQLITE_FULL` in the line), `/ready` turns degraded, then 503 past the
+/// SQL grace, and ready again once there is room. Before, its probe was `SELECT 1`, which a
+/// full disk answers, and `/ready` stayed 200 while every write failed.
+#[test]
+fn a_full_sqlite_disk_turns_ready_degraded_then_503_and_back() {
+    const GRACE_MS: u64 = 2_000;
+    let base = TempDir::new("full-disk");
+    let disk = SmallDisk::mount(&base.0.join("disk"), 8 * 1024 * 1024);
+    let grace = GRACE_MS.to_string();
+    let relay = Relay::start_in(
+        Arc::new(TempDir(disk.path.clone())),
+        &[
+            ("ORCA_RELAY_READINESS_PROBE_MS", "100"),
+            ("ORCA_RELAY_READINESS_SQL_GRACE_MS", &grace),
+        ],
+    );
+    wait_ready(&relay, 200, &healthy());
+
+    let filler = disk.fill();
+    let filled = orca_relay::clock::instant();
+    wait_ready(&relay, 200, &degraded("sql", "sql_disk_full"));
+    wait_ready(&relay, 503, &unavailable("sql", "sql_disk_full"));
+    assert!(
+        filled.elapsed() >= Duration::from_millis(GRACE_MS - 300),
+        "503 before the grace ran out"
+    );
+    let entered = wait_log(&relay, "orca_relay_readiness_grace_entered dependency=sql");
+    assert!(
+        entered.contains("failure=sql_disk_full sqlite=SQLITE_FULL"),
+        "{entered}"
+    );
+
+    std::fs::remove_file(filler).unwrap();
+    wait_ready(&relay, 200, &healthy());
+}
