@@ -179,7 +179,15 @@ impl Cluster {
     }
 
     fn new_dir(user: &str) -> std::path::PathBuf {
-        let dir = super::temp_dir("pg-cluster");
+        static CLUSTERS: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "orca-relay-pg-cluster-{}-{}-{}",
+            std::process::id(),
+            CLUSTERS.fetch_add(1, Ordering::SeqCst),
+            orca_relay::clock::system().now_ms()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the cluster's data directory");
         if !user.is_empty() && unsafe { libc::geteuid() } == 0 {
             let status = Command::new("chown")
                 .args([&format!("{user}:"), dir.to_str().unwrap()])
