@@ -1075,36 +1075,82 @@ pub fn try_upgrade(url: &str, bearer: Option<&str>) -> Upgrade {
 }
 
 /// Keeps a cell's director "up" from the cell's point of view: a `reserver=1` seat-feed poll
-/// (dead-man contact) every 100 ms until stopped or dropped.
+/// (dead-man contact) every 100 ms until stopped or dropped. [`DirectorPolls::pause`] holds the
+/// polls back (a VM pause drops the packets a director sends meanwhile: nothing waits in the
+/// cell's kernel to count as contact the moment it resumes).
 pub struct DirectorPolls {
-    up: Arc<std::sync::atomic::AtomicBool>,
+    state: Arc<(Mutex<PollState>, Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PollState {
+    Polling,
+    /// Asked to pause; the thread has not finished its poll in flight yet.
+    Pausing,
+    Paused,
+    Stopped,
 }
 
 impl DirectorPolls {
     pub fn start(relay: &Relay) -> DirectorPolls {
-        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let state = Arc::new((Mutex::new(PollState::Polling), Condvar::new()));
         let url = relay.http_url("/internal/seats?reserver=1");
-        let flag = up.clone();
-        let thread = orca_relay::threads::spawn("test-director-polls", move || {
-            while flag.load(Ordering::Acquire) {
-                let _ = ureq::get(&url)
-                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
-                    .timeout(Duration::from_secs(2))
-                    .call();
-                orca_relay::clock::sleep(Duration::from_millis(100));
+        let shared = state.clone();
+        let thread = orca_relay::threads::spawn("test-director-polls", move || loop {
+            {
+                let (lock, changed) = &*shared;
+                let mut state = lock.lock().unwrap();
+                loop {
+                    match *state {
+                        PollState::Polling => break,
+                        PollState::Stopped => return,
+                        PollState::Pausing => {
+                            *state = PollState::Paused;
+                            changed.notify_all();
+                        }
+                        PollState::Paused => {}
+                    }
+                    state = changed.wait(state).unwrap();
+                }
             }
+            let _ = ureq::get(&url)
+                .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+                .timeout(Duration::from_secs(2))
+                .call();
+            orca_relay::clock::sleep(Duration::from_millis(100));
         })
         .expect("spawn director polls");
         DirectorPolls {
-            up,
+            state,
             thread: Some(thread),
         }
     }
 
+    fn set(&self, next: PollState) {
+        let (lock, changed) = &*self.state;
+        *lock.lock().unwrap() = next;
+        changed.notify_all();
+    }
+
+    /// Stops polling, once the poll in flight (if any) has been answered.
+    pub fn pause(&self) {
+        self.set(PollState::Pausing);
+        let (lock, changed) = &*self.state;
+        let mut state = lock.lock().unwrap();
+        while *state == PollState::Pausing {
+            state = changed.wait(state).unwrap();
+        }
+    }
+
+    /// Polls again.
+    pub fn resume(&self) {
+        self.set(PollState::Polling);
+    }
+
     /// The director outage begins.
     pub fn stop(&mut self) {
-        self.up.store(false, Ordering::Release);
+        self.set(PollState::Stopped);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
