@@ -9,13 +9,10 @@
 //! The black-box form of the same question (the whole relay stopped and continued) is
 //! `tests/pause_blackbox.rs`.
 
-mod harness;
-
 use std::sync::mpsc;
 use std::sync::Once;
 use std::time::Duration;
 
-use harness::*;
 
 extern "C" fn ignore(_: libc::c_int) {}
 
