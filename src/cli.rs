@@ -400,9 +400,9 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(errors) => {
-            // One line per problem.
+            // One line per problem, each filed as an error under journald.
             for error in &errors.0 {
-                eprintln!("orca-relay: {error}");
+                crate::logging::print_fatal(&format!("orca-relay: {error}"));
             }
             return 1;
         }
@@ -410,7 +410,7 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     match f(config) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("orca-relay: {e}");
+            crate::logging::print_fatal(&format!("orca-relay: {e}"));
             1
         }
     }

@@ -13,7 +13,6 @@ use std::sync::mpsc;
 use std::sync::Once;
 use std::time::Duration;
 
-
 extern "C" fn ignore(_: libc::c_int) {}
 
 /// Installs the no-op `SIGUSR2` handler without `SA_RESTART`, once per test process.
