@@ -99,7 +99,9 @@ impl HostPeer {
 
     /// Waits for a stderr line containing `needle`.
     fn wait_for_stderr(&self, needle: &str) -> bool {
-        self.stderr.wait_for(needle, Duration::from_secs(10)).is_some()
+        self.stderr
+            .wait_for(needle, Duration::from_secs(10))
+            .is_some()
     }
 }
 

@@ -200,7 +200,9 @@ fn a_pool_that_lands_on_a_standby_turns_ready_degraded_then_503() {
     ]);
     assert!(wait_until(DEADLINE, || relay.get("/ready").0 == 200));
 
-    primary.stop();
+    // The primary dies (a crash: its port refuses at once, with no shutting-down answer),
+    // so every new connection lands on the standby, which answers and refuses writes.
+    primary.crash();
     let stopped = orca_relay::clock::instant();
     let degraded =
         r#"{"ok":true,"degraded":true,"dependency":["sql"],"failure":{"sql":"sql_read_only"}}"#;
@@ -227,7 +229,11 @@ fn a_pool_that_lands_on_a_standby_turns_ready_degraded_then_503() {
         "{}",
         relay.log_text()
     );
-    assert!(seen_degraded, "degraded inside the grace first");
+    assert!(
+        seen_degraded,
+        "degraded inside the grace first:\n{}",
+        relay.log_text()
+    );
     assert!(
         stopped.elapsed() >= Duration::from_millis(GRACE_MS - 300),
         "503 before the grace ran out"

@@ -319,6 +319,22 @@ impl Cluster {
         );
     }
 
+    /// Stops the server as a crash would (immediate shutdown): connections are cut, and new
+    /// ones are refused at once rather than told it is shutting down.
+    pub fn crash(&self) {
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ],
+        );
+    }
+
     /// Promotes a replica to a primary and waits until it accepts writes.
     pub fn promote(&self) {
         self.run(
