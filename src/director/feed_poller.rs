@@ -42,6 +42,12 @@
 //! that has answered before ahead of one that never has, then the fewest failures, then the
 //! longest waiting.
 //!
+//! The 2 × `FEED_POLL_MS` bound holds against entries that do not heartbeat, however many. Cells
+//! that heartbeat but never answer (a fleet whose internal port a firewall drops) are due every
+//! round like a partitioned live cell, and share the suspect workers with it: a cell that has
+//! answered before goes first among them, but no fixed set of workers can poll an unbounded
+//! number of such cells every period.
+//!
 //! Retired cells ([`super::membership`]) are not polled at all; cells no longer registered leave
 //! the board. Never one thread per cell per poll, never more than one poll in flight per cell.
 //!
