@@ -123,7 +123,12 @@ pub fn serve(
         parser,
         release,
     };
-    match context.splice.hand_off(Pair { phone, host }) {
+    let pair = Pair {
+        phone,
+        host,
+        relay_host_id: relay_host_id.into(),
+    };
+    match context.splice.hand_off(pair) {
         Ok(()) => Served::HandedOff,
         Err(pair) => {
             // No worker can take it (the cell is stopping): a transient failure, retry.

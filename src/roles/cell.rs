@@ -112,10 +112,11 @@ impl CellRuntime {
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
-            SpliceTimings {
-                wedge_ms: config.timings.wedge_ms,
-                linger_ms: relay::socket::CLOSE_LINGER.as_millis() as u64,
-            },
+            SpliceTimings::new(
+                config.timings.wedge_ms,
+                relay::socket::CLOSE_LINGER.as_millis() as u64,
+                config.splice_idle_ms,
+            ),
             clock.clone(),
             relay::RelayMetrics::new(&setup.registry),
         )

@@ -47,6 +47,18 @@ pub struct Leg {
     pub needed: usize,
     /// Bytes queued for this leg's socket.
     pub output: Output,
+    /// Control frames the relay owes this leg's socket (a pong, its idle ping); allocated only
+    /// while one is owed.
+    pub controls: Option<Box<Controls>>,
+    /// `partial` holds whole frames not parsed yet (the turn's control-frame budget ran out).
+    pub unparsed: bool,
+    /// When bytes last arrived on this leg (anything: data, ping, pong), for the idle timeout.
+    pub last_arrival_ms: u64,
+    pub idle_armed: bool,
+    /// The relay has sent its own ping since the last arrival.
+    pub idle_pinged: bool,
+    /// The desktop (relay host id) the pair belongs to: its pairs close when its control leaves.
+    pub host: Arc<str>,
     pub state: LegState,
     /// Reading stopped because the peer's output is over the bound; resumed when it drains.
     pub paused: bool,
@@ -86,11 +98,91 @@ pub enum Flushed {
     Failed,
 }
 
-/// Bytes waiting for a socket: one vector and a read position. Empty means no allocation.
+/// The longest control frame the relay sends: a 2-byte header and 125 payload bytes.
+const CONTROL_FRAME_BYTES: usize = 2 + crate::relay::frames::MAX_CONTROL_PAYLOAD;
+
+/// One control frame the relay sends on its own account (a pong, or its idle ping): whole,
+/// at most 127 bytes, with how much of it the socket has taken.
+#[derive(Debug, Clone)]
+pub struct ControlFrame {
+    bytes: [u8; CONTROL_FRAME_BYTES],
+    len: u8,
+    written: u8,
+}
+
+impl ControlFrame {
+    /// An unmasked server control frame (`first`: FIN and opcode) with `payload` (at most 125
+    /// bytes; longer is cut, which the parser never lets through anyway).
+    pub fn new(first: u8, payload: &[u8]) -> ControlFrame {
+        let payload = &payload[..payload.len().min(CONTROL_FRAME_BYTES - 2)];
+        let mut bytes = [0u8; CONTROL_FRAME_BYTES];
+        bytes[0] = first;
+        bytes[1] = payload.len() as u8;
+        bytes[2..2 + payload.len()].copy_from_slice(payload);
+        ControlFrame {
+            bytes,
+            len: (2 + payload.len()) as u8,
+            written: 0,
+        }
+    }
+
+    fn rest(&self) -> &[u8] {
+        &self.bytes[self.written as usize..self.len as usize]
+    }
+}
+
+/// The control frames a leg owes its socket: at most one being written (once its first byte is
+/// out it must be finished before anything else) and at most one waiting. A new pong replaces
+/// the waiting one (RFC 6455 §5.5.3: answering only the latest ping is allowed), so a ping flood
+/// costs one pending pong, however fast it comes.
+#[derive(Debug, Default)]
+pub struct Controls {
+    in_flight: Option<ControlFrame>,
+    next: Option<ControlFrame>,
+}
+
+impl Controls {
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_none() && self.next.is_none()
+    }
+
+    /// Queues `frame` as the waiting one, replacing what waited.
+    pub fn replace_next(&mut self, frame: ControlFrame) {
+        self.next = Some(frame);
+    }
+
+    /// Whether the waiting frame starts with `first` (the relay's own ping, say).
+    pub fn next_is(&self, first: u8) -> bool {
+        self.next.as_ref().is_some_and(|frame| frame.bytes[0] == first)
+    }
+
+    pub fn drop_next(&mut self) {
+        self.next = None;
+    }
+}
+
+/// Bytes waiting for a socket: one vector and a read position, and where the next frame
+/// begins, so that a control frame can be put on the wire between two frames (never inside
+/// one). Every byte pushed is part of a whole server frame, so the frame boundaries can be
+/// found by reading our own headers. Empty means no allocation.
 #[derive(Debug, Default)]
 pub struct Output {
     bytes: Vec<u8>,
     start: usize,
+    /// The first frame boundary at or after `start` (an index into `bytes`).
+    boundary: usize,
+}
+
+/// The length of the unmasked server frame whose header starts `bytes` (RFC 6455 §5.2).
+/// `None` when the header is not all there (never for a frame we queued whole).
+fn server_frame_len(bytes: &[u8]) -> Option<usize> {
+    let second = *bytes.get(1)?;
+    let (head, len) = match second & 0x7f {
+        126 => (4, u64::from(u16::from_be_bytes(bytes.get(2..4)?.try_into().ok()?))),
+        127 => (10, u64::from_be_bytes(bytes.get(2..10)?.try_into().ok()?)),
+        short => (2, u64::from(short)),
+    };
+    usize::try_from(len).ok().map(|len| head + len)
 }
 
 impl Output {
@@ -102,39 +194,103 @@ impl Output {
         self.len() == 0
     }
 
+    /// Queues whole frames.
     pub fn push(&mut self, bytes: &[u8]) {
-        if self.start > 0 && self.start >= self.bytes.len() / 2 {
+        self.push_after(bytes, 0);
+    }
+
+    /// Queues `bytes`, whose first frame boundary is `first_boundary` bytes in (the rest of a
+    /// frame whose start the socket already took, then whole frames).
+    pub fn push_after(&mut self, bytes: &[u8], first_boundary: usize) {
+        if self.is_empty() {
+            self.bytes.clear();
+            self.start = 0;
+            self.boundary = first_boundary;
+        } else if self.start > 0 && self.start >= self.bytes.len() / 2 {
             self.bytes.drain(..self.start);
+            self.boundary -= self.start;
             self.start = 0;
         }
         self.bytes.extend_from_slice(bytes);
     }
 
-    /// Writes as much as the socket takes now; `EINTR` is retried, `WouldBlock` ends it.
-    pub fn flush(&mut self, stream: &TcpStream) -> Flushed {
+    /// The socket took `n` more bytes: moves the read position and the next boundary.
+    fn advance(&mut self, n: usize) {
+        self.start += n;
+        while self.boundary < self.start {
+            match server_frame_len(&self.bytes[self.boundary..]) {
+                Some(len) if len > 0 => self.boundary += len,
+                // Not reached: every queued frame is whole. Stop looking for boundaries (no
+                // control frame goes out until the output is empty).
+                _ => {
+                    self.boundary = usize::MAX;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn at_boundary(&self) -> bool {
+        self.is_empty() || self.boundary == self.start
+    }
+
+    /// Writes as much as the socket takes now, with `controls` put on the wire at the first
+    /// frame boundary; `EINTR` is retried, `WouldBlock` ends it.
+    pub fn flush(&mut self, stream: &TcpStream, controls: &mut Controls) -> Flushed {
         let mut progressed = false;
         let mut stream = stream;
-        while self.start < self.bytes.len() {
-            match stream.write(&self.bytes[self.start..]) {
+        let blocked = loop {
+            if let Some(control) = &mut controls.in_flight {
+                match stream.write(control.rest()) {
+                    Ok(0) => return Flushed::Failed,
+                    Ok(n) => {
+                        control.written += n as u8;
+                        progressed = true;
+                        if control.written < control.len {
+                            continue;
+                        }
+                        controls.in_flight = None;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break true,
+                    Err(_) => return Flushed::Failed,
+                }
+            }
+            if controls.next.is_some() && self.at_boundary() {
+                controls.in_flight = controls.next.take();
+                continue;
+            }
+            if self.is_empty() {
+                break false;
+            }
+            // With a control frame waiting, only up to the next boundary.
+            let end = if controls.next.is_some() {
+                self.boundary.min(self.bytes.len())
+            } else {
+                self.bytes.len()
+            };
+            match stream.write(&self.bytes[self.start..end]) {
                 Ok(0) => return Flushed::Failed,
                 Ok(n) => {
-                    self.start += n;
+                    self.advance(n);
                     progressed = true;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break true,
                 Err(_) => return Flushed::Failed,
             }
-        }
-        let empty = self.start >= self.bytes.len();
-        if empty {
+        };
+        let empty = self.is_empty() && controls.is_empty();
+        if self.is_empty() {
             // An idle leg keeps no buffer.
             self.bytes = Vec::new();
             self.start = 0;
+            self.boundary = 0;
         }
         if progressed || empty {
             Flushed::Progress { empty }
         } else {
+            debug_assert!(blocked);
             Flushed::Blocked
         }
     }
@@ -205,6 +361,51 @@ pub fn read_once(stream: &TcpStream, into: &mut [u8]) -> ReadOutcome {
             Err(_) => return ReadOutcome::Gone,
         }
     }
+}
+
+/// TCP keepalive on a spliced leg: the first probe after this much idle time, then probes
+/// this far apart, this many unanswered before the kernel drops the connection.
+pub const KEEPALIVE_IDLE_S: i32 = 30;
+pub const KEEPALIVE_INTERVAL_S: i32 = 10;
+pub const KEEPALIVE_PROBES: i32 = 3;
+/// `TCP_USER_TIMEOUT`: data (or a keepalive probe) unacknowledged this long drops the
+/// connection. A phone that vanished (no FIN ever comes) is thus found within about a minute
+/// (30 s idle, then 30 s of probes), or 30 s after the relay last wrote to it, and at the latest
+/// by the splice idle timeout.
+pub const USER_TIMEOUT_MS: u32 = 30_000;
+
+fn set_option(fd: i32, level: i32, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a pointer to a local int.
+    let result = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Turns on TCP keepalive and `TCP_USER_TIMEOUT` for a spliced leg.
+pub fn set_liveness(stream: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    set_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
+    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)?;
+    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES)?;
+    set_option(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        USER_TIMEOUT_MS as i32,
+    )
 }
 
 /// An unmasked server frame header for `payload_len` bytes (RFC 6455 §5.2): the first byte
@@ -280,5 +481,36 @@ mod tests {
         output.push(b"def");
         assert_eq!(output.len(), 4);
         assert_eq!(&output.bytes[output.start..], b"cdef");
+    }
+
+    #[test]
+    fn output_finds_the_frame_boundaries_of_what_it_queued() {
+        let mut frames = Vec::new();
+        let mut head = [0u8; 10];
+        for len in [3usize, 200, 70_000] {
+            let n = server_header(0x82, len, &mut head);
+            frames.extend_from_slice(&head[..n]);
+            frames.extend(std::iter::repeat_n(7u8, len));
+        }
+        let mut output = Output::default();
+        output.push(&frames);
+        assert!(output.at_boundary());
+        output.advance(1);
+        assert_eq!(output.boundary, 5);
+        output.advance(4);
+        assert!(output.at_boundary());
+        output.advance(100);
+        assert_eq!(output.boundary, 5 + 204);
+        output.advance(104);
+        assert!(output.at_boundary());
+        output.advance(10);
+        assert_eq!(output.boundary, frames.len());
+        // The rest of a frame the socket began, then whole frames.
+        let mut output = Output::default();
+        output.push_after(&frames[2..], 3);
+        assert_eq!(output.boundary, 3);
+        assert!(!output.at_boundary());
+        output.advance(3);
+        assert!(output.at_boundary());
     }
 }

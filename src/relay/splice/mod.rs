@@ -62,23 +62,61 @@ pub struct LegHandOff {
 pub struct Pair {
     pub phone: LegHandOff,
     pub host: LegHandOff,
+    /// The desktop the pair belongs to: the pair is closed when its control leaves.
+    pub relay_host_id: Arc<str>,
 }
 
 /// What a worker is told.
 pub enum Command {
     Splice(Box<Pair>),
+    /// The control of this desktop has left: close its pairs 4408.
+    CloseHost(Arc<str>),
     /// Close every leg 4503 (drain) and end once they are gone.
     Stop,
 }
 
-/// Timings the workers need.
+/// Timings and sizes the workers need. Production takes the constants of this module; the
+/// model test of the worker shrinks the sizes so that backpressure comes within a few KiB.
 #[derive(Debug, Clone, Copy)]
 pub struct SpliceTimings {
     /// A leg whose pending output makes no progress for this long is wedged (SPEC §5.2).
     pub wedge_ms: u64,
     /// How long a closed leg waits for the peer to close (SPEC §5.2: 1 s).
     pub linger_ms: u64,
+    /// A leg from which nothing arrived for half of this is pinged by the relay, for all of it
+    /// is closed 4408 (`ORCA_RELAY_SPLICE_IDLE_MS`).
+    pub idle_ms: u64,
+    /// A leg is not read while its peer's pending output is at or over this
+    /// ([`PENDING_OUTPUT_BOUND`]).
+    pub output_bound: usize,
+    /// Each worker's read buffer ([`READ_BUFFER_BYTES`]).
+    pub read_buffer_bytes: usize,
 }
+
+impl SpliceTimings {
+    /// The production sizes with the given windows.
+    pub fn new(wedge_ms: u64, linger_ms: u64, idle_ms: u64) -> SpliceTimings {
+        SpliceTimings {
+            wedge_ms,
+            linger_ms,
+            idle_ms,
+            output_bound: PENDING_OUTPUT_BOUND,
+            read_buffer_bytes: READ_BUFFER_BYTES,
+        }
+    }
+}
+
+/// The most memory one spliced leg can hold, by construction of the worker: its partial frame
+/// (at most one frame, 8 MiB, SPEC §5.2; it grows only with bytes that arrived), its pending
+/// output (reading its peer stops at [`PENDING_OUTPUT_BOUND`], and one read adds at most one
+/// frame or one read buffer's worth of frames), two owed control frames, and its state (the
+/// leg, its socket and writer context, its release guards; measured well under 4 KiB).
+/// `capacity.rs` multiplies it by the connection cap.
+pub const LEG_MEMORY_BOUND_BYTES: u64 = crate::protocol::SPLICE_MAX_FRAME_BYTES as u64
+    + PENDING_OUTPUT_BOUND as u64
+    + crate::protocol::SPLICE_MAX_FRAME_BYTES as u64
+    + 2 * 127
+    + 4 * 1024;
 
 struct WorkerHandle {
     inbox: Sender<Command>,
@@ -151,8 +189,19 @@ impl SplicePlane {
                 worker.legs.fetch_sub(2, Ordering::Relaxed);
                 match command {
                     Command::Splice(pair) => Err(pair),
-                    Command::Stop => unreachable!("only a pair was sent"),
+                    Command::CloseHost(_) | Command::Stop => unreachable!("only a pair was sent"),
                 }
+            }
+        }
+    }
+
+    /// The control of `relay_host_id` has left (no newer one took its place): every worker
+    /// closes that desktop's pairs 4408.
+    pub fn close_host(&self, relay_host_id: &str) {
+        let host: Arc<str> = relay_host_id.into();
+        for worker in &self.workers {
+            if worker.inbox.send(Command::CloseHost(host.clone())).is_ok() {
+                let _ = worker.waker.wake();
             }
         }
     }

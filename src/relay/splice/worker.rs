@@ -6,17 +6,32 @@
 //! and the data frames go to the peer's socket in one vectored write, headers re-encoded
 //! unmasked, payloads untouched; whatever the peer's socket does not take is copied into the
 //! peer's pending output, and the bytes after the last whole frame into the leg's partial
-//! frame. Pings are answered on the leg itself, pongs dropped, a close acknowledged and the
-//! peer closed 4408; a violation closes the leg 1002 (1009 for size) and the peer 4408.
+//! frame. Pings are answered on the leg itself (at most one pong owed per leg: the latest
+//! ping's), pongs dropped, a close acknowledged and the peer closed 4408; a violation closes
+//! the leg 1002 (1009 for size) and the peer 4408.
 //!
-//! Backpressure: a leg is not read while its peer's pending output is at or over
-//! [`PENDING_OUTPUT_BOUND`]; it stays readable (edge-triggered: the readiness is remembered)
-//! and is read again as soon as the peer's writes bring the output under the bound. A peer
-//! whose output makes no progress for the wedge window is dropped and the leg that sends to it
-//! closed 4429, as the thread-per-leg relay did with its socket send timeout.
+//! **The rule of the loop: a handler never re-enters another connection's handler.** Reading
+//! a leg may write (its peer's frames, its own pong or close), but nothing reached from a
+//! write ever reads: a leg that a write made readable again (its peer's output drained under
+//! the bound) goes on the backlog and is read in its own turn. Within a read, the data frames
+//! staged for the peer are forwarded before anything else that can write. (A nested read from
+//! a flush once cleared the outer read's staged frames: frames lost without a trace.)
 //!
-//! Fairness: a leg gets at most [`READS_PER_TURN`] reads per turn; a leg with more to read
-//! waits in the backlog behind the other ready legs.
+//! Backpressure: a leg is not read while its peer's pending output is at or over the output
+//! bound (1 MiB, [`super::PENDING_OUTPUT_BOUND`]); only its peer's output, never its own, so
+//! the two directions of a pair stay independent. It stays readable (edge-triggered: the
+//! readiness is remembered) and is put on the backlog as soon as the peer's writes bring the
+//! output under the bound. A peer whose output makes no progress for the wedge window is
+//! dropped and the leg that sends to it closed 4429, as the thread-per-leg relay did with its
+//! socket send timeout.
+//!
+//! Fairness: a leg gets at most [`READS_PER_TURN`] reads and [`CONTROL_FRAMES_PER_TURN`]
+//! control frames per turn; a leg with more waits in the backlog behind the other ready legs.
+//!
+//! Liveness: a leg from which nothing at all has arrived for half the idle window
+//! (`ORCA_RELAY_SPLICE_IDLE_MS`) is pinged by the relay; one still silent at the end of the
+//! window is closed 4408 and its peer 4408. Every leg also has TCP keepalive and
+//! `TCP_USER_TIMEOUT`. A pair whose desktop's control has left is closed 4408.
 
 use std::collections::VecDeque;
 use std::io;
@@ -34,11 +49,11 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
 use super::leg::{
-    close_frame, read_once, server_header, write_slices, Flushed, Leg, LegCounters, LegState,
-    Output, ReadOutcome,
+    close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
+    Flushed, Leg, LegCounters, LegState, Output, ReadOutcome,
 };
-use super::timers::{may_read, wedge_due, LegKey, TimerKind, Timers};
-use super::{Command, LegHandOff, Pair, SpliceTimings, PENDING_OUTPUT_BOUND, READ_BUFFER_BYTES};
+use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
+use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
 use crate::relay::frames::{FrameKind, Parsed};
@@ -47,6 +62,14 @@ use crate::relay::RelayMetrics;
 const WAKER: Token = Token(usize::MAX);
 /// Reads one leg gets before the other ready legs have their turn.
 pub const READS_PER_TURN: usize = 16;
+/// Control frames (pings, pongs) one leg may have parsed in one turn: a ping flood costs the
+/// other legs of the worker one short turn per loop, and its sender one pong per turn.
+pub const CONTROL_FRAMES_PER_TURN: usize = 64;
+/// The first byte of a server ping (FIN, opcode 9) and pong (FIN, opcode 10).
+const PING: u8 = 0x89;
+const PONG: u8 = 0x8a;
+/// The payload of the relay's own ping to a quiet leg.
+const IDLE_PING_PAYLOAD: &[u8] = b"orca-relay";
 /// Events taken per `epoll_wait`.
 const EVENTS: usize = 1024;
 /// After `Stop`, legs that have not finished their close by then are dropped.
@@ -79,6 +102,13 @@ pub struct Worker {
     uncounted: [(u64, u64); 2],
     stop_at: Option<u64>,
     inbox_closed: bool,
+    /// The clock, read once per loop turn (arrivals are stamped with it).
+    now_ms: u64,
+    /// Control frames the leg being read has parsed in this turn.
+    turn_controls: usize,
+    /// A leg's frames are being processed: nothing may start processing another's (the rule
+    /// of the loop, checked in debug builds).
+    processing: bool,
 }
 
 impl Worker {
@@ -120,6 +150,9 @@ impl Worker {
             uncounted: [(0, 0); 2],
             stop_at: None,
             inbox_closed: false,
+            now_ms: 0,
+            turn_controls: 0,
+            processing: false,
         })
     }
 
@@ -128,13 +161,22 @@ impl Worker {
     }
 
     fn now(&self) -> u64 {
-        self.clock.now_ms()
+        self.now_ms
+    }
+
+    fn read_buffer_bytes(&self) -> usize {
+        self.timings.read_buffer_bytes.max(crate::relay::frames::MAX_HEADER_BYTES)
+    }
+
+    fn output_bound(&self) -> usize {
+        self.timings.output_bound
     }
 
     /// The loop: wait for events or the next deadline, serve them, fire due timers.
     pub fn run(mut self) {
         let mut events = Events::with_capacity(EVENTS);
         loop {
+            self.now_ms = self.clock.now_ms();
             let now = self.now();
             if let Some(stop_at) = self.stop_at {
                 if self.live_legs() == 0 || now >= stop_at {
@@ -152,7 +194,9 @@ impl Worker {
             } else {
                 Some(Duration::ZERO)
             };
-            match self.poll.poll(&mut events, timeout) {
+            let polled = self.poll.poll(&mut events, timeout);
+            self.now_ms = self.clock.now_ms();
+            match polled {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -213,8 +257,10 @@ impl Worker {
                 self.index,
                 key.slot
             );
-            if self.buf.len() != READ_BUFFER_BYTES {
-                self.buf = vec![0; READ_BUFFER_BYTES];
+            self.processing = false;
+            let buffer_bytes = self.read_buffer_bytes();
+            if self.buf.len() != buffer_bytes {
+                self.buf = vec![0; buffer_bytes];
             }
             let peer = self.leg(key).and_then(|leg| leg.peer);
             self.remove(key);
@@ -229,6 +275,7 @@ impl Worker {
             match self.inbox.try_recv() {
                 Ok(Command::Splice(pair)) => self.add_pair(*pair),
                 Ok(Command::Stop) => self.stop(),
+                Ok(Command::CloseHost(host)) => self.close_host(&host),
                 Err(TryRecvError::Empty) => return,
                 Err(TryRecvError::Disconnected) => {
                     self.inbox_closed = true;
@@ -252,6 +299,23 @@ impl Worker {
             .collect();
         for key in keys {
             self.close(key, CloseCode::Draining, "draining", true);
+        }
+    }
+
+    /// The desktop `host`'s control has left: each of its pairs is closed 4408 (SPEC §5.2
+    /// "the other side of a splice left"), freeing the phone's place.
+    fn close_host(&mut self, host: &str) {
+        let keys: Vec<LegKey> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|leg| leg.is_open() && &*leg.host == host)
+            .map(|leg| leg.key)
+            .collect();
+        for key in keys {
+            self.guarded(key, |worker| {
+                worker.close(key, CloseCode::PeerDropped, "host left", true)
+            });
         }
     }
 
@@ -287,14 +351,15 @@ impl Worker {
     }
 
     fn add_pair(&mut self, pair: Pair) {
-        if self.buf.is_empty() {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_bytes = self.read_buffer_bytes();
+        if self.buf.len() != buffer_bytes {
+            self.buf = vec![0; buffer_bytes];
         }
         let phone_key = self.allocate();
-        let phone = self.make_leg(phone_key, pair.phone, "phone");
+        let phone = self.make_leg(phone_key, pair.phone, "phone", pair.relay_host_id.clone());
         self.slots[phone_key.slot as usize] = Some(phone);
         let host_key = self.allocate();
-        let host = self.make_leg(host_key, pair.host, "data");
+        let host = self.make_leg(host_key, pair.host, "data", pair.relay_host_id);
         self.slots[host_key.slot as usize] = Some(host);
         for (key, peer) in [(phone_key, host_key), (host_key, phone_key)] {
             if let Some(leg) = self.leg(key) {
@@ -305,6 +370,10 @@ impl Worker {
         for key in [phone_key, host_key] {
             if let Some(leg) = self.leg(key) {
                 let fd = leg.stream().as_raw_fd();
+                if let Err(e) = set_liveness(leg.stream()) {
+                    // The idle timeout still ends a vanished leg.
+                    log::debug!("orca_relay_splice_keepalive_failed error={e}");
+                }
                 let nonblocking = leg.stream().set_nonblocking(true);
                 let token = Token(key.slot as usize);
                 let registered = nonblocking.and_then(|()| {
@@ -327,6 +396,13 @@ impl Worker {
             }
             return;
         }
+        let idle_due = self.now() + self.timings.idle_ms / 2;
+        for key in [phone_key, host_key] {
+            if let Some(leg) = self.leg(key) {
+                leg.idle_armed = true;
+            }
+            self.timers.schedule(idle_due, key, TimerKind::Idle);
+        }
         // Bytes the relay threads had read past the attach are parsed first; then both legs
         // are read (an edge-triggered registration may not report data that arrived before).
         for key in [phone_key, host_key] {
@@ -337,7 +413,13 @@ impl Worker {
         }
     }
 
-    fn make_leg(&self, key: LegKey, handoff: LegHandOff, kind: &'static str) -> Leg {
+    fn make_leg(
+        &self,
+        key: LegKey,
+        handoff: LegHandOff,
+        kind: &'static str,
+        host: std::sync::Arc<str>,
+    ) -> Leg {
         let direction = if kind == "phone" { 0 } else { 1 };
         let filled = handoff.buffered.len();
         Leg {
@@ -349,6 +431,12 @@ impl Worker {
             filled,
             needed: 0,
             output: Output::default(),
+            controls: None,
+            unparsed: false,
+            last_arrival_ms: self.now(),
+            idle_armed: false,
+            idle_pinged: false,
+            host,
             state: LegState::Open,
             paused: false,
             last_progress_ms: 0,
@@ -419,6 +507,12 @@ impl Worker {
     }
 
     fn push_output(&mut self, key: LegKey, bytes: &[u8]) {
+        self.push_output_after(key, bytes, 0);
+    }
+
+    /// Queues `bytes` for `key`'s socket; `first_boundary`: where the first whole frame begins
+    /// in them (the rest of a frame the socket already began comes before it).
+    fn push_output_after(&mut self, key: LegKey, bytes: &[u8], first_boundary: usize) {
         let now = self.now();
         let wedge_ms = self.timings.wedge_ms;
         let Some(leg) = self.leg(key) else {
@@ -427,7 +521,7 @@ impl Worker {
         if leg.output.is_empty() {
             leg.last_progress_ms = now;
         }
-        leg.output.push(bytes);
+        leg.output.push_after(bytes, first_boundary);
         if !leg.wedge_armed {
             leg.wedge_armed = true;
             let due = wedge_due(leg.last_progress_ms, wedge_ms);
@@ -435,21 +529,41 @@ impl Worker {
         }
     }
 
+    /// Owes `key`'s socket `frame` (a pong, the relay's ping): it replaces the control frame
+    /// that waited, if any, and goes out at the next frame boundary of the leg's output.
+    fn queue_control(&mut self, key: LegKey, frame: ControlFrame) {
+        if let Some(leg) = self.leg(key) {
+            leg.controls
+                .get_or_insert_with(Box::default)
+                .replace_next(frame);
+        }
+    }
+
     // -----------------------------------------------------------------------------------------
     // Writing.
 
-    /// Writes the leg's pending output; on progress, a peer paused by this output may read
-    /// again.
+    /// Writes the leg's pending output and control frames. When that brings the output under
+    /// the bound, a peer paused by it goes on the backlog: it is never read from here (the
+    /// rule of the loop).
     fn flush(&mut self, key: LegKey) {
         let now = self.now();
         let linger_ms = self.timings.linger_ms;
+        let bound = self.output_bound();
         let Some(leg) = self.leg(key) else {
             return;
         };
-        if leg.output.is_empty() {
+        if leg.output.is_empty() && leg.controls.is_none() {
             return;
         }
-        let flushed = leg.output.flush(leg.socket.stream());
+        let flushed = match leg.controls.as_deref_mut() {
+            Some(controls) => leg.output.flush(leg.socket.stream(), controls),
+            None => leg
+                .output
+                .flush(leg.socket.stream(), &mut Controls::default()),
+        };
+        if leg.controls.as_ref().is_some_and(|controls| controls.is_empty()) {
+            leg.controls = None;
+        }
         let empty = match flushed {
             Flushed::Failed => return self.gone(key),
             Flushed::Blocked => return,
@@ -475,18 +589,25 @@ impl Worker {
             }
         }
         if let Some(peer) = peer {
-            if may_read(pending, PENDING_OUTPUT_BOUND) {
-                let resumed = match self.leg(peer) {
-                    Some(p) if p.paused => {
-                        p.paused = false;
-                        true
-                    }
-                    _ => false,
-                };
-                if resumed {
-                    self.read(peer);
-                }
+            if may_read(pending, bound) {
+                self.resume(peer);
             }
+        }
+    }
+
+    /// A leg paused by its peer's output may read again: it goes on the backlog, to be read in
+    /// its own turn.
+    fn resume(&mut self, key: LegKey) {
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if !leg.paused {
+            return;
+        }
+        leg.paused = false;
+        if !leg.backlogged {
+            leg.backlogged = true;
+            self.backlog.push_back(key);
         }
     }
 
@@ -502,6 +623,8 @@ impl Worker {
         let peer = peer.filter(|peer| self.slots_open(*peer));
         let mut failed = false;
         let mut rest = Vec::new();
+        let mut first_boundary = 0;
+        let mut owes_control = false;
         if let Some(peer) = peer {
             let now = self.now();
             // Most reads hold a frame or two: their slices live on the stack.
@@ -522,7 +645,9 @@ impl Worker {
             };
             let mut written = 0;
             if let Some(leg) = self.leg(peer) {
-                if leg.output.is_empty() {
+                owes_control = leg.controls.is_some();
+                // A control frame owed to the peer goes first: the frames are queued behind it.
+                if leg.output.is_empty() && !owes_control {
                     match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
@@ -541,6 +666,10 @@ impl Worker {
                         skip -= slice.len();
                         continue;
                     }
+                    if rest.is_empty() && skip > 0 {
+                        // The socket took the start of this frame: the next boundary is at its end.
+                        first_boundary = slice.len() - skip;
+                    }
                     rest.extend_from_slice(&slice[skip..]);
                     skip = 0;
                 }
@@ -552,7 +681,10 @@ impl Worker {
                 // The peer's connection failed: it is gone, and this leg is told (4408).
                 self.gone(peer);
             } else if !rest.is_empty() {
-                self.push_output(peer, &rest);
+                self.push_output_after(peer, &rest, first_boundary);
+                if owes_control {
+                    self.flush(peer);
+                }
             }
         }
     }
@@ -564,8 +696,11 @@ impl Worker {
     // -----------------------------------------------------------------------------------------
     // Reading.
 
-    /// Reads `key` until `WouldBlock`, backpressure, the end of its turn, or its end.
+    /// Reads `key` until `WouldBlock`, backpressure, the end of its turn (reads or control
+    /// frames), or its end.
     fn read(&mut self, key: LegKey) {
+        self.turn_controls = 0;
+        let bound = self.output_bound();
         for _ in 0..READS_PER_TURN {
             let Some(leg) = self.leg(key) else {
                 return;
@@ -573,12 +708,14 @@ impl Worker {
             if !leg.is_open() {
                 return self.discard(key);
             }
+            // Paused only by the peer's output (the data it would forward), never by its own:
+            // the two directions of a pair stay independent.
             let peer = leg.peer;
             let peer_pending = match peer {
                 Some(peer) => self.leg(peer).map_or(0, |p| p.output.len()),
                 None => 0,
             };
-            if !may_read(peer_pending, PENDING_OUTPUT_BOUND) {
+            if !may_read(peer_pending, bound) {
                 if let Some(leg) = self.leg(key) {
                     leg.paused = true;
                 }
@@ -586,6 +723,9 @@ impl Worker {
             }
             if !self.read_step(key) {
                 return;
+            }
+            if self.turn_controls >= CONTROL_FRAMES_PER_TURN {
+                break;
             }
         }
         if let Some(leg) = self.leg(key) {
@@ -596,43 +736,85 @@ impl Worker {
         }
     }
 
+    /// Something arrived on `key`: it is alive (the idle window starts again).
+    fn arrived(&mut self, key: LegKey) {
+        let now = self.now();
+        if let Some(leg) = self.leg(key) {
+            leg.last_arrival_ms = now;
+            leg.idle_pinged = false;
+            // The relay's own ping, not sent yet, is no longer needed.
+            if let Some(controls) = leg.controls.as_deref_mut() {
+                if controls.next_is(PING) {
+                    controls.drop_next();
+                }
+                if controls.is_empty() {
+                    leg.controls = None;
+                }
+            }
+        }
+    }
+
     /// One read and the frames it completes; `false` when reading has to stop.
     fn read_step(&mut self, key: LegKey) -> bool {
-        if self.buf.len() != READ_BUFFER_BYTES {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_len = self.read_buffer_bytes();
+        if self.buf.len() != buffer_len {
+            self.buf = vec![0; buffer_len];
         }
-        let buffer_len = self.buf.len();
         let Some(leg) = self.leg(key) else {
             return false;
         };
+        if leg.unparsed {
+            // Whole frames left from the last turn: parsed before anything more is read.
+            leg.unparsed = false;
+            let mut work = std::mem::take(&mut leg.partial);
+            let filled = std::mem::take(&mut leg.filled);
+            leg.needed = 0;
+            self.process(key, &mut work[..filled]);
+            return true;
+        }
         if leg.needed > buffer_len {
-            // A frame larger than the shared buffer grows in the leg's own partial buffer,
-            // read straight into it, and is given back once forwarded.
+            // A frame larger than the shared buffer grows in the leg's own partial buffer with
+            // the bytes that arrive (never with the length its header declares: a 14-byte
+            // header must not cost 8 MiB), and is given back once forwarded.
             let needed = leg.needed;
-            if leg.partial.len() < needed {
-                leg.partial.resize(needed, 0);
-            }
-            let filled = leg.filled;
             let hangup = leg.hangup_seen;
-            match read_once(leg.socket.stream(), &mut leg.partial[filled..needed]) {
+            let want = (needed - leg.filled).min(buffer_len);
+            let mut chunk = std::mem::take(&mut self.buf);
+            let Some(leg) = self.leg(key) else {
+                self.buf = chunk;
+                return false;
+            };
+            let outcome = read_once(leg.socket.stream(), &mut chunk[..want]);
+            let more = match outcome {
                 ReadOutcome::Bytes(n) => {
+                    grow_with_arrivals(&mut leg.partial, leg.filled, n, needed);
+                    leg.partial.truncate(leg.filled);
+                    leg.partial.extend_from_slice(&chunk[..n]);
                     leg.filled += n;
+                    self.buf = chunk;
+                    self.arrived(key);
+                    let Some(leg) = self.leg(key) else {
+                        return false;
+                    };
                     if leg.filled < needed {
                         // A short read drained the socket: the next bytes bring a new edge.
-                        return n == needed - filled || hangup;
+                        return n == want || hangup;
                     }
                     let mut work = std::mem::take(&mut leg.partial);
                     leg.filled = 0;
                     leg.needed = 0;
                     self.process(key, &mut work[..needed]);
-                    true
+                    return true;
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
+                    self.buf = chunk;
                     self.gone(key);
-                    false
+                    return false;
                 }
-            }
+            };
+            self.buf = chunk;
+            more
         } else {
             let have = leg.filled;
             let mut work = std::mem::take(&mut self.buf);
@@ -649,12 +831,14 @@ impl Worker {
                     leg.partial = Vec::new();
                     leg.filled = 0;
                     leg.needed = 0;
+                    self.arrived(key);
                     self.process(key, &mut work[..have + n]);
                     // A read shorter than the space drained the socket (as nginx assumes):
                     // bytes that arrive later bring a new edge, so the read that would only
                     // say `WouldBlock` is saved. Not once the peer has hung up: its end of
-                    // stream may have come with the data, in the same edge.
-                    n == space || hangup
+                    // stream may have come with the data, in the same edge. Not when the
+                    // turn's control budget left frames unparsed either.
+                    n == space || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
@@ -683,18 +867,41 @@ impl Worker {
         self.process(key, &mut work[..filled]);
     }
 
-    /// Handles every whole frame at the front of `work`; keeps the rest as the leg's partial
-    /// frame.
+    /// Handles whole frames at the front of `work` (until the turn's control budget runs out);
+    /// keeps the rest as the leg's partial frame (or unparsed frames). The data frames are
+    /// forwarded first, then the pong owed (if any) is written.
     fn process(&mut self, key: LegKey, work: &mut [u8]) {
+        debug_assert!(!self.processing, "a handler re-entered another's");
+        self.processing = true;
+        self.process_frames(key, work);
+        self.processing = false;
+        if self.leg(key).is_some_and(|leg| leg.controls.is_some()) {
+            self.flush(key);
+        }
+    }
+
+    fn process_frames(&mut self, key: LegKey, work: &mut [u8]) {
+        let buffer_len = self.read_buffer_bytes();
         let mut at = 0;
         let mut frames = 0u64;
         let mut bytes = 0u64;
         self.staged.clear();
         loop {
+            let budget_spent = self.turn_controls >= CONTROL_FRAMES_PER_TURN;
             let Some(leg) = self.leg(key) else {
+                self.staged.clear();
                 return;
             };
             if !leg.is_open() {
+                break;
+            }
+            if budget_spent && at < work.len() {
+                // The turn's budget is spent: the rest waits, unparsed, for the leg's next turn
+                // (behind the other ready legs). Those bytes arrived: the memory is theirs.
+                leg.partial = work[at..].to_vec();
+                leg.filled = work.len() - at;
+                leg.needed = 0;
+                leg.unparsed = true;
                 break;
             }
             match leg.parser.parse(&mut work[at..]) {
@@ -718,14 +925,12 @@ impl Worker {
                             self.staged.push(start..payload.end);
                         }
                         FrameKind::Ping => {
-                            let mut head = [0u8; 10];
-                            let head_len = server_header(0x8a, payload.len(), &mut head);
-                            let mut pong = head[..head_len].to_vec();
-                            pong.extend_from_slice(&work[payload]);
-                            self.push_output(key, &pong);
-                            self.flush(key);
+                            // Owed, not written here: one pong per leg at most, the latest
+                            // ping's, written once the staged frames are forwarded.
+                            self.turn_controls += 1;
+                            self.queue_control(key, ControlFrame::new(PONG, &work[payload]));
                         }
-                        FrameKind::Pong => {}
+                        FrameKind::Pong => self.turn_controls += 1,
                         FrameKind::Close { .. } => {
                             self.forward(key, work);
                             self.close_peer(key);
@@ -749,17 +954,11 @@ impl Worker {
                         Some(leg) => leg,
                         None => return,
                     };
-                    if !rest.is_empty() {
-                        let mut partial = Vec::with_capacity(if needed > READ_BUFFER_BYTES {
-                            needed
-                        } else {
-                            rest.len()
-                        });
-                        partial.extend_from_slice(rest);
-                        leg.partial = partial;
-                    }
+                    // Only what arrived is kept (a large frame then grows with its bytes).
+                    leg.partial = rest.to_vec();
                     leg.filled = rest.len();
                     leg.needed = needed;
+                    debug_assert!(needed > buffer_len || rest.len() < buffer_len);
                     break;
                 }
                 Parsed::Violation(violation) => {
@@ -811,8 +1010,9 @@ impl Worker {
     /// A closing leg: what the peer still sends is read and thrown away (so a client in the
     /// middle of a large write can finish it and read our close frame), until it closes.
     fn discard(&mut self, key: LegKey) {
-        if self.buf.len() != READ_BUFFER_BYTES {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_len = self.read_buffer_bytes();
+        if self.buf.len() != buffer_len {
+            self.buf = vec![0; buffer_len];
         }
         for _ in 0..READS_PER_TURN {
             let mut work = std::mem::take(&mut self.buf);
@@ -863,6 +1063,7 @@ impl Worker {
 
     fn fire(&mut self, key: LegKey, kind: TimerKind, now: u64) {
         let wedge_ms = self.timings.wedge_ms;
+        let idle_ms = self.timings.idle_ms;
         let Some(leg) = self.leg(key) else {
             return;
         };
@@ -885,7 +1086,40 @@ impl Worker {
                 }
                 self.wedged(key);
             }
+            TimerKind::Idle => {
+                if !leg.is_open() {
+                    leg.idle_armed = false;
+                    return;
+                }
+                match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
+                    IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
+                    IdleStep::Ping { then } => {
+                        leg.idle_pinged = true;
+                        self.timers.schedule(then, key, TimerKind::Idle);
+                        self.queue_control(key, ControlFrame::new(PING, IDLE_PING_PAYLOAD));
+                        self.flush(key);
+                    }
+                    IdleStep::Silent => self.silent(key),
+                }
+            }
         }
+    }
+
+    /// Nothing at all arrived on `key` for the idle window, not even the answer to the relay's
+    /// ping: it is gone (a phone that roamed away sends no FIN). It is closed 4408 and its
+    /// peer told (4408), which frees the pair's units and the phone's place.
+    fn silent(&mut self, key: LegKey) {
+        let idle_ms = self.timings.idle_ms;
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        log::info!(
+            "orca_relay_splice_idle conn={} kind={} idle_ms={idle_ms}",
+            leg.socket.id,
+            leg.kind,
+        );
+        self.close_peer(key);
+        self.close(key, CloseCode::PeerDropped, "silent", true);
     }
 
     /// `key` did not drain its output within the wedge window: it is dropped, and the leg
@@ -909,6 +1143,18 @@ impl Worker {
         }
         self.remove(key);
     }
+}
+
+/// Makes room in a large frame's buffer for `n` more bytes after `filled`: at least double
+/// what it holds (so growth costs amortised O(1) per byte), at most the frame's `needed`.
+/// Memory follows the bytes that arrived, never the length the header declared.
+fn grow_with_arrivals(partial: &mut Vec<u8>, filled: usize, n: usize, needed: usize) {
+    let want = filled + n;
+    if partial.capacity() >= want {
+        return;
+    }
+    let target = (partial.capacity() * 2).max(want).min(needed.max(want));
+    partial.reserve_exact(target - partial.len());
 }
 
 /// The staged list back, emptied, so its allocation is reused.
