@@ -61,6 +61,14 @@ fn budget_fleet() {
     campaign("budget_fleet");
 }
 
+/// The model-based property test of the splice worker (issue 18): random interleavings of
+/// data, fragments, pings, pongs, slow readers, closes and hang-ups on several pairs, through
+/// the real worker and real sockets, against RFC 6455 relaying.
+#[test]
+fn splice_worker_model() {
+    campaign("splice_worker_model");
+}
+
 #[test]
 fn every_target_has_a_test() {
     let source = include_str!("fuzz_properties.rs");

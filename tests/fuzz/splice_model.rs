@@ -1,0 +1,524 @@
+//! The model-based property test of the splice worker (issue 18).
+//!
+//! Random interleavings on a few pairs: data messages of random sizes (some larger than the
+//! worker's read buffer, some fragmented), pings and pongs from either end, a ping written in
+//! the same `write` as data, slow and stalled readers (small socket buffers, so the worker's
+//! writes are partial and hit `WouldBlock`, and its output bound is reached), closes and
+//! hang-ups. Everything goes to the real worker (`SplicePlane`, in this process) through real
+//! loopback sockets. The worker runs with a 4 KiB read buffer and an 8 KiB output bound, so
+//! backpressure and large frames come within a few KiB.
+//!
+//! The reference model is RFC 6455 relaying: what an endpoint receives is, per direction, the
+//! data frames its peer sent, once, in order, byte-exact (opcode, FIN bit and payload), unless
+//! it closed or hung up itself; then the close the relay documents (4408 when the peer left,
+//! an empty close acknowledging its own); pongs carry only payloads of pings it sent, in order,
+//! and the latest ping of an endpoint still open is answered.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{TestCaseError, TestRunner};
+
+use orca_relay::relay::frames::{encode_client_frame, FrameParser};
+use orca_relay::relay::socket::Socket;
+use orca_relay::relay::splice::{LegHandOff, Pair, SplicePlane, SpliceTimings};
+
+/// One thing an endpoint does.
+#[derive(Debug, Clone)]
+pub enum Act {
+    /// A data message in `fragments` frames of these sizes; `ping_at`: a ping written in the
+    /// same write, after that many fragments (between fragments is legal; after the last is
+    /// the "data + ping in one write" of the issue).
+    Send {
+        text: bool,
+        fragments: Vec<usize>,
+        ping_at: Option<usize>,
+    },
+    Ping,
+    Pong,
+    /// Reads at most this many bytes (a slow reader; 0 reads nothing).
+    Read(usize),
+    /// Waits this many microseconds (lets the worker run).
+    Pause(u16),
+    /// A close frame (1000); nothing is sent after it.
+    Close,
+    /// `shutdown(SHUT_WR)`: the end of the stream, no close frame.
+    HangUp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub pair: usize,
+    /// `true`: the desktop's data leg acts; `false`: the phone.
+    pub desktop: bool,
+    pub act: Act,
+}
+
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub pairs: usize,
+    pub steps: Vec<Step>,
+}
+
+fn size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        6 => 0usize..200,
+        3 => 200usize..3_000,
+        1 => 3_000usize..20_000,
+    ]
+}
+
+fn act() -> impl Strategy<Value = Act> {
+    prop_oneof![
+        8 => (any::<bool>(), prop::collection::vec(size(), 1..4), prop::option::of(0usize..4))
+            .prop_map(|(text, fragments, ping_at)| {
+                let ping_at = ping_at.map(|at| at.min(fragments.len()));
+                Act::Send { text, fragments, ping_at }
+            }),
+        2 => Just(Act::Ping),
+        1 => Just(Act::Pong),
+        6 => prop_oneof![0usize..64, 64usize..8_000].prop_map(Act::Read),
+        2 => (0u16..2_000).prop_map(Act::Pause),
+        1 => prop_oneof![Just(Act::Close), Just(Act::HangUp)],
+    ]
+}
+
+pub fn scenario() -> impl Strategy<Value = Scenario> {
+    (1usize..4).prop_flat_map(|pairs| {
+        let step = (0..pairs, any::<bool>(), act()).prop_map(|(pair, desktop, act)| Step {
+            pair,
+            desktop,
+            act,
+        });
+        prop::collection::vec(step, 1..48).prop_map(move |steps| Scenario { pairs, steps })
+    })
+}
+
+/// A frame as an endpoint receives it: the first header byte and the payload.
+type Frame = (u8, Vec<u8>);
+
+/// One client endpoint: its socket (non-blocking), what it still has to write, what it sent
+/// and what it received.
+struct End {
+    stream: TcpStream,
+    out: Vec<u8>,
+    out_at: usize,
+    write_failed: bool,
+    inbuf: Vec<u8>,
+    data: Vec<Frame>,
+    pongs: Vec<Vec<u8>>,
+    close: Option<Option<u16>>,
+    after_close: usize,
+    eof: bool,
+    sent: Vec<Frame>,
+    pings: Vec<Vec<u8>>,
+    /// Sent a close frame or hung up: it sends nothing more.
+    done_sending: bool,
+    next_ping: u32,
+}
+
+impl End {
+    fn new(stream: TcpStream) -> End {
+        End {
+            stream,
+            out: Vec::new(),
+            out_at: 0,
+            write_failed: false,
+            inbuf: Vec::new(),
+            data: Vec::new(),
+            pongs: Vec::new(),
+            close: None,
+            after_close: 0,
+            eof: false,
+            sent: Vec::new(),
+            pings: Vec::new(),
+            done_sending: false,
+            next_ping: 0,
+        }
+    }
+
+    fn frame(&mut self, first: u8, payload: &[u8]) {
+        encode_client_frame(first, payload, [0x11, 0x22, 0x33, 0x44], &mut self.out);
+    }
+
+    fn ping(&mut self, tag: u8) {
+        self.next_ping += 1;
+        let payload = format!("p{tag}-{}", self.next_ping).into_bytes();
+        self.frame(0x89, &payload);
+        self.pings.push(payload);
+    }
+
+    fn act(&mut self, act: &Act, tag: u8, counter: &mut u64) {
+        if self.done_sending {
+            if let Act::Read(n) = act {
+                self.read(*n);
+            }
+            return;
+        }
+        match act {
+            Act::Send {
+                text,
+                fragments,
+                ping_at,
+            } => {
+                let count = fragments.len();
+                for (index, &len) in fragments.iter().enumerate() {
+                    if *ping_at == Some(index) {
+                        self.ping(tag);
+                    }
+                    let opcode = match (index, text) {
+                        (0, true) => 0x01,
+                        (0, false) => 0x02,
+                        _ => 0x00,
+                    };
+                    let first = opcode | if index + 1 == count { 0x80 } else { 0 };
+                    *counter += 1;
+                    let payload = numbered(*counter, len);
+                    self.frame(first, &payload);
+                    self.sent.push((first, payload));
+                }
+                if *ping_at == Some(count) {
+                    self.ping(tag);
+                }
+            }
+            Act::Ping => self.ping(tag),
+            Act::Pong => self.frame(0x8a, b"unsolicited"),
+            Act::Read(n) => {
+                self.read(*n);
+            }
+            Act::Pause(micros) => {
+                orca_relay::clock::sleep(Duration::from_micros(u64::from(*micros)))
+            }
+            Act::Close => {
+                self.frame(0x88, &1000u16.to_be_bytes());
+                self.done_sending = true;
+            }
+            Act::HangUp => {
+                self.flush();
+                self.done_sending = true;
+                // What is still queued is lost with the hang-up.
+                if self.out_at < self.out.len() {
+                    self.forget_unsent();
+                }
+                let _ = self.stream.shutdown(Shutdown::Write);
+            }
+        }
+        self.flush();
+    }
+
+    /// Forgets the data frames not wholly written before a hang-up: the relay never sees them
+    /// whole (a frame cut by the end of the stream is not forwarded).
+    fn forget_unsent(&mut self) {
+        let mut at = 0;
+        let mut lost = 0;
+        while at < self.out.len() {
+            let (first, len) = client_frame_len(&self.out[at..]);
+            if at + len > self.out_at && first & 0x08 == 0 {
+                lost += 1;
+            }
+            at += len;
+        }
+        let keep = self.sent.len() - lost;
+        self.sent.truncate(keep);
+        self.out.clear();
+        self.out_at = 0;
+    }
+
+    fn flush(&mut self) {
+        while self.out_at < self.out.len() && !self.write_failed {
+            match (&self.stream).write(&self.out[self.out_at..]) {
+                Ok(0) => self.write_failed = true,
+                Ok(n) => self.out_at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => self.write_failed = true,
+            }
+        }
+        if self.out_at == self.out.len() {
+            self.out.clear();
+            self.out_at = 0;
+        }
+    }
+
+    /// Reads at most `limit` bytes now; returns how many.
+    fn read(&mut self, limit: usize) -> usize {
+        let mut total = 0;
+        let mut buf = [0u8; 16 * 1024];
+        while total < limit && !self.eof {
+            let want = (limit - total).min(buf.len());
+            match (&self.stream).read(&mut buf[..want]) {
+                Ok(0) => self.eof = true,
+                Ok(n) => {
+                    total += n;
+                    self.inbuf.extend_from_slice(&buf[..n]);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => self.eof = true,
+            }
+        }
+        self.parse();
+        total
+    }
+
+    fn parse(&mut self) {
+        loop {
+            let Some((first, payload, used)) = server_frame(&self.inbuf) else {
+                return;
+            };
+            self.inbuf.drain(..used);
+            if self.close.is_some() {
+                self.after_close += 1;
+                continue;
+            }
+            match first & 0x0f {
+                0x8 => {
+                    let code = (payload.len() >= 2).then(|| u16::from_be_bytes([payload[0], payload[1]]));
+                    self.close = Some(code);
+                }
+                0x9 => {}
+                0xa => self.pongs.push(payload),
+                _ => self.data.push((first, payload)),
+            }
+        }
+    }
+
+    /// It closed or hung up itself, or the relay ended its connection.
+    fn ended(&self) -> bool {
+        self.close.is_some() || self.eof
+    }
+}
+
+/// (first byte, total length) of a masked client frame we queued.
+fn client_frame_len(bytes: &[u8]) -> (u8, usize) {
+    let (head, len) = match bytes[1] & 0x7f {
+        126 => (4, u16::from_be_bytes([bytes[2], bytes[3]]) as usize),
+        127 => (10, u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize),
+        short => (2, short as usize),
+    };
+    (bytes[0], head + 4 + len)
+}
+
+/// One unmasked server frame at the front of `bytes`: (first byte, payload, bytes used).
+fn server_frame(bytes: &[u8]) -> Option<(u8, Vec<u8>, usize)> {
+    let second = *bytes.get(1)?;
+    let (head, len) = match second & 0x7f {
+        126 => (4, u16::from_be_bytes(bytes.get(2..4)?.try_into().ok()?) as usize),
+        127 => (10, u64::from_be_bytes(bytes.get(2..10)?.try_into().ok()?) as usize),
+        short => (2, short as usize),
+    };
+    let payload = bytes.get(head..head + len)?.to_vec();
+    Some((bytes[0], payload, head + len))
+}
+
+/// A payload that says which frame it is.
+fn numbered(seq: u64, len: usize) -> Vec<u8> {
+    let mut payload: Vec<u8> = (0..len).map(|i| (seq as usize + i) as u8).collect();
+    let tag = seq.to_be_bytes();
+    let n = len.min(8);
+    payload[..n].copy_from_slice(&tag[8 - n..]);
+    payload
+}
+
+fn set_buffer(stream: &TcpStream, option: libc::c_int, bytes: libc::c_int) {
+    // SAFETY: setsockopt reads one int from a pointer to a local.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+/// A connected pair of loopback sockets: (client end, relay end), both with small buffers.
+fn socket_pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
+    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (server, _) = listener.accept().unwrap();
+    set_buffer(&client, libc::SO_RCVBUF, 4096);
+    set_buffer(&client, libc::SO_SNDBUF, 8192);
+    set_buffer(&server, libc::SO_SNDBUF, 4096);
+    set_buffer(&server, libc::SO_RCVBUF, 8192);
+    client.set_nonblocking(true).unwrap();
+    (client, server)
+}
+
+/// The worker's settings in the model: sizes small enough that a few KiB reach every limit.
+pub fn model_timings() -> SpliceTimings {
+    SpliceTimings {
+        wedge_ms: 60_000,
+        linger_ms: 200,
+        idle_ms: 600_000,
+        output_bound: 8 * 1024,
+        read_buffer_bytes: 4 * 1024,
+    }
+}
+
+/// Runs `scenario` against a fresh worker; `Err` describes how the relay broke the model.
+pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
+    let plane = SplicePlane::start(
+        1,
+        model_timings(),
+        orca_relay::clock::system(),
+        orca_relay::relay::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
+    )
+    .map_err(|e| format!("start: {e}"))?;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    // ends[2 * pair] is the phone, ends[2 * pair + 1] the desktop's data leg.
+    let mut ends = Vec::new();
+    for pair in 0..scenario.pairs {
+        let (phone_client, phone_server) = socket_pair(&listener);
+        let (desktop_client, desktop_server) = socket_pair(&listener);
+        let leg = |id: u64, stream: TcpStream| LegHandOff {
+            socket: Socket::new_splice(id, stream),
+            buffered: Vec::new(),
+            parser: FrameParser::new(orca_relay::protocol::SPLICE_MAX_FRAME_BYTES),
+            release: Vec::new(),
+        };
+        let handed = plane.hand_off(Pair {
+            phone: leg(2 * pair as u64, phone_server),
+            host: leg(2 * pair as u64 + 1, desktop_server),
+            relay_host_id: Arc::from("model-host"),
+        });
+        if handed.is_err() {
+            return Err("hand-off refused".into());
+        }
+        ends.push(End::new(phone_client));
+        ends.push(End::new(desktop_client));
+    }
+    let mut counter = 0u64;
+    for step in &scenario.steps {
+        let index = 2 * step.pair + usize::from(step.desktop);
+        ends[index].act(&step.act, index as u8, &mut counter);
+        for end in ends.iter_mut() {
+            end.flush();
+        }
+    }
+    // Every endpoint now reads all it gets and writes all it has, until the model is met or
+    // nothing has moved for a while.
+    let deadline = orca_relay::clock::instant() + Duration::from_secs(10);
+    let mut quiet_since = orca_relay::clock::instant();
+    loop {
+        let mut moved = false;
+        for end in ends.iter_mut() {
+            let before = end.out.len() - end.out_at;
+            end.flush();
+            moved |= end.out.len() - end.out_at != before;
+            moved |= end.read(usize::MAX) > 0;
+        }
+        if moved {
+            quiet_since = orca_relay::clock::instant();
+        }
+        let verdict = check(&ends, false);
+        if verdict.is_ok() {
+            break;
+        }
+        let now = orca_relay::clock::instant();
+        if now >= deadline || now.duration_since(quiet_since) > Duration::from_secs(2) {
+            break;
+        }
+        orca_relay::clock::sleep(Duration::from_micros(200));
+    }
+    let verdict = check(&ends, true);
+    drop(ends);
+    plane.stop();
+    verdict
+}
+
+/// The model: `Ok` when every endpoint got what RFC 6455 relaying owes it. With `final_check`
+/// false, it only says whether the run may stop waiting (the same rules).
+fn check(ends: &[End], final_check: bool) -> Result<(), String> {
+    for (index, receiver) in ends.iter().enumerate() {
+        let sender = &ends[index ^ 1];
+        let who = format!(
+            "pair {} {}",
+            index / 2,
+            if index % 2 == 0 { "phone" } else { "desktop" }
+        );
+        if receiver.after_close > 0 {
+            return Err(format!("{who}: {} frames after the close", receiver.after_close));
+        }
+        // Data: a prefix of what the peer sent, byte-exact, in order, each once.
+        for (at, got) in receiver.data.iter().enumerate() {
+            match sender.sent.get(at) {
+                Some(sent) if sent == got => {}
+                Some(sent) => {
+                    return Err(format!(
+                        "{who}: frame {at} is 0x{:02x} len {} (tag {:?}), the peer sent 0x{:02x} len {} (tag {:?}); {} of {} received",
+                        got.0,
+                        got.1.len(),
+                        &got.1[..got.1.len().min(8)],
+                        sent.0,
+                        sent.1.len(),
+                        &sent.1[..sent.1.len().min(8)],
+                        receiver.data.len(),
+                        sender.sent.len()
+                    ))
+                }
+                None => return Err(format!("{who}: frame {at} was never sent")),
+            }
+        }
+        let closed_itself = receiver.done_sending;
+        // Everything, unless it closed or hung up itself (then the relay owes it nothing more).
+        if !closed_itself && receiver.data.len() < sender.sent.len() {
+            return Err(format!(
+                "{who}: {} of {} data frames arrived (close {:?}, eof {})",
+                receiver.data.len(),
+                sender.sent.len(),
+                receiver.close,
+                receiver.eof
+            ));
+        }
+        // The close: 4408 when the peer left first; an empty one acknowledging its own.
+        match receiver.close {
+            None | Some(Some(4408)) => {}
+            Some(None) if closed_itself => {}
+            Some(code) => return Err(format!("{who}: close {code:?}")),
+        }
+        if sender.done_sending && !closed_itself && receiver.close.is_none() && final_check {
+            return Err(format!("{who}: its peer left and it was never told (4408)"));
+        }
+        if sender.done_sending && !closed_itself && receiver.close.is_none() {
+            return Err(format!("{who}: waiting for the 4408"));
+        }
+        // Pongs: payloads of its own pings, in order; the latest ping answered while open.
+        let mut from = 0;
+        for pong in &receiver.pongs {
+            match receiver.pings[from..].iter().position(|ping| ping == pong) {
+                Some(at) => from += at + 1,
+                None => {
+                    return Err(format!(
+                        "{who}: pong {:?} answers no ping of its own after #{from}",
+                        String::from_utf8_lossy(pong)
+                    ))
+                }
+            }
+        }
+        if !receiver.ended() && !closed_itself && !receiver.write_failed {
+            if let Some(last) = receiver.pings.last() {
+                if receiver.pongs.last() != Some(last) {
+                    return Err(format!(
+                        "{who}: its latest ping {:?} was not answered ({} pongs for {} pings)",
+                        String::from_utf8_lossy(last),
+                        receiver.pongs.len(),
+                        receiver.pings.len()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The proptest target (`tests/fuzz/mod.rs` lists it).
+pub fn splice_worker_model(runner: &mut TestRunner) -> Result<(), String> {
+    super::check(runner, scenario(), |scenario| {
+        run_scenario(&scenario).map_err(TestCaseError::fail)
+    })
+}
