@@ -17,7 +17,8 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -101,19 +102,132 @@ pub fn scenario() -> impl Strategy<Value = Scenario> {
 /// A frame as an endpoint receives it: the first header byte and the payload.
 type Frame = (u8, Vec<u8>);
 
-/// One client endpoint: its socket (non-blocking), what it still has to write, what it sent
-/// and what it received.
-struct End {
-    stream: TcpStream,
-    out: Vec<u8>,
-    out_at: usize,
-    write_failed: bool,
+/// What an endpoint received, filled by its reader thread.
+#[derive(Default)]
+struct Received {
     inbuf: Vec<u8>,
     data: Vec<Frame>,
     pongs: Vec<Vec<u8>>,
     close: Option<Option<u16>>,
     after_close: usize,
     eof: bool,
+    /// Bytes read so far.
+    total: usize,
+}
+
+impl Received {
+    fn parse(&mut self) {
+        loop {
+            let Some((first, payload, used)) = server_frame(&self.inbuf) else {
+                return;
+            };
+            self.inbuf.drain(..used);
+            if self.close.is_some() {
+                self.after_close += 1;
+                continue;
+            }
+            match first & 0x0f {
+                0x8 => {
+                    let code = (payload.len() >= 2)
+                        .then(|| u16::from_be_bytes([payload[0], payload[1]]));
+                    self.close = Some(code);
+                }
+                0x9 => {}
+                0xa => self.pongs.push(payload),
+                _ => self.data.push((first, payload)),
+            }
+        }
+    }
+}
+
+/// An endpoint's reader: a thread that reads while it has budget, 1 KiB at a time, so that a
+/// slow reader frees room in its socket at any moment of the worker's loop, as a phone on a
+/// slow link does. `Act::Read` grants budget; the final phase grants all.
+struct Reader {
+    received: Arc<Mutex<Received>>,
+    budget: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reader {
+    fn start(stream: TcpStream) -> Reader {
+        let received: Arc<Mutex<Received>> = Arc::default();
+        let budget = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (received, budget, stop) = (received.clone(), budget.clone(), stop.clone());
+            orca_relay::threads::spawn("model-reader", move || {
+                let mut buf = [0u8; 256];
+                while !stop.load(Ordering::Acquire) {
+                    let allowed = budget.load(Ordering::Acquire).min(buf.len());
+                    if allowed == 0 {
+                        orca_relay::clock::sleep(Duration::from_micros(20));
+                        continue;
+                    }
+                    match (&stream).read(&mut buf[..allowed]) {
+                        Ok(0) => {
+                            received.lock().unwrap().eof = true;
+                            return;
+                        }
+                        Ok(n) => {
+                            budget.fetch_sub(n, Ordering::AcqRel);
+                            let mut received = received.lock().unwrap();
+                            received.inbuf.extend_from_slice(&buf[..n]);
+                            received.total += n;
+                            received.parse();
+                            drop(received);
+                            // A slow link: a few MB/s while there is budget, in small reads,
+                            // so room appears in its socket at any moment of the worker's loop.
+                            orca_relay::clock::sleep(Duration::from_micros(10));
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            orca_relay::clock::sleep(Duration::from_micros(50))
+                        }
+                        Err(_) => {
+                            received.lock().unwrap().eof = true;
+                            return;
+                        }
+                    }
+                }
+            })
+            .expect("spawn a model reader")
+        };
+        Reader {
+            received,
+            budget,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn grant(&self, bytes: usize) {
+        let _ = self
+            .budget
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                Some(b.saturating_add(bytes))
+            });
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One client endpoint: its socket (non-blocking), what it still has to write, what it sent,
+/// and its reader.
+struct End {
+    stream: TcpStream,
+    out: Vec<u8>,
+    out_at: usize,
+    write_failed: bool,
+    reader: Reader,
     sent: Vec<Frame>,
     pings: Vec<Vec<u8>>,
     /// Sent a close frame or hung up: it sends nothing more.
@@ -123,17 +237,13 @@ struct End {
 
 impl End {
     fn new(stream: TcpStream) -> End {
+        let reader = Reader::start(stream.try_clone().expect("clone a model socket"));
         End {
             stream,
             out: Vec::new(),
             out_at: 0,
             write_failed: false,
-            inbuf: Vec::new(),
-            data: Vec::new(),
-            pongs: Vec::new(),
-            close: None,
-            after_close: 0,
-            eof: false,
+            reader,
             sent: Vec::new(),
             pings: Vec::new(),
             done_sending: false,
@@ -153,10 +263,11 @@ impl End {
     }
 
     fn act(&mut self, act: &Act, tag: u8, counter: &mut u64) {
+        if let Act::Read(n) = act {
+            self.reader.grant(*n);
+            return;
+        }
         if self.done_sending {
-            if let Act::Read(n) = act {
-                self.read(*n);
-            }
             return;
         }
         match act {
@@ -187,9 +298,7 @@ impl End {
             }
             Act::Ping => self.ping(tag),
             Act::Pong => self.frame(0x8a, b"unsolicited"),
-            Act::Read(n) => {
-                self.read(*n);
-            }
+            Act::Read(_) => {}
             Act::Pause(micros) => {
                 orca_relay::clock::sleep(Duration::from_micros(u64::from(*micros)))
             }
@@ -242,54 +351,6 @@ impl End {
             self.out.clear();
             self.out_at = 0;
         }
-    }
-
-    /// Reads at most `limit` bytes now; returns how many.
-    fn read(&mut self, limit: usize) -> usize {
-        let mut total = 0;
-        let mut buf = [0u8; 16 * 1024];
-        while total < limit && !self.eof {
-            let want = (limit - total).min(buf.len());
-            match (&self.stream).read(&mut buf[..want]) {
-                Ok(0) => self.eof = true,
-                Ok(n) => {
-                    total += n;
-                    self.inbuf.extend_from_slice(&buf[..n]);
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => self.eof = true,
-            }
-        }
-        self.parse();
-        total
-    }
-
-    fn parse(&mut self) {
-        loop {
-            let Some((first, payload, used)) = server_frame(&self.inbuf) else {
-                return;
-            };
-            self.inbuf.drain(..used);
-            if self.close.is_some() {
-                self.after_close += 1;
-                continue;
-            }
-            match first & 0x0f {
-                0x8 => {
-                    let code = (payload.len() >= 2).then(|| u16::from_be_bytes([payload[0], payload[1]]));
-                    self.close = Some(code);
-                }
-                0x9 => {}
-                0xa => self.pongs.push(payload),
-                _ => self.data.push((first, payload)),
-            }
-        }
-    }
-
-    /// It closed or hung up itself, or the relay ended its connection.
-    fn ended(&self) -> bool {
-        self.close.is_some() || self.eof
     }
 }
 
@@ -402,30 +463,32 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
     }
     // Every endpoint now reads all it gets and writes all it has, until the model is met or
     // nothing has moved for a while.
+    for end in &ends {
+        end.reader.grant(usize::MAX);
+    }
     let deadline = orca_relay::clock::instant() + Duration::from_secs(10);
     let mut quiet_since = orca_relay::clock::instant();
-    loop {
-        let mut moved = false;
+    let mut last_progress = 0;
+    let verdict = loop {
         for end in ends.iter_mut() {
-            let before = end.out.len() - end.out_at;
             end.flush();
-            moved |= end.out.len() - end.out_at != before;
-            moved |= end.read(usize::MAX) > 0;
         }
-        if moved {
+        let progress: usize = ends
+            .iter()
+            .map(|end| end.reader.received.lock().unwrap().total + end.out_at)
+            .sum();
+        if progress != last_progress {
+            last_progress = progress;
             quiet_since = orca_relay::clock::instant();
         }
-        let verdict = check(&ends, false);
-        if verdict.is_ok() {
-            break;
-        }
         let now = orca_relay::clock::instant();
-        if now >= deadline || now.duration_since(quiet_since) > Duration::from_secs(2) {
-            break;
+        let give_up = now >= deadline || now.duration_since(quiet_since) > Duration::from_secs(2);
+        let verdict = check(&ends, give_up);
+        if verdict.is_ok() || give_up {
+            break verdict;
         }
-        orca_relay::clock::sleep(Duration::from_micros(200));
-    }
-    let verdict = check(&ends, true);
+        orca_relay::clock::sleep(Duration::from_micros(300));
+    };
     drop(ends);
     plane.stop();
     verdict
@@ -434,8 +497,10 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
 /// The model: `Ok` when every endpoint got what RFC 6455 relaying owes it. With `final_check`
 /// false, it only says whether the run may stop waiting (the same rules).
 fn check(ends: &[End], final_check: bool) -> Result<(), String> {
-    for (index, receiver) in ends.iter().enumerate() {
+    for (index, end) in ends.iter().enumerate() {
         let sender = &ends[index ^ 1];
+        let receiver = end.reader.received.lock().unwrap();
+        let (pings, done_sending, write_failed) = (&end.pings, end.done_sending, end.write_failed);
         let who = format!(
             "pair {} {}",
             index / 2,
@@ -464,7 +529,7 @@ fn check(ends: &[End], final_check: bool) -> Result<(), String> {
                 None => return Err(format!("{who}: frame {at} was never sent")),
             }
         }
-        let closed_itself = receiver.done_sending;
+        let closed_itself = done_sending;
         // Everything, unless it closed or hung up itself (then the relay owes it nothing more).
         if !closed_itself && receiver.data.len() < sender.sent.len() {
             return Err(format!(
@@ -490,7 +555,7 @@ fn check(ends: &[End], final_check: bool) -> Result<(), String> {
         // Pongs: payloads of its own pings, in order; the latest ping answered while open.
         let mut from = 0;
         for pong in &receiver.pongs {
-            match receiver.pings[from..].iter().position(|ping| ping == pong) {
+            match pings[from..].iter().position(|ping| ping == pong) {
                 Some(at) => from += at + 1,
                 None => {
                     return Err(format!(
@@ -500,14 +565,15 @@ fn check(ends: &[End], final_check: bool) -> Result<(), String> {
                 }
             }
         }
-        if !receiver.ended() && !closed_itself && !receiver.write_failed {
-            if let Some(last) = receiver.pings.last() {
+        let ended = receiver.close.is_some() || receiver.eof;
+        if !ended && !closed_itself && !write_failed {
+            if let Some(last) = pings.last() {
                 if receiver.pongs.last() != Some(last) {
                     return Err(format!(
                         "{who}: its latest ping {:?} was not answered ({} pongs for {} pings)",
                         String::from_utf8_lossy(last),
                         receiver.pongs.len(),
-                        receiver.pings.len()
+                        pings.len()
                     ));
                 }
             }
@@ -521,4 +587,39 @@ pub fn splice_worker_model(runner: &mut TestRunner) -> Result<(), String> {
     super::check(runner, scenario(), |scenario| {
         run_scenario(&scenario).map_err(TestCaseError::fail)
     })
+}
+
+/// The reproduction as a fixed scenario: a desktop streams to a slowly reading phone
+/// that sends text and a ping in one write, again and again.
+pub fn ping_after_data_under_backpressure() -> Scenario {
+    let mut steps = Vec::new();
+    let step = |desktop, act| Step {
+        pair: 0,
+        desktop,
+        act,
+    };
+    steps.push(step(false, Act::Read(400_000)));
+    for round in 0..40u16 {
+        steps.push(step(
+            true,
+            Act::Send {
+                text: false,
+                fragments: vec![3_000, 3_000, 3_000],
+                ping_at: None,
+            },
+        ));
+        // The phone's write lands while its reader is at work, at a different moment each
+        // round.
+        steps.push(step(false, Act::Pause(round * 10 % 400)));
+        steps.push(step(
+            false,
+            Act::Send {
+                text: true,
+                fragments: vec![20],
+                ping_at: Some(1),
+            },
+        ));
+        steps.push(step(false, Act::Pause(200)));
+    }
+    Scenario { pairs: 1, steps }
 }

@@ -50,8 +50,10 @@ pub struct Leg {
     /// Control frames the relay owes this leg's socket (a pong, its idle ping); allocated only
     /// while one is owed.
     pub controls: Option<Box<Controls>>,
-    /// `partial` holds whole frames not parsed yet (the turn's control-frame budget ran out).
+    /// `partial[parse_from..filled]` holds frames not parsed yet (the turn's control-frame
+    /// budget ran out): they are parsed, from where the parsing stopped, before the next read.
     pub unparsed: bool,
+    pub parse_from: usize,
     /// When bytes last arrived on this leg (anything: data, ping, pong), for the idle timeout.
     pub last_arrival_ms: u64,
     pub idle_armed: bool,

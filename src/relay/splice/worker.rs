@@ -433,6 +433,7 @@ impl Worker {
             output: Output::default(),
             controls: None,
             unparsed: false,
+            parse_from: 0,
             last_arrival_ms: self.now(),
             idle_armed: false,
             idle_pinged: false,
@@ -764,12 +765,14 @@ impl Worker {
             return false;
         };
         if leg.unparsed {
-            // Whole frames left from the last turn: parsed before anything more is read.
+            // Frames left from the last turn: parsed, from where it stopped, before anything
+            // more is read.
             leg.unparsed = false;
-            let mut work = std::mem::take(&mut leg.partial);
+            let from = std::mem::take(&mut leg.parse_from);
+            let work = std::mem::take(&mut leg.partial);
             let filled = std::mem::take(&mut leg.filled);
             leg.needed = 0;
-            self.process(key, &mut work[..filled]);
+            self.process_own(key, work, filled, from);
             return true;
         }
         if leg.needed > buffer_len {
@@ -800,10 +803,10 @@ impl Worker {
                         // A short read drained the socket: the next bytes bring a new edge.
                         return n == want || hangup;
                     }
-                    let mut work = std::mem::take(&mut leg.partial);
+                    let work = std::mem::take(&mut leg.partial);
                     leg.filled = 0;
                     leg.needed = 0;
-                    self.process(key, &mut work[..needed]);
+                    self.process_own(key, work, needed, 0);
                     return true;
                 }
                 ReadOutcome::WouldBlock => false,
@@ -832,7 +835,9 @@ impl Worker {
                     leg.filled = 0;
                     leg.needed = 0;
                     self.arrived(key);
-                    self.process(key, &mut work[..have + n]);
+                    if let Some(at) = self.process(key, &mut work[..have + n], 0) {
+                        self.keep_unparsed(key, work[at..have + n].to_vec(), 0);
+                    }
                     // A read shorter than the space drained the socket (as nginx assumes):
                     // bytes that arrive later bring a new edge, so the read that would only
                     // say `WouldBlock` is saved. Not once the peer has hung up: its end of
@@ -861,28 +866,56 @@ impl Worker {
             leg.partial = Vec::new();
             return;
         }
-        let mut work = std::mem::take(&mut leg.partial);
+        let work = std::mem::take(&mut leg.partial);
         let filled = leg.filled;
         leg.filled = 0;
-        self.process(key, &mut work[..filled]);
+        self.process_own(key, work, filled, 0);
+    }
+
+    /// Processes `work[from..filled]`, a buffer of the leg's own; what the control budget left
+    /// unparsed stays in it (no copy).
+    fn process_own(&mut self, key: LegKey, mut work: Vec<u8>, filled: usize, from: usize) {
+        if let Some(at) = self.process(key, &mut work[..filled], from) {
+            work.truncate(filled);
+            self.keep_unparsed(key, work, at);
+        }
+    }
+
+    /// The turn's control budget ran out at `bytes[from..]`: those frames wait, unparsed, for
+    /// the leg's next turn (behind the other ready legs). They arrived: the memory is theirs.
+    fn keep_unparsed(&mut self, key: LegKey, bytes: Vec<u8>, from: usize) {
+        if let Some(leg) = self.leg(key) {
+            if leg.is_open() && from < bytes.len() {
+                leg.filled = bytes.len();
+                leg.partial = bytes;
+                leg.parse_from = from;
+                leg.needed = 0;
+                leg.unparsed = true;
+            }
+        }
     }
 
     /// Handles whole frames at the front of `work` (until the turn's control budget runs out);
     /// keeps the rest as the leg's partial frame (or unparsed frames). The data frames are
     /// forwarded first, then the pong owed (if any) is written.
-    fn process(&mut self, key: LegKey, work: &mut [u8]) {
+    ///
+    /// Starts at `from`; returns where it stopped when the control budget ran out (the caller
+    /// keeps `work[at..]` unparsed).
+    fn process(&mut self, key: LegKey, work: &mut [u8], from: usize) -> Option<usize> {
         debug_assert!(!self.processing, "a handler re-entered another's");
         self.processing = true;
-        self.process_frames(key, work);
+        let stopped = self.process_frames(key, work, from);
         self.processing = false;
         if self.leg(key).is_some_and(|leg| leg.controls.is_some()) {
             self.flush(key);
         }
+        stopped
     }
 
-    fn process_frames(&mut self, key: LegKey, work: &mut [u8]) {
+    fn process_frames(&mut self, key: LegKey, work: &mut [u8], from: usize) -> Option<usize> {
         let buffer_len = self.read_buffer_bytes();
-        let mut at = 0;
+        let mut at = from;
+        let mut stopped = None;
         let mut frames = 0u64;
         let mut bytes = 0u64;
         self.staged.clear();
@@ -890,18 +923,14 @@ impl Worker {
             let budget_spent = self.turn_controls >= CONTROL_FRAMES_PER_TURN;
             let Some(leg) = self.leg(key) else {
                 self.staged.clear();
-                return;
+                return None;
             };
             if !leg.is_open() {
                 break;
             }
             if budget_spent && at < work.len() {
-                // The turn's budget is spent: the rest waits, unparsed, for the leg's next turn
-                // (behind the other ready legs). Those bytes arrived: the memory is theirs.
-                leg.partial = work[at..].to_vec();
-                leg.filled = work.len() - at;
-                leg.needed = 0;
-                leg.unparsed = true;
+                // The turn's budget is spent: the rest waits for the leg's next turn.
+                stopped = Some(at);
                 break;
             }
             match leg.parser.parse(&mut work[at..]) {
@@ -944,7 +973,7 @@ impl Worker {
                                 }
                             }
                             self.count(key, frames, bytes);
-                            return;
+                            return None;
                         }
                     }
                 }
@@ -952,7 +981,7 @@ impl Worker {
                     let rest = &work[at..];
                     let leg = match self.leg(key) {
                         Some(leg) => leg,
-                        None => return,
+                        None => return None,
                     };
                     // Only what arrived is kept (a large frame then grows with its bytes).
                     leg.partial = rest.to_vec();
@@ -965,7 +994,7 @@ impl Worker {
                     self.forward(key, work);
                     let (id, kind) = match self.leg(key) {
                         Some(leg) => (leg.socket.id, leg.kind),
-                        None => return,
+                        None => return None,
                     };
                     log::info!(
                         "orca_relay_splice_protocol_violation conn={id} rule={} kind={kind}",
@@ -975,12 +1004,13 @@ impl Worker {
                     self.close(key, code, violation.name(), true);
                     self.close_peer(key);
                     self.count(key, frames, bytes);
-                    return;
+                    return None;
                 }
             }
         }
         self.forward(key, work);
         self.count(key, frames, bytes);
+        stopped
     }
 
     fn count(&mut self, key: LegKey, frames: u64, bytes: u64) {
