@@ -123,10 +123,13 @@ pub fn serve(
         parser,
         release,
     };
+    let cell = context.cell.clone();
+    let host_id = relay_host_id.to_string();
     let pair = Pair {
         phone,
         host,
         relay_host_id: relay_host_id.into(),
+        host_present: Box::new(move || cell.control(&host_id).is_some()),
     };
     match context.splice.hand_off(pair) {
         Ok(()) => Served::HandedOff,

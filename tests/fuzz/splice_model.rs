@@ -446,6 +446,7 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
             phone: leg(2 * pair as u64, phone_server),
             host: leg(2 * pair as u64 + 1, desktop_server),
             relay_host_id: Arc::from("model-host"),
+            host_present: Box::new(|| true),
         });
         if handed.is_err() {
             return Err("hand-off refused".into());

@@ -64,6 +64,10 @@ pub struct Pair {
     pub host: LegHandOff,
     /// The desktop the pair belongs to: the pair is closed when its control leaves.
     pub relay_host_id: Arc<str>,
+    /// Whether that desktop's control is still here, asked once the worker holds the pair: a
+    /// control that left while the pair was on its way (its [`SplicePlane::close_host`] came
+    /// first) is seen, since it is unseated before the close is sent.
+    pub host_present: Box<dyn Fn() -> bool + Send>,
 }
 
 /// What a worker is told.

@@ -359,7 +359,7 @@ impl Worker {
         let phone = self.make_leg(phone_key, pair.phone, "phone", pair.relay_host_id.clone());
         self.slots[phone_key.slot as usize] = Some(phone);
         let host_key = self.allocate();
-        let host = self.make_leg(host_key, pair.host, "data", pair.relay_host_id);
+        let host = self.make_leg(host_key, pair.host, "data", pair.relay_host_id.clone());
         self.slots[host_key.slot as usize] = Some(host);
         for (key, peer) in [(phone_key, host_key), (host_key, phone_key)] {
             if let Some(leg) = self.leg(key) {
@@ -393,6 +393,13 @@ impl Worker {
             for key in [phone_key, host_key] {
                 self.close(key, CloseCode::LimitExceeded, "internal error", false);
                 self.remove(key);
+            }
+            return;
+        }
+        if !(pair.host_present)() {
+            // The desktop left while the pair was on its way here.
+            for key in [phone_key, host_key] {
+                self.close(key, CloseCode::PeerDropped, "host left", true);
             }
             return;
         }
