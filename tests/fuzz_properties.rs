@@ -92,3 +92,4 @@ fn every_target_has_a_test() {
         );
     }
 }
+

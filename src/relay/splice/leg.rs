@@ -33,6 +33,15 @@ pub struct LegCounters {
     pub frames: Counter,
 }
 
+/// A frame forwarded as its payload arrives (see [`Leg::stream_in`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StreamIn {
+    pub left: usize,
+    pub mask: [u8; 4],
+    /// Payload bytes already forwarded (for the mask's phase).
+    pub offset: usize,
+}
+
 pub struct Leg {
     pub key: LegKey,
     pub socket: Arc<Socket>,
@@ -47,6 +56,11 @@ pub struct Leg {
     pub needed: usize,
     /// Bytes queued for this leg's socket.
     pub output: Output,
+    /// Where the socket is in the frames written to it.
+    pub cursor: FrameCursor,
+    /// A frame this leg is sending whose payload is forwarded as it arrives (it is larger than
+    /// the worker's read buffer): the payload bytes still to come and how to unmask them.
+    pub stream_in: Option<StreamIn>,
     /// Control frames the relay owes this leg's socket (a pong, its idle ping); allocated only
     /// while one is owed.
     pub controls: Option<Box<Controls>>,
@@ -163,28 +177,83 @@ impl Controls {
     }
 }
 
-/// Bytes waiting for a socket: one vector and a read position, and where the next frame
-/// begins, so that a control frame can be put on the wire between two frames (never inside
-/// one). Every byte pushed is part of a whole server frame, so the frame boundaries can be
-/// found by reading our own headers. Empty means no allocation.
+/// Where a leg's socket is in the stream of server frames the relay writes to it: how many
+/// bytes are left of the frame being written, or the header bytes seen so far. Every byte
+/// written to the socket (frames forwarded, streamed payload, close frames) passes through it,
+/// so a control frame is put on the wire only between two frames, never inside one (a frame
+/// streamed as its payload arrives may be open for a while).
+#[derive(Debug, Default, Clone)]
+pub struct FrameCursor {
+    /// Bytes left of the current frame's payload (and, while `have` is 0, nothing else).
+    left: u64,
+    /// The header being written, when it is cut between two writes.
+    head: [u8; 10],
+    have: u8,
+}
+
+impl FrameCursor {
+    pub fn at_boundary(&self) -> bool {
+        self.left == 0 && self.have == 0
+    }
+
+    /// At most how many bytes may be written before the next boundary (at least 1 when not at
+    /// a boundary).
+    fn to_boundary(&self) -> usize {
+        if self.have == 0 {
+            usize::try_from(self.left).unwrap_or(usize::MAX)
+        } else {
+            // The rest of the header first (its length is then known).
+            let need = match self.head[1] & 0x7f {
+                126 => 4,
+                127 => 10,
+                _ => 2,
+            };
+            if self.have >= 2 {
+                usize::from(need - self.have.min(need)).max(1)
+            } else {
+                1
+            }
+        }
+    }
+
+    /// `bytes` went out, in order.
+    pub fn consume(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left > 0 {
+                let k = (self.left.min(bytes.len() as u64)) as usize;
+                self.left -= k as u64;
+                bytes = &bytes[k..];
+                continue;
+            }
+            self.head[self.have as usize] = bytes[0];
+            self.have += 1;
+            bytes = &bytes[1..];
+            if self.have < 2 {
+                continue;
+            }
+            let need = match self.head[1] & 0x7f {
+                126 => 4,
+                127 => 10,
+                _ => 2,
+            };
+            if self.have < need {
+                continue;
+            }
+            self.left = match need {
+                4 => u64::from(u16::from_be_bytes([self.head[2], self.head[3]])),
+                10 => u64::from_be_bytes(self.head[2..10].try_into().unwrap_or([0; 8])),
+                _ => u64::from(self.head[1] & 0x7f),
+            };
+            self.have = 0;
+        }
+    }
+}
+
+/// Bytes waiting for a socket: one vector and a read position. Empty means no allocation.
 #[derive(Debug, Default)]
 pub struct Output {
     bytes: Vec<u8>,
     start: usize,
-    /// The first frame boundary at or after `start` (an index into `bytes`).
-    boundary: usize,
-}
-
-/// The length of the unmasked server frame whose header starts `bytes` (RFC 6455 §5.2).
-/// `None` when the header is not all there (never for a frame we queued whole).
-fn server_frame_len(bytes: &[u8]) -> Option<usize> {
-    let second = *bytes.get(1)?;
-    let (head, len) = match second & 0x7f {
-        126 => (4, u64::from(u16::from_be_bytes(bytes.get(2..4)?.try_into().ok()?))),
-        127 => (10, u64::from_be_bytes(bytes.get(2..10)?.try_into().ok()?)),
-        short => (2, u64::from(short)),
-    };
-    usize::try_from(len).ok().map(|len| head + len)
 }
 
 impl Output {
@@ -196,52 +265,28 @@ impl Output {
         self.len() == 0
     }
 
-    /// Queues whole frames.
     pub fn push(&mut self, bytes: &[u8]) {
-        self.push_after(bytes, 0);
-    }
-
-    /// Queues `bytes`, whose first frame boundary is `first_boundary` bytes in (the rest of a
-    /// frame whose start the socket already took, then whole frames).
-    pub fn push_after(&mut self, bytes: &[u8], first_boundary: usize) {
         if self.is_empty() {
             self.bytes.clear();
             self.start = 0;
-            self.boundary = first_boundary;
         } else if self.start > 0 && self.start >= self.bytes.len() / 2 {
             self.bytes.drain(..self.start);
-            self.boundary -= self.start;
             self.start = 0;
         }
         self.bytes.extend_from_slice(bytes);
     }
 
-    /// The socket took `n` more bytes: moves the read position and the next boundary.
-    fn advance(&mut self, n: usize) {
-        self.start += n;
-        while self.boundary < self.start {
-            match server_frame_len(&self.bytes[self.boundary..]) {
-                Some(len) if len > 0 => self.boundary += len,
-                // Not reached: every queued frame is whole. Stop looking for boundaries (no
-                // control frame goes out until the output is empty).
-                _ => {
-                    self.boundary = usize::MAX;
-                    break;
-                }
-            }
-        }
-    }
-
-    fn at_boundary(&self) -> bool {
-        self.is_empty() || self.boundary == self.start
-    }
-
     /// Writes as much as the socket takes now, with `controls` put on the wire at the first
-    /// frame boundary; `EINTR` is retried, `WouldBlock` ends it.
-    pub fn flush(&mut self, stream: &TcpStream, controls: &mut Controls) -> Flushed {
+    /// frame boundary (`cursor`); `EINTR` is retried, `WouldBlock` ends it.
+    pub fn flush(
+        &mut self,
+        stream: &TcpStream,
+        controls: &mut Controls,
+        cursor: &mut FrameCursor,
+    ) -> Flushed {
         let mut progressed = false;
         let mut stream = stream;
-        let blocked = loop {
+        loop {
             if let Some(control) = &mut controls.in_flight {
                 match stream.write(control.rest()) {
                     Ok(0) => return Flushed::Failed,
@@ -254,45 +299,44 @@ impl Output {
                         controls.in_flight = None;
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break true,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(_) => return Flushed::Failed,
                 }
             }
-            if controls.next.is_some() && self.at_boundary() {
+            if controls.next.is_some() && cursor.at_boundary() {
                 controls.in_flight = controls.next.take();
                 continue;
             }
             if self.is_empty() {
-                break false;
+                break;
             }
             // With a control frame waiting, only up to the next boundary.
             let end = if controls.next.is_some() {
-                self.boundary.min(self.bytes.len())
+                self.start + cursor.to_boundary().min(self.len())
             } else {
                 self.bytes.len()
             };
             match stream.write(&self.bytes[self.start..end]) {
                 Ok(0) => return Flushed::Failed,
                 Ok(n) => {
-                    self.advance(n);
+                    cursor.consume(&self.bytes[self.start..self.start + n]);
+                    self.start += n;
                     progressed = true;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(_) => return Flushed::Failed,
             }
-        };
+        }
         let empty = self.is_empty() && controls.is_empty();
         if self.is_empty() {
             // An idle leg keeps no buffer.
             self.bytes = Vec::new();
             self.start = 0;
-            self.boundary = 0;
         }
         if progressed || empty {
             Flushed::Progress { empty }
         } else {
-            debug_assert!(blocked);
             Flushed::Blocked
         }
     }
@@ -486,33 +530,30 @@ mod tests {
     }
 
     #[test]
-    fn output_finds_the_frame_boundaries_of_what_it_queued() {
+    fn the_cursor_finds_frame_boundaries_however_the_writes_cut_them() {
         let mut frames = Vec::new();
         let mut head = [0u8; 10];
-        for len in [3usize, 200, 70_000] {
+        for len in [3usize, 0, 200, 70_000, 125] {
             let n = server_header(0x82, len, &mut head);
             frames.extend_from_slice(&head[..n]);
             frames.extend(std::iter::repeat_n(7u8, len));
         }
-        let mut output = Output::default();
-        output.push(&frames);
-        assert!(output.at_boundary());
-        output.advance(1);
-        assert_eq!(output.boundary, 5);
-        output.advance(4);
-        assert!(output.at_boundary());
-        output.advance(100);
-        assert_eq!(output.boundary, 5 + 204);
-        output.advance(104);
-        assert!(output.at_boundary());
-        output.advance(10);
-        assert_eq!(output.boundary, frames.len());
-        // The rest of a frame the socket began, then whole frames.
-        let mut output = Output::default();
-        output.push_after(&frames[2..], 3);
-        assert_eq!(output.boundary, 3);
-        assert!(!output.at_boundary());
-        output.advance(3);
-        assert!(output.at_boundary());
+        let ends = [5usize, 7, 211, 211 + 70_010, 211 + 70_010 + 127];
+        for cut in [1usize, 2, 3, 7, 100, 4096, 100_000] {
+            let mut cursor = FrameCursor::default();
+            let mut at = 0;
+            while at < frames.len() {
+                let next = (at + cut).min(frames.len());
+                cursor.consume(&frames[at..next]);
+                at = next;
+                assert_eq!(cursor.at_boundary(), ends.contains(&at), "cut {cut} at {at}");
+            }
+        }
+        // Bytes to the boundary: the rest of the payload, or of a header cut in two.
+        let mut cursor = FrameCursor::default();
+        cursor.consume(&frames[7..9]);
+        assert_eq!(cursor.to_boundary(), 2);
+        cursor.consume(&frames[9..11]);
+        assert_eq!(cursor.to_boundary(), 200);
     }
 }

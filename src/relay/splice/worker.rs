@@ -50,13 +50,13 @@ use tungstenite::protocol::frame::coding::OpCode;
 
 use super::leg::{
     close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
-    Flushed, Leg, LegCounters, LegState, Output, ReadOutcome,
+    FrameCursor, Flushed, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
 use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
-use crate::relay::frames::{FrameKind, Parsed};
+use crate::relay::frames::{unmask_at, FrameKind, Parsed};
 use crate::relay::RelayMetrics;
 
 const WAKER: Token = Token(usize::MAX);
@@ -438,6 +438,8 @@ impl Worker {
             filled,
             needed: 0,
             output: Output::default(),
+            cursor: FrameCursor::default(),
+            stream_in: None,
             controls: None,
             unparsed: false,
             parse_from: 0,
@@ -496,6 +498,27 @@ impl Worker {
         leg.partial = Vec::new();
         leg.filled = 0;
         leg.needed = 0;
+        leg.unparsed = false;
+        let peer = leg.peer;
+        if leg.stream_in.take().is_some() {
+            // It was in the middle of a frame to its peer, which can never be finished: the
+            // peer's connection is dropped (no close frame may follow half a frame).
+            if let Some(peer) = peer {
+                if let Some(p) = self.leg(peer) {
+                    if p.is_open() {
+                        self.metrics.close(CloseCode::PeerDropped);
+                    }
+                }
+                self.remove(peer);
+            }
+        }
+        if peer.is_some_and(|peer| self.leg(peer).is_some_and(|p| p.stream_in.is_some())) {
+            // Its peer was in the middle of a frame to it (a large frame forwarded as it
+            // arrives): nothing, not even a close frame, may follow half a frame. The
+            // connection is dropped.
+            self.metrics.close(code);
+            return self.remove(key);
+        }
         self.push_output(key, &close_frame(Some(code.code()), reason));
         self.metrics.close(code);
         self.flush(key);
@@ -515,12 +538,6 @@ impl Worker {
     }
 
     fn push_output(&mut self, key: LegKey, bytes: &[u8]) {
-        self.push_output_after(key, bytes, 0);
-    }
-
-    /// Queues `bytes` for `key`'s socket; `first_boundary`: where the first whole frame begins
-    /// in them (the rest of a frame the socket already began comes before it).
-    fn push_output_after(&mut self, key: LegKey, bytes: &[u8], first_boundary: usize) {
         let now = self.now();
         let wedge_ms = self.timings.wedge_ms;
         let Some(leg) = self.leg(key) else {
@@ -529,7 +546,7 @@ impl Worker {
         if leg.output.is_empty() {
             leg.last_progress_ms = now;
         }
-        leg.output.push_after(bytes, first_boundary);
+        leg.output.push(bytes);
         if !leg.wedge_armed {
             leg.wedge_armed = true;
             let due = wedge_due(leg.last_progress_ms, wedge_ms);
@@ -564,10 +581,14 @@ impl Worker {
             return;
         }
         let flushed = match leg.controls.as_deref_mut() {
-            Some(controls) => leg.output.flush(leg.socket.stream(), controls),
-            None => leg
+            Some(controls) => leg
                 .output
-                .flush(leg.socket.stream(), &mut Controls::default()),
+                .flush(leg.socket.stream(), controls, &mut leg.cursor),
+            None => leg.output.flush(
+                leg.socket.stream(),
+                &mut Controls::default(),
+                &mut leg.cursor,
+            ),
         };
         if leg.controls.as_ref().is_some_and(|controls| controls.is_empty()) {
             leg.controls = None;
@@ -631,7 +652,6 @@ impl Worker {
         let peer = peer.filter(|peer| self.slots_open(*peer));
         let mut failed = false;
         let mut rest = Vec::new();
-        let mut first_boundary = 0;
         let mut owes_control = false;
         if let Some(peer) = peer {
             let now = self.now();
@@ -662,6 +682,15 @@ impl Worker {
                             if n > 0 {
                                 leg.last_progress_ms = now;
                             }
+                            let mut left = n;
+                            for slice in slices {
+                                let k = left.min(slice.len());
+                                leg.cursor.consume(&slice[..k]);
+                                left -= k;
+                                if left == 0 {
+                                    break;
+                                }
+                            }
                         }
                         Err(_) => failed = true,
                     }
@@ -674,10 +703,6 @@ impl Worker {
                         skip -= slice.len();
                         continue;
                     }
-                    if rest.is_empty() && skip > 0 {
-                        // The socket took the start of this frame: the next boundary is at its end.
-                        first_boundary = slice.len() - skip;
-                    }
                     rest.extend_from_slice(&slice[skip..]);
                     skip = 0;
                 }
@@ -689,7 +714,7 @@ impl Worker {
                 // The peer's connection failed: it is gone, and this leg is told (4408).
                 self.gone(peer);
             } else if !rest.is_empty() {
-                self.push_output_after(peer, &rest, first_boundary);
+                self.push_output(peer, &rest);
                 if owes_control {
                     self.flush(peer);
                 }
@@ -782,48 +807,42 @@ impl Worker {
             self.process_own(key, work, filled, from);
             return true;
         }
-        if leg.needed > buffer_len {
-            // A frame larger than the shared buffer grows in the leg's own partial buffer with
-            // the bytes that arrive (never with the length its header declares: a 14-byte
-            // header must not cost 8 MiB), and is given back once forwarded.
-            let needed = leg.needed;
+        if let Some(stream) = leg.stream_in {
+            // The payload of a large frame: forwarded as it arrives, unmasked in place; what
+            // follows it in the same read is parsed as usual.
             let hangup = leg.hangup_seen;
-            let want = (needed - leg.filled).min(buffer_len);
-            let mut chunk = std::mem::take(&mut self.buf);
+            let mut work = std::mem::take(&mut self.buf);
             let Some(leg) = self.leg(key) else {
-                self.buf = chunk;
+                self.buf = work;
                 return false;
             };
-            let outcome = read_once(leg.socket.stream(), &mut chunk[..want]);
+            let outcome = read_once(leg.socket.stream(), &mut work);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
-                    grow_with_arrivals(&mut leg.partial, leg.filled, n, needed);
-                    leg.partial.truncate(leg.filled);
-                    leg.partial.extend_from_slice(&chunk[..n]);
-                    leg.filled += n;
-                    self.buf = chunk;
+                    let k = stream.left.min(n);
+                    unmask_at(&mut work[..k], stream.mask, stream.offset);
+                    leg.stream_in = (k < stream.left).then_some(StreamIn {
+                        left: stream.left - k,
+                        offset: stream.offset + k,
+                        ..stream
+                    });
                     self.arrived(key);
-                    let Some(leg) = self.leg(key) else {
-                        return false;
-                    };
-                    if leg.filled < needed {
-                        // A short read drained the socket: the next bytes bring a new edge.
-                        return n == want || hangup;
+                    self.staged.clear();
+                    self.staged.push(0..k);
+                    self.count_bytes(key, k as u64);
+                    if let Some(at) = self.process(key, &mut work[..n], k) {
+                        self.keep_unparsed(key, work[at..n].to_vec(), 0);
                     }
-                    let work = std::mem::take(&mut leg.partial);
-                    leg.filled = 0;
-                    leg.needed = 0;
-                    self.process_own(key, work, needed, 0);
-                    return true;
+                    n == work.len() || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
-                    self.buf = chunk;
+                    self.buf = work;
                     self.gone(key);
                     return false;
                 }
             };
-            self.buf = chunk;
+            self.buf = work;
             more
         } else {
             let have = leg.filled;
@@ -925,7 +944,7 @@ impl Worker {
         let mut stopped = None;
         let mut frames = 0u64;
         let mut bytes = 0u64;
-        self.staged.clear();
+        // `staged` may already hold the payload of a frame streamed in this read.
         loop {
             let budget_spent = self.turn_controls >= CONTROL_FRAMES_PER_TURN;
             let Some(leg) = self.leg(key) else {
@@ -985,16 +1004,38 @@ impl Worker {
                     }
                 }
                 Parsed::Incomplete { needed } => {
-                    let rest = &work[at..];
                     let leg = match self.leg(key) {
                         Some(leg) => leg,
                         None => return None,
                     };
-                    // Only what arrived is kept (a large frame then grows with its bytes).
+                    if needed > buffer_len {
+                        if let Some(start) = leg.parser.begin_stream(&work[at..]) {
+                            // Larger than the read buffer: its header goes to the peer now
+                            // and its payload as it arrives (memory follows the bytes that
+                            // arrived, never the length the header declares).
+                            let payload_start = at + start.header_len;
+                            let have = work.len() - payload_start;
+                            unmask_at(&mut work[payload_start..], start.mask, 0);
+                            let mut head = [0u8; 10];
+                            let head_len = server_header(start.first, start.payload_len, &mut head);
+                            let frame_start = payload_start - head_len;
+                            work[frame_start..payload_start].copy_from_slice(&head[..head_len]);
+                            leg.stream_in = Some(StreamIn {
+                                left: start.payload_len - have,
+                                mask: start.mask,
+                                offset: have,
+                            });
+                            frames += 1;
+                            bytes += have as u64;
+                            self.staged.push(frame_start..work.len());
+                            break;
+                        }
+                    }
+                    // Only what arrived is kept: at most a frame that fits the read buffer.
+                    let rest = &work[at..];
                     leg.partial = rest.to_vec();
                     leg.filled = rest.len();
                     leg.needed = needed;
-                    debug_assert!(needed > buffer_len || rest.len() < buffer_len);
                     break;
                 }
                 Parsed::Violation(violation) => {
@@ -1020,8 +1061,15 @@ impl Worker {
         stopped
     }
 
+    /// Streamed payload bytes forwarded (the frame itself was counted when it began).
+    fn count_bytes(&mut self, key: LegKey, bytes: u64) {
+        if let Some(leg) = self.leg(key) {
+            self.uncounted[leg.direction].1 += bytes;
+        }
+    }
+
     fn count(&mut self, key: LegKey, frames: u64, bytes: u64) {
-        if frames == 0 {
+        if frames == 0 && bytes == 0 {
             return;
         }
         if let Some(leg) = self.leg(key) {
@@ -1180,18 +1228,6 @@ impl Worker {
         }
         self.remove(key);
     }
-}
-
-/// Makes room in a large frame's buffer for `n` more bytes after `filled`: at least double
-/// what it holds (so growth costs amortised O(1) per byte), at most the frame's `needed`.
-/// Memory follows the bytes that arrived, never the length the header declared.
-fn grow_with_arrivals(partial: &mut Vec<u8>, filled: usize, n: usize, needed: usize) {
-    let want = filled + n;
-    if partial.capacity() >= want {
-        return;
-    }
-    let target = (partial.capacity() * 2).max(want).min(needed.max(want));
-    partial.reserve_exact(target - partial.len());
 }
 
 /// The staged list back, emptied, so its allocation is reused.
