@@ -106,9 +106,9 @@ pub struct Worker {
     now_ms: u64,
     /// Control frames the leg being read has parsed in this turn.
     turn_controls: usize,
-    /// A leg's frames are being processed: nothing may start processing another's (the rule
-    /// of the loop, checked in debug builds).
-    processing: bool,
+    /// A leg is being read (its turn, frames included): no other leg may be read until it
+    /// ends (the rule of the loop, checked in debug builds).
+    reading: bool,
 }
 
 impl Worker {
@@ -152,7 +152,7 @@ impl Worker {
             inbox_closed: false,
             now_ms: 0,
             turn_controls: 0,
-            processing: false,
+            reading: false,
         })
     }
 
@@ -257,7 +257,7 @@ impl Worker {
                 self.index,
                 key.slot
             );
-            self.processing = false;
+            self.reading = false;
             let buffer_bytes = self.read_buffer_bytes();
             if self.buf.len() != buffer_bytes {
                 self.buf = vec![0; buffer_bytes];
@@ -414,7 +414,10 @@ impl Worker {
         // are read (an edge-triggered registration may not report data that arrived before).
         for key in [phone_key, host_key] {
             self.guarded(key, |worker| {
+                worker.turn_controls = 0;
+                worker.reading = true;
                 worker.process_carried(key);
+                worker.reading = false;
                 worker.read(key);
             });
         }
@@ -732,6 +735,13 @@ impl Worker {
     /// Reads `key` until `WouldBlock`, backpressure, the end of its turn (reads or control
     /// frames), or its end.
     fn read(&mut self, key: LegKey) {
+        debug_assert!(!self.reading, "a handler re-entered another's");
+        self.reading = true;
+        self.read_turn(key);
+        self.reading = false;
+    }
+
+    fn read_turn(&mut self, key: LegKey) {
         self.turn_controls = 0;
         let bound = self.output_bound();
         for _ in 0..READS_PER_TURN {
@@ -928,10 +938,7 @@ impl Worker {
     /// Starts at `from`; returns where it stopped when the control budget ran out (the caller
     /// keeps `work[at..]` unparsed).
     fn process(&mut self, key: LegKey, work: &mut [u8], from: usize) -> Option<usize> {
-        debug_assert!(!self.processing, "a handler re-entered another's");
-        self.processing = true;
         let stopped = self.process_frames(key, work, from);
-        self.processing = false;
         if self.leg(key).is_some_and(|leg| leg.controls.is_some()) {
             self.flush(key);
         }
