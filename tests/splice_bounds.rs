@@ -268,7 +268,13 @@ fn a_ping_flood_keeps_another_pair_on_its_worker_within_twice_its_idle_p99() {
     let (flooder, flood_leg) = splice(&relay, &mut desktop);
     let mut round_trips = |count: usize| -> Vec<Duration> {
         let mut samples = Vec::with_capacity(count);
+        let deadline = Instant::now() + Duration::from_secs(30);
         for i in 0..count {
+            assert!(
+                Instant::now() < deadline,
+                "{i} of {count} round trips in 30 s (last {:?})",
+                samples.last()
+            );
             let started = Instant::now();
             phone.send(Message::binary(vec![i as u8; 64])).unwrap();
             let got = leg.read().unwrap();
@@ -393,9 +399,13 @@ fn a_declared_8_mib_frame_with_one_byte_sent_costs_under_64_kib() {
     let mut header = vec![0x82, 0xff];
     header.extend_from_slice(&(8u64 * 1024 * 1024).to_be_bytes());
     header.extend_from_slice(&[1, 2, 3, 4]);
-    header.push(0x55);
+    // The 14-byte header, then (in a later read) one byte of payload.
     for (phone, _) in &pairs {
         raw(phone).write_all(&header).unwrap();
+    }
+    orca_relay::clock::sleep(Duration::from_millis(200));
+    for (phone, _) in &pairs {
+        raw(phone).write_all(&[0x55]).unwrap();
     }
     // Let the worker read them all.
     orca_relay::clock::sleep(Duration::from_millis(500));
@@ -524,16 +534,23 @@ fn wedged_desktop(relay: &Relay) -> TcpStream {
     // SAFETY: a plain socket(2); the descriptor is owned by the TcpStream made from it below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
     assert!(fd >= 0);
-    let small: libc::c_int = 1;
-    // SAFETY: setsockopt reads one int from a local.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            (&small as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
+    // A tiny receive buffer and small segments (so the relay's send buffer is sized for them,
+    // not for loopback's 64 KiB segments): a few KiB of pings fill both.
+    for (level, option, value) in [
+        (libc::SOL_SOCKET, libc::SO_RCVBUF, 1),
+        (libc::IPPROTO_TCP, libc::TCP_MAXSEG, 536),
+    ] {
+        let value: libc::c_int = value;
+        // SAFETY: setsockopt reads one int from a local.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                option,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
     }
     let addr: std::net::SocketAddrV4 = relay.ws.parse().unwrap();
     let sockaddr = libc::sockaddr_in {

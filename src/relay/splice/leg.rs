@@ -273,6 +273,13 @@ impl Output {
             self.bytes.drain(..self.start);
             self.start = 0;
         }
+        // Doubling, but never past the most the output can hold (its memory bound).
+        let needed = self.bytes.len() + bytes.len();
+        if needed > self.bytes.capacity() {
+            let target = (self.bytes.capacity() * 2)
+                .clamp(needed, needed.max(super::OUTPUT_CAPACITY_BYTES));
+            self.bytes.reserve_exact(target - self.bytes.len());
+        }
         self.bytes.extend_from_slice(bytes);
     }
 

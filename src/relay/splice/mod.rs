@@ -110,17 +110,19 @@ impl SpliceTimings {
     }
 }
 
+/// The most a leg's pending output holds: reading its peer stops at [`PENDING_OUTPUT_BOUND`],
+/// one read adds at most one read buffer's worth of frames (a larger frame is forwarded as it
+/// arrives, a read at a time), and a close frame may follow. Its vector never grows past it.
+pub const OUTPUT_CAPACITY_BYTES: usize = PENDING_OUTPUT_BOUND + READ_BUFFER_BYTES + 128;
+
 /// The most memory one spliced leg can hold, by construction of the worker: its partial frame
-/// (at most one frame, 8 MiB, SPEC §5.2; it grows only with bytes that arrived), its pending
-/// output (reading its peer stops at [`PENDING_OUTPUT_BOUND`], and one read adds at most one
-/// frame or one read buffer's worth of frames), two owed control frames, and its state (the
-/// leg, its socket and writer context, its release guards; measured well under 4 KiB).
-/// `capacity.rs` multiplies it by the connection cap.
-pub const LEG_MEMORY_BOUND_BYTES: u64 = crate::protocol::SPLICE_MAX_FRAME_BYTES as u64
-    + PENDING_OUTPUT_BOUND as u64
-    + crate::protocol::SPLICE_MAX_FRAME_BYTES as u64
-    + 2 * 127
-    + 4 * 1024;
+/// (less than one read buffer: a frame that does not fit is forwarded as its payload arrives,
+/// so memory follows the bytes that arrived, never a declared length), its pending output
+/// ([`OUTPUT_CAPACITY_BYTES`]), two owed control frames, and its state (the leg, its socket and
+/// writer context, its release guards: well under 4 KiB). About 1.5 MiB; `roles::cell`
+/// multiplies the larger of it and a control's bound by the connection cap.
+pub const LEG_MEMORY_BOUND_BYTES: u64 =
+    READ_BUFFER_BYTES as u64 + OUTPUT_CAPACITY_BYTES as u64 + 2 * 128 + 4 * 1024;
 
 struct WorkerHandle {
     inbox: Sender<Command>,
