@@ -646,3 +646,54 @@ fn desktops_that_never_read_delay_neither_the_pinger_nor_the_drain() {
     );
     drop(wedged);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The memory the process can reach at its cap.
+
+/// The process states the RSS it can reach at its cap (start-up line, `/metrics`) and keeps it
+/// within the memory it has: a configured cap of 100,000 is lowered, with one WARN, to what
+/// the descriptors or (when it binds first) the memory hold; the RSS at the cap in force never
+/// exceeds that memory.
+#[test]
+fn the_cap_in_force_keeps_the_rss_at_the_cap_within_memory() {
+    let relay = Relay::combined(&[("ORCA_RELAY_CONNECTION_CAP", "100000")]);
+    let line = relay
+        .wait_for_log("orca_relay_capacity ", Duration::from_secs(5))
+        .expect("the capacity line");
+    let number = |key: &str| -> u64 {
+        field(&line, key)
+            .unwrap_or_else(|| panic!("{key} in {line}"))
+            .parse()
+            .unwrap()
+    };
+    let (ceiling, cap, rss_at_cap, memory, per_connection) = (
+        number("connections"),
+        number("cap"),
+        number("rss_at_cap"),
+        number("memory"),
+        number("per_connection_bytes"),
+    );
+    assert!(rss_at_cap <= memory, "{line}");
+    assert!(cap <= ceiling, "{line}");
+    // Stated in /metrics too.
+    assert_eq!(
+        relay.metric("orca_relay_capacity_rss_at_cap_bytes"),
+        Some(rss_at_cap as f64)
+    );
+    assert_eq!(
+        relay.metric("orca_relay_capacity_memory_bytes"),
+        Some(memory as f64)
+    );
+    assert_eq!(relay.metric("orca_relay_connection_cap"), Some(cap as f64));
+    // One WARN naming what bound it: memory when one more connection would not fit.
+    let warn = relay
+        .wait_for_log("orca_relay_connection_cap_lowered", Duration::from_secs(5))
+        .expect("the WARN");
+    assert_eq!(relay.count_log("orca_relay_connection_cap_lowered"), 1);
+    if cap < ceiling {
+        assert!(warn.contains("limited_by=memory"), "{warn}");
+        assert!(rss_at_cap + per_connection > memory, "{line}");
+    } else {
+        assert!(warn.contains("limited_by=RLIMIT_NOFILE"), "{warn}");
+    }
+}
