@@ -469,8 +469,10 @@ impl Plan {
             self.cap,
             self.memory.per_connection,
             self.rss_at_cap,
-            self.memory_bytes
-                .map_or_else(|| "unknown".to_string(), |m| format!("{m} the process may use"))
+            self.memory_bytes.map_or_else(
+                || "unknown".to_string(),
+                |m| format!("{m} the process may use")
+            )
         )
     }
 }
@@ -627,7 +629,14 @@ fn read_memory(files: &[PathBuf], meminfo: &str) -> Option<u64> {
     let total = meminfo
         .lines()
         .find_map(|line| line.strip_prefix("MemTotal:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
         .map(|kib| kib * 1024);
     match (cgroup, total) {
         (Some(cgroup), Some(total)) => Some(cgroup.min(total)),
@@ -925,7 +934,10 @@ mod tests {
     fn the_cap_is_lowered_to_what_memory_holds_at_the_worst_case() {
         // 24 GiB: (24 GiB - 512 MiB) / 2 MiB = 12,032 connections.
         let plan = plan_with_memory(Some(24 * GIB), 15_000);
-        assert_eq!((plan.cap, plan.lowered_by), (12_032, Some(Resource::Memory)));
+        assert_eq!(
+            (plan.cap, plan.lowered_by),
+            (12_032, Some(Resource::Memory))
+        );
         assert!(plan.rss_at_cap <= 24 * GIB);
         assert_eq!(plan.rss_at_cap, 512 * MIB + 12_032 * 2 * MIB);
         // Descriptors first, then memory: 19,330 by descriptors, fewer by memory.
@@ -933,7 +945,9 @@ mod tests {
         // Enough memory: the cap stands, and the RSS at it is stated.
         let kept = plan_with_memory(Some(64 * GIB), 15_000);
         assert_eq!((kept.cap, kept.lowered_by), (15_000, None));
-        assert!(kept.summary().contains(&format!("rss_at_cap={}", 512 * MIB + 30_000 * MIB)));
+        assert!(kept
+            .summary()
+            .contains(&format!("rss_at_cap={}", 512 * MIB + 30_000 * MIB)));
         // Unknown memory: nothing is lowered for it.
         let unknown = plan_with_memory(None, 15_000);
         assert_eq!((unknown.cap, unknown.lowered_by), (15_000, None));

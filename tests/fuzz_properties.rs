@@ -92,4 +92,3 @@ fn every_target_has_a_test() {
         );
     }
 }
-

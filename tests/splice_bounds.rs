@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::*;
 use tungstenite::stream::MaybeTlsStream;
@@ -22,7 +22,12 @@ use tungstenite::Message;
 /// A masked client frame (RFC 6455 §5.2).
 fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    orca_relay::relay::frames::encode_client_frame(first, payload, [0x3c, 0x5a, 0xa5, 0xc3], &mut out);
+    orca_relay::relay::frames::encode_client_frame(
+        first,
+        payload,
+        [0x3c, 0x5a, 0xa5, 0xc3],
+        &mut out,
+    );
     out
 }
 
@@ -49,8 +54,14 @@ impl ServerFrames {
     fn next(&mut self) -> Option<(u8, Vec<u8>)> {
         let second = *self.buf.get(1)?;
         let (head, len) = match second & 0x7f {
-            126 => (4, u16::from_be_bytes(self.buf.get(2..4)?.try_into().ok()?) as usize),
-            127 => (10, u64::from_be_bytes(self.buf.get(2..10)?.try_into().ok()?) as usize),
+            126 => (
+                4,
+                u16::from_be_bytes(self.buf.get(2..4)?.try_into().ok()?) as usize,
+            ),
+            127 => (
+                10,
+                u64::from_be_bytes(self.buf.get(2..10)?.try_into().ok()?) as usize,
+            ),
             short => (2, short as usize),
         };
         let payload = self.buf.get(head..head + len)?.to_vec();
@@ -93,7 +104,9 @@ fn data_and_a_ping_in_one_write_under_backpressure_deliver_every_frame() {
     let (phone, leg) = splice(&relay, &mut desktop);
     let (phone_in, mut phone_out) = (raw(&phone), raw(&phone));
     let (mut leg_in, mut leg_out) = (raw(&leg), raw(&leg));
-    leg_in.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    leg_in
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
 
     // The desktop streams 16 KiB binary frames as fast as the relay takes them.
@@ -114,7 +127,9 @@ fn data_and_a_ping_in_one_write_under_backpressure_deliver_every_frame() {
     let reader = {
         let (stop, pongs) = (stop.clone(), pongs.clone());
         let mut stream = phone_in;
-        stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
         orca_relay::threads::spawn("test-phone-slow-reader", move || {
             let mut frames = ServerFrames::default();
             let mut buf = vec![0u8; 16 * 1024];
@@ -179,7 +194,10 @@ fn data_and_a_ping_in_one_write_under_backpressure_deliver_every_frame() {
     drop((phone, leg));
     let _ = streamer.join();
     let _ = reader.join();
-    assert!(counter.join().is_ok(), "the desktop saw a frame lost or out of order");
+    assert!(
+        counter.join().is_ok(),
+        "the desktop saw a frame lost or out of order"
+    );
     assert!(all, "{got} of {ROUNDS} text frames arrived");
     assert!(answered, "the latest ping was never answered");
     let pongs = pongs.lock().unwrap().len();
@@ -211,7 +229,9 @@ fn a_phone_that_reads_its_download_slowly_still_gets_its_input_through_at_once()
     };
     let slow = {
         let stop = stop.clone();
-        phone_in.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        phone_in
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
         orca_relay::threads::spawn("test-slow-download", move || {
             let mut buf = [0u8; 4096];
             while !stop.load(Ordering::Acquire) {
@@ -225,12 +245,14 @@ fn a_phone_that_reads_its_download_slowly_still_gets_its_input_through_at_once()
     };
     // Let the download back up: the relay's output to the phone reaches its bound.
     orca_relay::clock::sleep(Duration::from_secs(2));
-    leg_in.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    leg_in
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let mut frames = ServerFrames::default();
     let mut buf = [0u8; 1024];
     let mut worst = Duration::ZERO;
     for key in 0..100u32 {
-        let sent = Instant::now();
+        let sent = orca_relay::clock::instant();
         phone_out
             .write_all(&client_frame(0x81, format!("key-{key}").as_bytes()))
             .unwrap();
@@ -268,14 +290,14 @@ fn a_ping_flood_keeps_another_pair_on_its_worker_within_twice_its_idle_p99() {
     let (flooder, flood_leg) = splice(&relay, &mut desktop);
     let mut round_trips = |count: usize| -> Vec<Duration> {
         let mut samples = Vec::with_capacity(count);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = orca_relay::clock::instant() + Duration::from_secs(30);
         for i in 0..count {
             assert!(
-                Instant::now() < deadline,
+                orca_relay::clock::instant() < deadline,
                 "{i} of {count} round trips in 30 s (last {:?})",
                 samples.last()
             );
-            let started = Instant::now();
+            let started = orca_relay::clock::instant();
             phone.send(Message::binary(vec![i as u8; 64])).unwrap();
             let got = leg.read().unwrap();
             leg.send(got).unwrap();
@@ -294,7 +316,12 @@ fn a_ping_flood_keeps_another_pair_on_its_worker_within_twice_its_idle_p99() {
         let stop = stop.clone();
         orca_relay::threads::spawn("test-ping-flood", move || {
             let ping = client_frame(0x89, b"");
-            let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 2_000).collect();
+            let burst: Vec<u8> = ping
+                .iter()
+                .copied()
+                .cycle()
+                .take(ping.len() * 2_000)
+                .collect();
             while !stop.load(Ordering::Acquire) {
                 if flood_out.write_all(&burst).is_err() {
                     break;
@@ -306,7 +333,9 @@ fn a_ping_flood_keeps_another_pair_on_its_worker_within_twice_its_idle_p99() {
     };
     let flood_reader = {
         let (stop, pongs) = (stop.clone(), pongs.clone());
-        flood_in.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        flood_in
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
         orca_relay::threads::spawn("test-pong-reader", move || {
             let mut buf = vec![0u8; 64 * 1024];
             while !stop.load(Ordering::Acquire) {
@@ -344,12 +373,18 @@ fn a_ping_flood_that_reads_nothing_costs_at_most_one_pending_pong() {
     let mut desktop = Desktop::connect(&relay);
     let (flooder, leg) = splice(&relay, &mut desktop);
     let mut out = raw(&flooder);
-    out.set_write_timeout(Some(Duration::from_millis(100))).unwrap();
+    out.set_write_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
     let ping = client_frame(0x89, &[b'p'; 125]);
-    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 512).collect();
+    let burst: Vec<u8> = ping
+        .iter()
+        .copied()
+        .cycle()
+        .take(ping.len() * 512)
+        .collect();
     let flood_for = |duration: Duration, out: &mut TcpStream| {
-        let until = Instant::now() + duration;
-        while Instant::now() < until {
+        let until = orca_relay::clock::instant() + duration;
+        while orca_relay::clock::instant() < until {
             // The relay stops reading it once its socket is full: a write that times out is
             // that backpressure, not a failure.
             let _ = out.write_all(&burst);
@@ -368,10 +403,16 @@ fn a_ping_flood_that_reads_nothing_costs_at_most_one_pending_pong() {
     );
     // Still open: once it reads, it gets pongs (one per turn of the worker at most).
     let mut input = raw(&flooder);
-    input.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    input
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let mut buf = [0u8; 4096];
     let n = input.read(&mut buf).expect("the leg is still served");
-    assert!(n > 0 && buf[0] == 0x8a, "a pong first, got {:x?}", &buf[..n.min(8)]);
+    assert!(
+        n > 0 && buf[0] == 0x8a,
+        "a pong first, got {:x?}",
+        &buf[..n.min(8)]
+    );
     drop((flooder, leg));
 }
 
@@ -458,12 +499,14 @@ fn a_silent_pair_is_closed_at_the_idle_timeout_and_a_pinging_pair_stays() {
         })
         .unwrap()
     };
-    let started = Instant::now();
+    let started = orca_relay::clock::instant();
     // The silent pair: closed 4408 on both legs, after the idle window and not long after.
     let mut phone_in = raw(&silent_phone);
     let mut leg_in = raw(&silent_leg);
     let close_of = |stream: &mut TcpStream| -> Option<u16> {
-        stream.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
         let mut frames = ServerFrames::default();
         let mut buf = [0u8; 1024];
         loop {
@@ -591,7 +634,9 @@ fn wedged_desktop(relay: &Relay) -> TcpStream {
     // The ack, then never read again.
     let mut frames = ServerFrames::default();
     let mut buf = [0u8; 256];
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     loop {
         if let Some((_, payload)) = frames.next() {
             assert!(String::from_utf8_lossy(&payload).contains("host-hello-ack"));
@@ -605,13 +650,13 @@ fn wedged_desktop(relay: &Relay) -> TcpStream {
 
 /// Watches a healthy desktop's pings: the longest gap between two of them.
 fn longest_ping_gap(control: &mut Ws, over: Duration) -> Duration {
-    let until = Instant::now() + over;
-    let mut last = Instant::now();
+    let until = orca_relay::clock::instant() + over;
+    let mut last = orca_relay::clock::instant();
     let mut worst = Duration::ZERO;
-    while Instant::now() < until {
+    while orca_relay::clock::instant() < until {
         expect_ping(control);
         worst = worst.max(last.elapsed());
-        last = Instant::now();
+        last = orca_relay::clock::instant();
     }
     worst
 }
@@ -635,7 +680,7 @@ fn desktops_that_never_read_delay_neither_the_pinger_nor_the_drain() {
         "a healthy desktop's pings stopped for {gap:?}"
     );
     // The drain: SIGTERM with the wedged desktops still connected.
-    let started = Instant::now();
+    let started = orca_relay::clock::instant();
     relay.signal("TERM");
     let code = relay.wait_exit(Duration::from_secs(30));
     let took = started.elapsed();

@@ -230,13 +230,9 @@ impl Socket {
             Message::Binary(payload) => {
                 write_data_frame(&self.stream, deadline, Data::Binary, true, payload)
             }
-            Message::Text(text) => write_data_frame(
-                &self.stream,
-                deadline,
-                Data::Text,
-                true,
-                text.as_bytes(),
-            ),
+            Message::Text(text) => {
+                write_data_frame(&self.stream, deadline, Data::Text, true, text.as_bytes())
+            }
             _ => writer
                 .context
                 .write(&mut stream, message)

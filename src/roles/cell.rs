@@ -506,8 +506,7 @@ pub fn memory_bounds(config: &Config) -> crate::capacity::MemoryBounds {
     crate::capacity::MemoryBounds {
         per_connection: relay::splice::LEG_MEMORY_BOUND_BYTES.max(CONTROL_MEMORY_BOUND_BYTES),
         base: BASE_MEMORY_BYTES
-            + config.splice_workers as u64
-                * (relay::splice::READ_BUFFER_BYTES as u64 + 64 * 1024)
+            + config.splice_workers as u64 * (relay::splice::READ_BUFFER_BYTES as u64 + 64 * 1024)
             + (config.pending_upgrades_max as u64 + config.http_connections_max as u64)
                 * per_thread_connection,
     }

@@ -128,8 +128,8 @@ impl Received {
             }
             match first & 0x0f {
                 0x8 => {
-                    let code = (payload.len() >= 2)
-                        .then(|| u16::from_be_bytes([payload[0], payload[1]]));
+                    let code =
+                        (payload.len() >= 2).then(|| u16::from_be_bytes([payload[0], payload[1]]));
                     self.close = Some(code);
                 }
                 0x9 => {}
@@ -358,7 +358,10 @@ impl End {
 fn client_frame_len(bytes: &[u8]) -> (u8, usize) {
     let (head, len) = match bytes[1] & 0x7f {
         126 => (4, u16::from_be_bytes([bytes[2], bytes[3]]) as usize),
-        127 => (10, u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize),
+        127 => (
+            10,
+            u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize,
+        ),
         short => (2, short as usize),
     };
     (bytes[0], head + 4 + len)
@@ -368,8 +371,14 @@ fn client_frame_len(bytes: &[u8]) -> (u8, usize) {
 fn server_frame(bytes: &[u8]) -> Option<(u8, Vec<u8>, usize)> {
     let second = *bytes.get(1)?;
     let (head, len) = match second & 0x7f {
-        126 => (4, u16::from_be_bytes(bytes.get(2..4)?.try_into().ok()?) as usize),
-        127 => (10, u64::from_be_bytes(bytes.get(2..10)?.try_into().ok()?) as usize),
+        126 => (
+            4,
+            u16::from_be_bytes(bytes.get(2..4)?.try_into().ok()?) as usize,
+        ),
+        127 => (
+            10,
+            u64::from_be_bytes(bytes.get(2..10)?.try_into().ok()?) as usize,
+        ),
         short => (2, short as usize),
     };
     let payload = bytes.get(head..head + len)?.to_vec();
@@ -525,7 +534,10 @@ fn check(ends: &[End], final_check: bool) -> Result<(), String> {
             if index % 2 == 0 { "phone" } else { "desktop" }
         );
         if receiver.after_close > 0 {
-            return Err(format!("{who}: {} frames after the close", receiver.after_close));
+            return Err(format!(
+                "{who}: {} frames after the close",
+                receiver.after_close
+            ));
         }
         // Data: a prefix of what the peer sent, byte-exact, in order, each once.
         for (at, got) in receiver.data.iter().enumerate() {

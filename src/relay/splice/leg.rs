@@ -169,7 +169,9 @@ impl Controls {
 
     /// Whether the waiting frame starts with `first` (the relay's own ping, say).
     pub fn next_is(&self, first: u8) -> bool {
-        self.next.as_ref().is_some_and(|frame| frame.bytes[0] == first)
+        self.next
+            .as_ref()
+            .is_some_and(|frame| frame.bytes[0] == first)
     }
 
     pub fn drop_next(&mut self) {
@@ -276,8 +278,8 @@ impl Output {
         // Doubling, but never past the most the output can hold (its memory bound).
         let needed = self.bytes.len() + bytes.len();
         if needed > self.bytes.capacity() {
-            let target = (self.bytes.capacity() * 2)
-                .clamp(needed, needed.max(super::OUTPUT_CAPACITY_BYTES));
+            let target =
+                (self.bytes.capacity() * 2).clamp(needed, needed.max(super::OUTPUT_CAPACITY_BYTES));
             self.bytes.reserve_exact(target - self.bytes.len());
         }
         self.bytes.extend_from_slice(bytes);
@@ -451,7 +453,12 @@ pub fn set_liveness(stream: &TcpStream) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     set_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
     set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
-    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)?;
+    set_option(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        KEEPALIVE_INTERVAL_S,
+    )?;
     set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES)?;
     set_option(
         fd,
@@ -553,7 +560,11 @@ mod tests {
                 let next = (at + cut).min(frames.len());
                 cursor.consume(&frames[at..next]);
                 at = next;
-                assert_eq!(cursor.at_boundary(), ends.contains(&at), "cut {cut} at {at}");
+                assert_eq!(
+                    cursor.at_boundary(),
+                    ends.contains(&at),
+                    "cut {cut} at {at}"
+                );
             }
         }
         // Bytes to the boundary: the rest of the payload, or of a header cut in two.

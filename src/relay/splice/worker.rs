@@ -50,7 +50,7 @@ use tungstenite::protocol::frame::coding::OpCode;
 
 use super::leg::{
     close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
-    FrameCursor, Flushed, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
+    Flushed, FrameCursor, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
 use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
@@ -165,7 +165,9 @@ impl Worker {
     }
 
     fn read_buffer_bytes(&self) -> usize {
-        self.timings.read_buffer_bytes.max(crate::relay::frames::MAX_HEADER_BYTES)
+        self.timings
+            .read_buffer_bytes
+            .max(crate::relay::frames::MAX_HEADER_BYTES)
     }
 
     fn output_bound(&self) -> usize {
@@ -593,7 +595,11 @@ impl Worker {
                 &mut leg.cursor,
             ),
         };
-        if leg.controls.as_ref().is_some_and(|controls| controls.is_empty()) {
+        if leg
+            .controls
+            .as_ref()
+            .is_some_and(|controls| controls.is_empty())
+        {
             leg.controls = None;
         }
         let empty = match flushed {
@@ -1011,10 +1017,7 @@ impl Worker {
                     }
                 }
                 Parsed::Incomplete { needed } => {
-                    let leg = match self.leg(key) {
-                        Some(leg) => leg,
-                        None => return None,
-                    };
+                    let leg = self.leg(key)?;
                     if needed > buffer_len {
                         if let Some(start) = leg.parser.begin_stream(&work[at..]) {
                             // Larger than the read buffer: its header goes to the peer now
@@ -1047,10 +1050,8 @@ impl Worker {
                 }
                 Parsed::Violation(violation) => {
                     self.forward(key, work);
-                    let (id, kind) = match self.leg(key) {
-                        Some(leg) => (leg.socket.id, leg.kind),
-                        None => return None,
-                    };
+                    let leg = self.leg(key)?;
+                    let (id, kind) = (leg.socket.id, leg.kind);
                     log::info!(
                         "orca_relay_splice_protocol_violation conn={id} rule={} kind={kind}",
                         violation.name()
