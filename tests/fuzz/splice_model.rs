@@ -88,7 +88,61 @@ fn act() -> impl Strategy<Value = Act> {
     ]
 }
 
+/// Random interleavings, and (one case in four) the issue's shape with random sizes and
+/// timings: a desktop streams to a phone that reads steadily while it sends data and a ping in
+/// one write, other pairs busy beside it.
 pub fn scenario() -> impl Strategy<Value = Scenario> {
+    prop_oneof![3 => random_scenario(), 1 => issue_shaped_scenario()]
+}
+
+fn issue_shaped_scenario() -> impl Strategy<Value = Scenario> {
+    (
+        prop::collection::vec(
+            (
+                prop::collection::vec(500usize..6_000, 1..4),
+                0u16..400,
+                0usize..64,
+                0u16..300,
+            ),
+            10..40,
+        ),
+        random_scenario(),
+    )
+        .prop_map(|(rounds, noise)| {
+            let pairs = noise.pairs.max(1);
+            let step = |desktop, act| Step {
+                pair: 0,
+                desktop,
+                act,
+            };
+            let mut steps = vec![step(false, Act::Read(1 << 20))];
+            let mut noise_steps = noise.steps.into_iter();
+            for (fragments, before, text, after) in rounds {
+                steps.push(step(
+                    true,
+                    Act::Send {
+                        text: false,
+                        fragments,
+                        ping_at: None,
+                    },
+                ));
+                steps.push(step(false, Act::Pause(before)));
+                steps.push(step(
+                    false,
+                    Act::Send {
+                        text: true,
+                        fragments: vec![text],
+                        ping_at: Some(1),
+                    },
+                ));
+                steps.push(step(false, Act::Pause(after)));
+                steps.extend(noise_steps.next().filter(|noise| noise.pair != 0));
+            }
+            Scenario { pairs, steps }
+        })
+}
+
+fn random_scenario() -> impl Strategy<Value = Scenario> {
     (1usize..4).prop_flat_map(|pairs| {
         let step = (0..pairs, any::<bool>(), act()).prop_map(|(pair, desktop, act)| Step {
             pair,

@@ -509,6 +509,49 @@ pub fn close_frame(code: Option<u16>, reason: &str) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    fn get_option(stream: &TcpStream, level: i32, name: i32) -> i32 {
+        use std::os::fd::AsRawFd;
+        let mut value: i32 = 0;
+        let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into a local int.
+        let result = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                level,
+                name,
+                (&mut value as *mut i32).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(result, 0);
+        value
+    }
+
+    #[test]
+    fn a_spliced_leg_has_tcp_keepalive_and_a_user_timeout() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (leg, _) = listener.accept().unwrap();
+        set_liveness(&leg).unwrap();
+        assert_eq!(get_option(&leg, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+            KEEPALIVE_IDLE_S
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+            KEEPALIVE_INTERVAL_S
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+            KEEPALIVE_PROBES
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+            USER_TIMEOUT_MS as i32
+        );
+    }
+
     #[test]
     fn headers_use_the_shortest_length() {
         let mut head = [0u8; 10];
