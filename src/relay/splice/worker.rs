@@ -507,26 +507,44 @@ impl Worker {
         let peer = leg.peer;
         if leg.stream_in.take().is_some() {
             // It was in the middle of a frame to its peer, which can never be finished: the
-            // peer's connection is dropped (no close frame may follow half a frame).
+            // peer gets what was queued for it and then loses its connection (no close frame
+            // may follow half a frame).
             if let Some(peer) = peer {
-                if let Some(p) = self.leg(peer) {
-                    if p.is_open() {
-                        self.metrics.close(CloseCode::PeerDropped);
-                    }
-                }
-                self.remove(peer);
+                self.abort(peer, CloseCode::PeerDropped);
             }
         }
         if peer.is_some_and(|peer| self.leg(peer).is_some_and(|p| p.stream_in.is_some())) {
             // Its peer was in the middle of a frame to it (a large frame forwarded as it
-            // arrives): nothing, not even a close frame, may follow half a frame. The
-            // connection is dropped.
-            self.metrics.close(code);
-            return self.remove(key);
+            // arrives): the same, for this leg.
+            return self.abort(key, code);
         }
         self.push_output(key, &close_frame(Some(code.code()), reason));
         self.metrics.close(code);
         self.flush(key);
+    }
+
+    /// Ends `key` without a close frame (it is in the middle of a frame that will never be
+    /// finished): what is queued for it is still written, then the connection is dropped.
+    fn abort(&mut self, key: LegKey, code: CloseCode) {
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if leg.is_open() {
+            leg.state = LegState::Closing { linger: false };
+            leg.partial = Vec::new();
+            leg.filled = 0;
+            leg.needed = 0;
+            leg.unparsed = false;
+            self.metrics.close(code);
+        }
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if leg.output.is_empty() {
+            self.remove(key);
+        } else {
+            self.flush(key);
+        }
     }
 
     /// The leg's peer is told it left (4408), unless the peer is already closing.
@@ -611,7 +629,10 @@ impl Worker {
             }
         };
         let (state, pending, peer) = (leg.state, leg.output.len(), leg.peer);
-        if empty {
+        // A closing leg is done once its output is out (a control frame still owed then can
+        // only be one that must wait for a frame boundary that will never come).
+        let drained = empty || (pending == 0 && !leg.is_open());
+        if drained {
             match state {
                 LegState::Open => {}
                 LegState::Closing { linger: false } => return self.remove(key),
