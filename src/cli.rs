@@ -423,9 +423,10 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
 }
 
 fn host_options(config: &Config, flags: &[(String, String)]) -> Result<HostOptions, String> {
-    let relay_host_id = flag(flags, "relay-host-id")
-        .map(str::to_string)
-        .unwrap_or_else(crate::client::random_host_id);
+    let relay_host_id = match flag(flags, "relay-host-id") {
+        Some(id) => id.to_string(),
+        None => crate::client::random_host_id()?,
+    };
     let user_id = flag(flags, "user-id").unwrap_or("local-user").to_string();
     let token = match flag(flags, "token") {
         Some(token) => token.to_string(),

@@ -57,6 +57,11 @@ fn http_request_head() {
 }
 
 #[test]
+fn upgrade_validation() {
+    campaign("upgrade_validation");
+}
+
+#[test]
 fn budget_fleet() {
     campaign("budget_fleet");
 }

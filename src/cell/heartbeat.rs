@@ -192,9 +192,11 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
                 let url = format!("{director}/v1/admin/cells/deregister");
                 match service_token.call_http(
                     director,
-                    |token| {
+                    DEREGISTER_TIMEOUT,
+                    |token, left| {
                         agent
                             .post(&url)
+                            .timeout(left)
                             .set("Authorization", &format!("Bearer {token}"))
                             .send_json(&body).map_err(Box::new)
                     },
@@ -229,9 +231,10 @@ fn send(
 ) -> Result<(), String> {
     let url = format!("{director}/v1/admin/cell-heartbeat");
     match tokens
-        .call_http(director, |token| {
+        .call_http(director, HEARTBEAT_TIMEOUT, |token, left| {
             agent
                 .post(&url)
+                .timeout(left)
                 .set("Authorization", &format!("Bearer {token}"))
                 .send_json(beat)
                 .map_err(Box::new)

@@ -115,6 +115,10 @@ pub struct AdminContext {
     /// holds a trip slot (what the claim counts, `store::claim`).
     trip_slot_stale_ms: u64,
     routes: AdminRoutes,
+    /// Refused requests (no or a wrong service token) are counted per request
+    /// (`orca_relay_director_admin_requests_total{status="401"}`) but logged through one
+    /// throttle: the first, then at most one line a minute with a count.
+    refusals: crate::logging::SharedThrottle,
 }
 
 /// Which admin routes this process serves.
@@ -205,6 +209,7 @@ impl AdminContext {
             membership,
             trip_slot_stale_ms,
             routes: AdminRoutes::All,
+            refusals: crate::logging::SharedThrottle::new(),
         }
     }
 
@@ -256,15 +261,17 @@ impl AdminContext {
 
     fn route(&self, request: &mut Request<'_>) -> Reply {
         if !self.service_tokens.accepts(request.authorization) {
-            log::warn!(
-                "orca_relay_director_admin_unauthorized path={} token={}",
-                request.path,
-                if request.authorization.is_some() {
-                    "wrong"
-                } else {
-                    "missing"
-                }
-            );
+            if let Some(note) = self.refusals.failure(self.clock.now_ms()) {
+                log::warn!(
+                    "orca_relay_director_admin_unauthorized path={} token={}{note}",
+                    request.path,
+                    if request.authorization.is_some() {
+                        "wrong"
+                    } else {
+                        "missing"
+                    }
+                );
+            }
             return Reply::error(401, "unauthorized");
         }
         match (request.path, request.method) {

@@ -134,9 +134,10 @@ impl CellClient for HttpCellClient {
         });
         let response = self
             .service_token
-            .call_http(internal_url, |token| {
+            .call_http(internal_url, RESERVE_TIMEOUT, |token, left| {
                 self.agent
                     .post(&url)
+                    .timeout(left)
                     .set("Authorization", &format!("Bearer {token}"))
                     .send_json(body.clone())
                     .map_err(Box::new)

@@ -533,9 +533,10 @@ impl Poller {
         let url = feed_url(&job.internal_url, job.cursor.as_deref());
         let answer = self
             .service_token
-            .call_http(&job.internal_url, |token| {
+            .call_http(&job.internal_url, POLL_TIMEOUT, |token, left| {
                 self.agent
                     .get(&url)
+                    .timeout(left)
                     .set("Authorization", &format!("Bearer {token}"))
                     .call()
                     .map_err(Box::new)

@@ -7,9 +7,9 @@
 //! frame needs, or a [`Violation`] with its close code. The caller keeps the unconsumed bytes
 //! (at most one partial frame) and calls again when more arrive, however the stream was split.
 //! The parser's own state is a few words: the fragmented message in progress (its opcode and
-//! length so far) and a violation once one was found. The blocking reader of today's relay
-//! threads (`relay/splice_reader.rs`) is a thin shell over it; an event-loop worker can own
-//! one read buffer and keep only each leg's partial frame.
+//! length so far) and a violation once one was found. The first-frame reader of the
+//! acceptor's pending loop (`relay/splice_reader.rs`) is a thin shell over it; an event-loop
+//! worker owns one read buffer and keeps only each leg's partial frame.
 //!
 //! Rules, each checked as soon as the bytes that decide it have arrived (so an oversized frame
 //! is refused from its header, before its payload is read):

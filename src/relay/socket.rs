@@ -123,7 +123,7 @@ impl Socket {
         );
         let reader = Reader {
             context,
-            half: ReadHalf(socket.clone()),
+            half: ReadHalf(socket.clone(), None),
         };
         (socket, reader)
     }
@@ -461,11 +461,20 @@ fn read_retrying(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
 
 /// The reader's view of the stream: reads go straight to the socket (interrupted reads are
 /// retried here, so tungstenite never sees `EINTR`), writes (tungstenite's automatic pong and
-/// close replies) go through the writer mutex as whole buffers.
-pub struct ReadHalf(Arc<Socket>);
+/// close replies) go through the writer mutex as whole buffers. With a deadline (the control's
+/// first frame), each read waits only for what is left of it, so a client that trickles its
+/// frame cannot stretch it (tungstenite reads a frame in as many reads as it takes).
+pub struct ReadHalf(Arc<Socket>, Option<std::time::Instant>);
 
 impl Read for ReadHalf {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(deadline) = self.1 {
+            let left = deadline.saturating_duration_since(clock::instant());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            self.0.stream.set_read_timeout(Some(left))?;
+        }
         read_retrying(&self.0.stream, buf)
     }
 }
@@ -547,6 +556,11 @@ impl Reader {
 
     pub fn socket(&self) -> &Arc<Socket> {
         &self.half.0
+    }
+
+    /// Every read from now on ends by `deadline` (`None`: the socket's own read timeout).
+    pub fn set_deadline(&mut self, deadline: Option<std::time::Instant>) {
+        self.half.1 = deadline;
     }
 
     /// After closing on an oversized frame, discards what the peer is still sending (for at

@@ -486,12 +486,22 @@ impl Desktop {
         }
     }
 
+    /// Asks for an invite; a `rate_limited` refusal is waited out as its `retryAfterMs` says,
+    /// as a desktop does.
     pub fn invite(&mut self) -> String {
-        send_json(
-            &mut self.control,
-            serde_json::json!({"type":"invite-create","reqId":"r1"}),
-        );
-        let created = read_json(&mut self.control);
+        let created = loop {
+            send_json(
+                &mut self.control,
+                serde_json::json!({"type":"invite-create","reqId":"r1"}),
+            );
+            let answer = read_json(&mut self.control);
+            if answer["type"] == "invite-refused" && answer["reason"] == "rate_limited" {
+                let wait = answer["retryAfterMs"].as_u64().unwrap_or(1000);
+                orca_relay::clock::sleep(Duration::from_millis(wait));
+                continue;
+            }
+            break answer;
+        };
         assert_eq!(created["type"], "invite-created", "{created}");
         assert_eq!(created["reqId"], "r1");
         assert_eq!(created["maxAttempts"], 5);
@@ -662,8 +672,13 @@ pub fn jwks_server() -> FakeServer {
 
 /// An ES256 desktop token signed with the test key.
 pub fn es256_token(user_id: &str, relay_host_id: &str) -> String {
+    es256_token_with_kid(TEST_KID, user_id, relay_host_id)
+}
+
+/// As [`es256_token`], naming another `kid` in its header (a key the relay may not know yet).
+pub fn es256_token_with_kid(kid: &str, user_id: &str, relay_host_id: &str) -> String {
     let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
-    header.kid = Some(TEST_KID.to_string());
+    header.kid = Some(kid.to_string());
     let now = orca_relay::clock::system().now_ms() / 1000;
     let claims = serde_json::json!({
         "sub": user_id, "relayHostId": relay_host_id, "purpose": "host-control",
