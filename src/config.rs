@@ -222,7 +222,8 @@ pub struct Config {
     /// long is retired: no longer polled or placed on (judged once the director has been up
     /// this long).
     pub cell_retire_ms: u64,
-    /// Director: a cell silent this long is forgotten: all its rows are deleted.
+    /// Director: a cell silent this long is forgotten: its rows are deleted, except the
+    /// operator's admit-mode record.
     pub cell_forget_ms: u64,
     pub timings: Timings,
 }

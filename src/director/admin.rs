@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::feed_poller::{FeedBoard, FeedStatus};
+use super::feed_poller::{FeedBoard, FeedStatus, Sign};
 use super::membership::{self, Judge, Membership};
 use crate::cell::status_report::{DeadManReport, StatusReport};
 use crate::clock::SharedClock;
@@ -301,8 +301,8 @@ impl AdminContext {
 
     fn store_failed(&self, what: &str, error: &StoreError) -> Reply {
         log::warn!(
-            "orca_relay_director_admin_store_failed action={what} reason={}",
-            error.reason_code()
+            "orca_relay_director_admin_store_failed action={what} {}",
+            error.log_fields()
         );
         Reply::error(503, "relay_store_unavailable").with_header("Retry-After", "2")
     }
@@ -356,6 +356,9 @@ impl AdminContext {
                 stale()
             }
             _ => {
+                // A sign of life: a cell the feed poller was backing off is polled at once.
+                self.board
+                    .heard_from(&body.cell_id, Sign::Registration, self.clock.monotonic_ms());
                 log::info!(
                     "orca_relay_director_cell_registered cell_id={} incarnation={} cell_url={} internal_url={} region={}",
                     body.cell_id,
@@ -418,6 +421,10 @@ impl AdminContext {
         });
         match outcome {
             Ok(HeartbeatOutcome::Accepted) => {
+                // A sign of life: the feed poller ends the cell's backoff and polls it within
+                // a period (SPEC §12), whatever its polls did so far.
+                self.board
+                    .heard_from(&body.cell_id, Sign::Heartbeat, self.clock.monotonic_ms());
                 if let Some(report) = body
                     .status
                     .and_then(|status| serde_json::from_value::<StatusReport>(status).ok())

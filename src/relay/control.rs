@@ -96,9 +96,9 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                     // reconnect storm is one line, then one a minute with a count.
                     if let Some(note) = context.admission_failures.failure(now) {
                         log::warn!(
-                            "orca_relay_admission_failed host={} reason={}{note}",
+                            "orca_relay_admission_failed host={} {}{note}",
                             claims.relay_host_id,
-                            e.reason_code()
+                            e.log_fields()
                         );
                     }
                     return context.close(&socket, CloseCode::LimitExceeded, "try again");
@@ -206,9 +206,9 @@ fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u
         if let Err(e) = context.store.delete_lease(lease_id) {
             // The lease expires on its own within its TTL.
             log::info!(
-                "orca_relay_lease_delete_failed host={} reason={}",
+                "orca_relay_lease_delete_failed host={} {}",
                 claims.relay_host_id,
-                e.reason_code()
+                e.log_fields()
             );
         }
     }
@@ -370,9 +370,9 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
                     // the database is down every control fails: one line, then one a minute.
                     if let Some(note) = renew_failures.failure(context.clock.now_ms()) {
                         log::warn!(
-                            "orca_relay_lease_renew_failed host={} reason={}{note}",
+                            "orca_relay_lease_renew_failed host={} {}{note}",
                             control.relay_host_id,
-                            e.reason_code()
+                            e.log_fields()
                         );
                     }
                 }

@@ -447,7 +447,7 @@ fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
             resource.how_to_raise()
         );
     }
-    let (ceiling, cap) = (plan.ceiling, plan.cap);
+    let ceiling = plan.ceiling;
     let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
     registry.sampled_gauge(
         "orca_relay_capacity_rss_at_cap_bytes",
@@ -465,11 +465,6 @@ fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
         "orca_relay_capacity_connections",
         "Connections the process's limits allow (descriptors; a spliced leg holds no thread).",
         move || vec![(Vec::new(), ceiling as f64)],
-    );
-    registry.sampled_gauge(
-        "orca_relay_connection_cap",
-        "The connection cap in force (ORCA_RELAY_CONNECTION_CAP, lowered to the capacity).",
-        move || vec![(Vec::new(), cap as f64)],
     );
     let cap = u32::try_from(plan.cap).unwrap_or(configured);
     let permits = usize::try_from(plan.relay_threads).unwrap_or(usize::MAX);
@@ -709,10 +704,12 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
             vec![(vec![], slots.map_or(-1.0, f64::from))]
         },
     );
+    // Registered here only (once per process): the cap in force, ORCA_RELAY_CONNECTION_CAP
+    // lowered to what the process's limits allow (`plan_capacity`).
     let slots = context.slots.clone();
     registry.sampled_gauge(
         "orca_relay_connection_cap",
-        "ORCA_RELAY_CONNECTION_CAP: connection units this cell holds at most.",
+        "The connection cap in force (ORCA_RELAY_CONNECTION_CAP, lowered to the capacity): connection units this cell holds at most.",
         move || vec![(vec![], f64::from(slots.cap()))],
     );
     // The startup handshake's series exist in every cell process: the `cell` role counts its
@@ -774,13 +771,17 @@ pub fn run(config: Config) -> Result<(), RunError> {
         },
     })?);
     let handler = {
-        let registry = registry.clone();
-        let readiness = readiness.clone();
+        let process = super::ProcessRoutes {
+            registry: registry.clone(),
+            readiness: readiness.clone(),
+            clock: clock.clone(),
+            metrics_wait_for_start: true,
+            ready_gate: None,
+        };
         let cell = cell.clone();
-        let clock = clock.clone();
         Arc::new(move |request: &mut Request<'_>| {
             cell.route(request)
-                .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .or_else(|| process.route(request))
                 .unwrap_or_else(|| Reply::error(404, "not_found"))
         })
     };

@@ -112,7 +112,7 @@ impl<K: Connector> Pool<K> {
             if let Some(conn) = state.idle.pop() {
                 drop(state);
                 if self.shared.connector.is_usable(&conn) {
-                    return Ok(self.guard(conn));
+                    return Ok(self.guard(conn, true));
                 }
                 // Closed behind our back (server restart): drop it outside the lock, try again.
                 drop(conn);
@@ -124,7 +124,7 @@ impl<K: Connector> Pool<K> {
                 state.open += 1;
                 drop(state);
                 return match self.shared.connector.connect() {
-                    Ok(conn) => Ok(self.guard(conn)),
+                    Ok(conn) => Ok(self.guard(conn, false)),
                     Err(error) => {
                         self.lock().open -= 1;
                         self.shared.returned.notify_one();
@@ -147,11 +147,53 @@ impl<K: Connector> Pool<K> {
         }
     }
 
-    fn guard(&self, conn: K::Conn) -> PooledConnection<K> {
+    fn guard(&self, conn: K::Conn, reused: bool) -> PooledConnection<K> {
         PooledConnection {
             pool: self.clone(),
             conn: Some(conn),
             broken: false,
+            reused,
+        }
+    }
+
+    /// Takes a newly opened connection, never an idle one: the retry after a pooled
+    /// connection turned out dead. An idle connection found while the pool is at its ceiling
+    /// is closed to make room (it most likely points at the same dead server).
+    pub fn checkout_fresh(&self, timeout: Duration) -> Result<PooledConnection<K>, StoreError> {
+        let deadline = clock::instant() + timeout;
+        let mut state = self.lock();
+        loop {
+            if state.open < state.ceiling {
+                state.open += 1;
+                drop(state);
+                return match self.shared.connector.connect() {
+                    Ok(conn) => Ok(self.guard(conn, false)),
+                    Err(error) => {
+                        self.lock().open -= 1;
+                        self.shared.returned.notify_one();
+                        Err(error)
+                    }
+                };
+            }
+            if let Some(conn) = state.idle.pop() {
+                state.open -= 1;
+                drop(state);
+                drop(conn);
+                state = self.lock();
+                continue;
+            }
+            let now = clock::instant();
+            if now >= deadline {
+                return Err(StoreError::pool_exhausted(timeout, state.open));
+            }
+            state.waiters += 1;
+            let (next, _) = self
+                .shared
+                .returned
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            state = next;
+            state.waiters -= 1;
         }
     }
 
@@ -240,12 +282,21 @@ pub struct PooledConnection<K: Connector> {
     pool: Pool<K>,
     conn: Option<K::Conn>,
     broken: bool,
+    /// Handed out from the idle list (it has sat in the pool; the server may have closed it
+    /// meanwhile), rather than opened for this checkout.
+    reused: bool,
 }
 
 impl<K: Connector> PooledConnection<K> {
     /// Marks the connection as failed: it is closed on drop instead of returned.
     pub fn discard(&mut self) {
         self.broken = true;
+    }
+
+    /// Whether this connection came from the idle list rather than being opened for this
+    /// checkout.
+    pub fn reused(&self) -> bool {
+        self.reused
     }
 }
 
