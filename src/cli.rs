@@ -463,6 +463,12 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                             let raise = figure.resource.how_to_raise();
                             let _ = writeln!(out, "  {figure} (raise: {raise})");
                         }
+                        let _ = writeln!(
+                            out,
+                            "  {} (raise: {})",
+                            plan.memory_figure(),
+                            crate::capacity::Resource::Memory.how_to_raise()
+                        );
                     }
                     Err(e) => {
                         let _ = writeln!(out, "effective capacity: unknown ({e})");

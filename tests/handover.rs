@@ -348,7 +348,8 @@ fn frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Every kind of connection crosses a handover exactly where it was: a control halfway
-/// through a message, a pair halfway through a frame and a fragmented message, a pair whose
+/// through a message, a pair halfway through a frame and a fragmented message, a pair halfway
+/// through a frame larger than a worker's buffer (forwarded as it arrives), a pair whose
 /// desktop does not read (3 MiB waiting in the relay), a phone waiting for its data leg, a
 /// phone halfway through its relay-auth (pending, in the acceptor's loop), a connection
 /// halfway through its upgrade head, an upgraded control that has not said hello.
@@ -384,6 +385,13 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
         })
         .unwrap()
     };
+    // A pair in the middle of a frame larger than a worker's read buffer, which is forwarded
+    // as its payload arrives: half of it is through.
+    let (s, mut control_s, generation_s) = desktop(&relay);
+    let (mut phone_s, mut leg_s) = pair(&relay, &s, &mut control_s, generation_s);
+    let large: Vec<u8> = (0..1_000_000u32).map(|i| (i % 253) as u8).collect();
+    let streamed = frame(true, OP_BINARY, &large);
+    phone_s.send(&streamed[..500_000]).unwrap();
     // A phone waiting for its data leg.
     let (d, mut control_d, generation_d) = desktop(&relay);
     let (mut phone_d, conn_id_d, ticket_d) = waiting_phone(&relay, &d, &mut control_d);
@@ -441,6 +449,11 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
     let (fin, opcode, payload) = leg_b.frame().unwrap();
     assert_eq!((fin, opcode, payload.len()), (true, OP_CONTINUE, 70_000));
     assert!(payload.iter().all(|b| *b == b'x'));
+    // The large frame completes, byte for byte.
+    phone_s.send(&streamed[500_000..]).unwrap();
+    let (fin, opcode, payload) = leg_s.frame().unwrap();
+    assert_eq!((fin, opcode, payload.len()), (true, OP_BINARY, large.len()));
+    assert!(payload == large, "the streamed frame arrives unchanged");
     // The desktop that did not read gets all 3 MiB, in order.
     let mut leg_c = leg_c;
     let mut got = Vec::new();
@@ -1111,6 +1124,13 @@ fn capture_state_fixture() {
     assert_eq!(leg_b.frame().unwrap().2, b"first fragment ");
     phone_b.send(&second[..3_000]).unwrap();
     leg_b.send(&back[..10]).unwrap();
+    // A pair in the middle of a frame larger than a worker's read buffer, which is forwarded
+    // as its payload arrives: half of it is through.
+    let (s, mut control_s, generation_s) = desktop(&relay);
+    let (mut phone_s, mut leg_s) = pair(&relay, &s, &mut control_s, generation_s);
+    let large: Vec<u8> = (0..1_000_000u32).map(|i| (i % 253) as u8).collect();
+    let streamed = frame(true, OP_BINARY, &large);
+    phone_s.send(&streamed[..500_000]).unwrap();
     // A phone waiting for its data leg.
     let (d, mut control_d, generation_d) = desktop(&relay);
     let (_phone_d, conn_id_d, ticket_d) = waiting_phone(&relay, &d, &mut control_d);

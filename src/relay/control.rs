@@ -287,6 +287,9 @@ fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u
     let Some(control) = context.cell.unseat(&claims.relay_host_id, generation) else {
         return;
     };
+    // No newer control took its place: the desktop has left this cell, and its spliced pairs
+    // are closed 4408 (they would otherwise outlive it, holding its phones' places).
+    context.splice.close_host(&claims.relay_host_id);
     context.seats.record(SeatChange {
         kind: ChangeKind::Leave,
         user_id: claims.user_id.clone(),

@@ -57,7 +57,6 @@ pub(super) fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &st
         buffered,
         parser,
         release: vec![Box::new(hold)],
-        relay_host_id: None,
     };
     if let Err(refused) = pending.attach.try_send(Attach::Leg(leg)) {
         // The phone's thread gave up: the leg (and the unit in it) goes.

@@ -348,9 +348,16 @@ fn wait_for_leg(
             reader.parser,
         ),
         release,
-        relay_host_id: Some(waiting.relay_host_id.clone()),
     };
-    match context.splice.hand_off(Pair { phone, host }) {
+    let cell = context.cell.clone();
+    let host_id = waiting.relay_host_id.clone();
+    let pair = Pair {
+        phone,
+        host,
+        relay_host_id: waiting.relay_host_id.as_str().into(),
+        host_present: Box::new(move || cell.control(&host_id).is_some()),
+    };
+    match context.splice.hand_off(pair) {
         Ok(()) => Served::HandedOff,
         Err(pair) => {
             // No worker can take it (the cell is stopping): a transient failure, retry.

@@ -53,7 +53,10 @@ use super::RunError;
 ///    (version 1: by token), at most 8 a host (the oldest of a version-1 host beyond that are
 ///    dropped); a connection the acceptor's pending loop held (a head arriving, a splice leg's
 ///    first frame) is one with no `claims` (version 1 had them on relay threads: they go to
-///    the pending loop, as a version-2 process would have them).
+///    the pending loop, as a version-2 process would have them); a spliced leg carries its
+///    output's frame cursor (version 1: its output taken as ending at a frame boundary), a
+///    frame it streams, the control frames owed to it, and its idle clock (version 1: starts
+///    at the handover); the pair's desktop for both legs.
 pub const STATE_VERSION: u32 = 2;
 /// The versions this build reads (every one from the first).
 pub const READS: &[u32] = &[1, 2];
@@ -1113,6 +1116,10 @@ impl Taker {
                     socket,
                     last_progress_ms: carry.moment_ms(record.progress_ago_ms),
                     linger_due_ms: record.linger_left_ms.map(|left| carry.deadline_ms(left)),
+                    // A version-1 leg had no idle window: it starts now.
+                    last_arrival_ms: record
+                        .arrival_ago_ms
+                        .map_or(carry.now_ms, |ago| carry.moment_ms(ago)),
                     record,
                     release,
                 }))

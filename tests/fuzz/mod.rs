@@ -21,6 +21,8 @@ use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRu
 
 use orca_relay::relay::frames::{FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
 
+pub mod splice_model;
+
 // ---------------------------------------------------------------------------------------------
 // The harness: targets, seeded runners, a case counter and a per-thread allocation meter.
 
@@ -77,6 +79,11 @@ pub const TARGETS: &[Target] = &[
         ci_cases: 300,
         run: budget_fleet,
     },
+    Target {
+        name: "splice_worker_model",
+        ci_cases: 150,
+        run: splice_model::splice_worker_model,
+    },
 ];
 
 /// Property calls so far (shrinking steps included), across targets.
@@ -95,7 +102,7 @@ pub fn runner(seed: u64, cases: u32) -> TestRunner {
     TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &bytes))
 }
 
-fn check<S>(
+pub(crate) fn check<S>(
     runner: &mut TestRunner,
     strategy: S,
     property: impl Fn(S::Value) -> Result<(), TestCaseError>,
