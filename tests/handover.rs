@@ -1025,6 +1025,9 @@ fn a_changed_env_applies_with_every_connection_kept() {
             )
     };
     assert_eq!(seats_with(second), 401);
+    // Placed now: after the handover the director may see the cell full (its new cap) and
+    // place nobody there.
+    let newcomer = place(&relay, 1).remove(0);
     orca_relay::clock::sleep(Duration::from_secs(1));
     load.mark();
     let tokens = format!("{SERVICE_TOKEN},{second}");
@@ -1042,7 +1045,6 @@ fn a_changed_env_applies_with_every_connection_kept() {
     );
     assert_eq!(seats_with(second), 200, "the second token is accepted");
     assert_eq!(seats_with(SERVICE_TOKEN), 200, "and the first still");
-    let newcomer = place(&relay, 1).remove(0);
     assert_eq!(
         client::connect(&relay.ws, "/v1/host/control", Some(&newcomer.token)).err(),
         Some(503),
@@ -1124,13 +1126,6 @@ fn capture_state_fixture() {
     assert_eq!(leg_b.frame().unwrap().2, b"first fragment ");
     phone_b.send(&second[..3_000]).unwrap();
     leg_b.send(&back[..10]).unwrap();
-    // A pair in the middle of a frame larger than a worker's read buffer, which is forwarded
-    // as its payload arrives: half of it is through.
-    let (s, mut control_s, generation_s) = desktop(&relay);
-    let (mut phone_s, mut leg_s) = pair(&relay, &s, &mut control_s, generation_s);
-    let large: Vec<u8> = (0..1_000_000u32).map(|i| (i % 253) as u8).collect();
-    let streamed = frame(true, OP_BINARY, &large);
-    phone_s.send(&streamed[..500_000]).unwrap();
     // A phone waiting for its data leg.
     let (d, mut control_d, generation_d) = desktop(&relay);
     let (_phone_d, conn_id_d, ticket_d) = waiting_phone(&relay, &d, &mut control_d);

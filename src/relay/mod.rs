@@ -458,10 +458,14 @@ fn spawn_control(
 /// Deposits a connection with the handover; one the handover no longer takes (it ended while
 /// this thread was on its way) goes on, on a new thread.
 fn deposit(context: &RelayContext, parked: Parked) {
-    if let Some(parked) = context.quiesce.deposit(parked) {
-        let id = parked.id;
-        if let Err(e) = resume(context, parked, None) {
-            log::error!("orca_relay_resume_failed conn={id} error={e}");
+    match context.quiesce.deposit(parked) {
+        // Taken: this thread waits for the handover's end, then ends.
+        None => context.quiesce.hold(),
+        Some(parked) => {
+            let id = parked.id;
+            if let Err(e) = resume(context, parked, None) {
+                log::error!("orca_relay_resume_failed conn={id} error={e}");
+            }
         }
     }
 }

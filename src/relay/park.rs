@@ -70,6 +70,9 @@ pub struct Quiesce {
     /// Readable while quiescing (it is never read while set).
     wake: Arc<Wake>,
     deposits: Mutex<Vec<Parked>>,
+    /// Relay threads that deposited and wait for the handover's end ([`Quiesce::hold`]).
+    holding: Mutex<usize>,
+    changed: std::sync::Condvar,
 }
 
 impl std::fmt::Debug for Quiesce {
@@ -86,6 +89,8 @@ impl Quiesce {
         Ok(Arc::new(Quiesce {
             wake: Wake::new()?,
             deposits: Mutex::new(Vec::new()),
+            holding: Mutex::new(0),
+            changed: std::sync::Condvar::new(),
         }))
     }
 
@@ -98,8 +103,76 @@ impl Quiesce {
     /// resumes them); a deposit made from now on is refused (see [`Quiesce::deposit`]).
     pub fn end(&self) -> Vec<Parked> {
         let mut deposits = self.deposits.lock().unwrap_or_else(|e| e.into_inner());
-        self.wake.clear();
+        {
+            // Under the holders' lock: a thread about to hold sees the end.
+            let _holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+            self.wake.clear();
+            self.changed.notify_all();
+        }
         std::mem::take(&mut *deposits)
+    }
+
+    /// A relay thread whose connection was taken: it waits here for the handover's end
+    /// instead of ending at once, so that no thread's teardown (its stack unmapped, a TLB
+    /// shootdown on every core) stands between the quiesce and the transfer. After a commit
+    /// the process exits with it parked; after a rollback it ends ([`Quiesce::end`]) and the
+    /// connection resumes on a new thread.
+    pub fn hold(&self) {
+        let mut holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+        *holding += 1;
+        self.changed.notify_all();
+        while self.wake.is_set() {
+            holding = self
+                .changed
+                .wait(holding)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        *holding -= 1;
+        self.changed.notify_all();
+    }
+
+    /// After [`Quiesce::end`]: waits (until `deadline`) for the holding threads to leave their
+    /// hold; `false` if some still hold.
+    pub fn wait_released(&self, deadline: Instant) -> bool {
+        let mut holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+        while *holding > 0 {
+            let left = deadline.saturating_duration_since(clock::instant());
+            if left.is_zero() {
+                return false;
+            }
+            holding = self
+                .changed
+                .wait_timeout(holding, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Waits until every relay thread (`permits` in use) has deposited and holds, or ended;
+    /// `false` at `deadline`. (A thread that ends releases only its permit: the wait looks
+    /// again every 5 ms.)
+    pub fn wait_all_holding(&self, permits: &crate::threads::Permits, deadline: Instant) -> bool {
+        let mut holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if permits.used() <= *holding {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(clock::instant());
+            if left.is_zero() {
+                return false;
+            }
+            holding = self
+                .changed
+                .wait_timeout(holding, left.min(Duration::from_millis(5)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Relay threads holding (see [`Quiesce::hold`]).
+    pub fn holding(&self) -> usize {
+        *self.holding.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn is_quiescing(&self) -> bool {

@@ -397,11 +397,16 @@ impl InFlight<'_> {
         // the quiesce begun, or it would take the wake for nothing and wait on.
         context.quiesce.begin();
         context.cell.freeze_attaches(|| Attach::Wake);
-        let all_parked = context.thread_permits.wait_idle(self.deadline);
+        let all_parked = context
+            .quiesce
+            .wait_all_holding(&context.thread_permits, self.deadline);
         if !all_parked {
             return Err(format!(
                 "{} connections did not reach a frame boundary within 10 s",
-                context.thread_permits.used()
+                context
+                    .thread_permits
+                    .used()
+                    .saturating_sub(context.quiesce.holding())
             ));
         }
         quiesced.deposits.extend(context.quiesce.take_deposits());
@@ -694,6 +699,17 @@ impl InFlight<'_> {
         if let Some(quiesced) = self.quiesced.take() {
             let mut deposits = quiesced.deposits;
             deposits.extend(context.quiesce.end());
+            // The threads that held their deposited connections end first: the connections
+            // resume on new threads, never beside the old ones (the thread bound holds).
+            if !context
+                .quiesce
+                .wait_released(clock::instant() + Duration::from_secs(10))
+            {
+                log::warn!(
+                    "orca_relay_handover_threads_lingering threads={}",
+                    context.quiesce.holding()
+                );
+            }
             context.cell.thaw_attaches();
             let (pending, deposits): (Vec<Parked>, Vec<Parked>) = deposits
                 .into_iter()
