@@ -72,7 +72,10 @@ pub struct Quiesce {
     deposits: Mutex<Vec<Parked>>,
     /// Relay threads that deposited and wait for the handover's end ([`Quiesce::hold`]).
     holding: Mutex<usize>,
-    changed: std::sync::Condvar,
+    /// Signalled when a thread starts or stops holding (the giver waits on it).
+    counted: std::sync::Condvar,
+    /// Signalled at the handover's end (the holders wait on it).
+    ended: std::sync::Condvar,
 }
 
 impl std::fmt::Debug for Quiesce {
@@ -90,7 +93,8 @@ impl Quiesce {
             wake: Wake::new()?,
             deposits: Mutex::new(Vec::new()),
             holding: Mutex::new(0),
-            changed: std::sync::Condvar::new(),
+            counted: std::sync::Condvar::new(),
+            ended: std::sync::Condvar::new(),
         }))
     }
 
@@ -107,7 +111,7 @@ impl Quiesce {
             // Under the holders' lock: a thread about to hold sees the end.
             let _holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
             self.wake.clear();
-            self.changed.notify_all();
+            self.ended.notify_all();
         }
         std::mem::take(&mut *deposits)
     }
@@ -120,15 +124,12 @@ impl Quiesce {
     pub fn hold(&self) {
         let mut holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
         *holding += 1;
-        self.changed.notify_all();
+        self.counted.notify_all();
         while self.wake.is_set() {
-            holding = self
-                .changed
-                .wait(holding)
-                .unwrap_or_else(|e| e.into_inner());
+            holding = self.ended.wait(holding).unwrap_or_else(|e| e.into_inner());
         }
         *holding -= 1;
-        self.changed.notify_all();
+        self.counted.notify_all();
     }
 
     /// After [`Quiesce::end`]: waits (until `deadline`) for the holding threads to leave their
@@ -141,7 +142,7 @@ impl Quiesce {
                 return false;
             }
             holding = self
-                .changed
+                .counted
                 .wait_timeout(holding, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
@@ -163,7 +164,7 @@ impl Quiesce {
                 return false;
             }
             holding = self
-                .changed
+                .counted
                 .wait_timeout(holding, left.min(Duration::from_millis(5)))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
