@@ -559,6 +559,73 @@ fn a_silent_pair_is_closed_at_the_idle_timeout_and_a_pinging_pair_stays() {
     drop((silent_phone, silent_leg));
 }
 
+/// A desktop streaming to a phone that downloads slowly is paused for longer than the idle
+/// window (the phone's output is at its bound): what the desktop sends, the answer to the
+/// relay's ping included, waits unread in the kernel, so its silence cannot be judged. Both ends
+/// are alive (the phone pings, the desktop writes): the pair is not closed as silent.
+#[test]
+fn a_desktop_paused_by_a_slow_download_is_not_closed_as_silent() {
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_SPLICE_IDLE_MS", "1500"),
+        ("ORCA_RELAY_WEDGE_MS", "60000"),
+    ]);
+    let mut desktop = Desktop::connect(&relay);
+    let (phone, leg) = splice(&relay, &mut desktop);
+    let (mut phone_in, mut phone_out) = (raw(&phone), raw(&phone));
+    let mut leg_out = raw(&leg);
+    let stop = Arc::new(AtomicBool::new(false));
+    let streamer = {
+        let stop = stop.clone();
+        orca_relay::threads::spawn("test-screen-stream", move || {
+            let frame = client_frame(0x82, &[1u8; 64 * 1024]);
+            leg_out
+                .set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            while !stop.load(Ordering::Acquire) {
+                match leg_out.write(&frame) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+        })
+        .unwrap()
+    };
+    // The phone reads 1 KiB every 100 ms and pings every 500 ms: alive, but slow.
+    let phone_end = {
+        let stop = stop.clone();
+        phone_in
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        orca_relay::threads::spawn("test-slow-phone", move || {
+            let mut buf = [0u8; 1024];
+            let mut last_ping = orca_relay::clock::instant();
+            while !stop.load(Ordering::Acquire) {
+                if let Ok(0) = phone_in.read(&mut buf) {
+                    break;
+                }
+                if last_ping.elapsed() >= Duration::from_millis(500) {
+                    last_ping = orca_relay::clock::instant();
+                    let _ = phone_out.write_all(&client_frame(0x89, b"keepalive"));
+                }
+                orca_relay::clock::sleep(Duration::from_millis(100));
+            }
+        })
+        .unwrap()
+    };
+    let idle = relay.wait_for_log("orca_relay_splice_idle", Duration::from_secs(5));
+    stop.store(true, Ordering::Release);
+    let _ = streamer.join();
+    let _ = phone_end.join();
+    drop((phone, leg));
+    assert!(idle.is_none(), "a live pair was closed as silent: {idle:?}");
+}
+
 /// A desktop's control leaves (no newer one takes its place): each of its spliced pairs is
 /// closed 4408 and frees its phone's place.
 #[test]
