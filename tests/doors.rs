@@ -403,6 +403,82 @@ fn a_control_that_trickles_its_hello_is_closed_at_its_deadline() {
     assert!(took < Duration::from_secs(3), "closed after {took:?}");
 }
 
+/// Unauthenticated splice legs that flood control frames as fast as they can (pongs: they need
+/// no reading) never hold the acceptor's loop: other upgrades are answered meanwhile, and each
+/// flooder is closed at its first-frame deadline however fast it sends.
+#[test]
+fn pending_legs_that_flood_control_frames_never_hold_the_acceptor() {
+    const FLOODERS: usize = 3;
+    const GIVE_UP: Duration = Duration::from_secs(15);
+    let relay = Relay::combined(&[("ORCA_RELAY_FIRST_FRAME_MS", "1000")]);
+    let mut pong = Vec::new();
+    orca_relay::relay::frames::encode_client_frame(0x8A, b"", [1, 2, 3, 4], &mut pong);
+    let batch: Arc<Vec<u8>> = Arc::new(pong.iter().copied().cycle().take(60_000).collect());
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // All upgraded first, then all flooding.
+    let upgraded: Vec<_> = (0..FLOODERS)
+        .map(|n| {
+            let mut stream = TcpStream::connect(&relay.ws).unwrap();
+            stream
+                .write_all(upgrade_request(&format!("/v1/connect/flood{n}"), "").as_bytes())
+                .unwrap();
+            let (status, _, _) = read_head(&mut stream, Duration::from_secs(5)).expect("an answer");
+            assert_eq!(status, 101);
+            stream
+                .set_write_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            (stream, clock::instant())
+        })
+        .collect();
+    let flooders: Vec<_> = upgraded
+        .into_iter()
+        .enumerate()
+        .map(|(n, (mut stream, upgraded))| {
+            let (batch, sent) = (batch.clone(), sent.clone());
+            orca_relay::threads::spawn(format!("test-flood-{n}"), move || {
+                // Until the relay drops the connection (or the test gives up).
+                while upgraded.elapsed() < GIVE_UP && stream.write_all(&batch).is_ok() {
+                    sent.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                }
+                upgraded.elapsed()
+            })
+            .unwrap()
+        })
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(5), || sent.load(Ordering::Relaxed)
+            >= 4 << 20),
+        "the flood started"
+    );
+    // While they flood, other connections are upgraded at once.
+    for n in 0..5 {
+        let started = clock::instant();
+        let mut stream = TcpStream::connect(&relay.ws).unwrap();
+        stream
+            .write_all(upgrade_request(&format!("/v1/connect/probe{n}"), "").as_bytes())
+            .unwrap();
+        let answer = read_head(&mut stream, Duration::from_secs(3));
+        let took = started.elapsed();
+        assert_eq!(
+            answer.map(|(status, _, _)| status),
+            Some(101),
+            "an upgrade beside the flood was not answered within {took:?}"
+        );
+        assert!(
+            took < Duration::from_secs(1),
+            "an upgrade beside the flood took {took:?}"
+        );
+    }
+    // Each flooder is closed at its deadline: 1 s after its upgrade, then the close linger.
+    for flooder in flooders {
+        let lived = flooder.join().unwrap();
+        assert!(
+            lived < Duration::from_secs(6),
+            "a flooding pending leg lived {lived:?}"
+        );
+    }
+}
+
 /// A desktop token whose key needs a JWKS fetch is checked off the acceptor's loop: while that
 /// fetch takes 1.5 s, another desktop (a cached key) is upgraded at once.
 #[test]

@@ -1,11 +1,10 @@
 //! Readiness from the outside (SPEC §7, seed `readiness-last-known-good.md`): the real binary
 //! against a real JWKS server that is stopped and restarted on the same port, and against the
-//! real PostgreSQL test server stopped and restarted, with the graces shrunk to seconds.
+//! real PostgreSQL server stopped and restarted, with the graces shrunk to seconds.
 //!
 //! The JWKS case runs the combined role on SQLite with a JWKS; it never touches PostgreSQL.
-//! Every case that stops PostgreSQL lives in the one `#[test]` below that takes
-//! [`PG_SERIAL`]: stopping the server cuts every test of this binary that uses it, and cargo
-//! runs test binaries one at a time, so no other binary can be using it meanwhile.
+//! The SQL outage stops a PostgreSQL server of its own (`common::pg::Cluster`), never the
+//! shared test server, so other test binaries may use that one at the same time.
 
 mod common;
 mod harness;
@@ -16,9 +15,6 @@ use std::time::Duration;
 
 use harness::*;
 use serde_json::{json, Value};
-
-/// Serialises the tests that stop the shared PostgreSQL server.
-static PG_SERIAL: Mutex<()> = Mutex::new(());
 
 /// Both graces, shrunk from 15 and 3 minutes.
 const GRACE_MS: u64 = 3000;
@@ -252,43 +248,17 @@ fn jwks_outage_is_ridden_out_from_the_cached_keys_then_expires_and_recovers() {
     health.finish("jwks outage");
 }
 
-/// Restarts the PostgreSQL test server if a failed assertion left it stopped.
-struct ServerGuard {
-    stopped: bool,
-}
-
-impl ServerGuard {
-    fn stop(&mut self) {
-        common::pg::stop_server();
-        self.stopped = true;
-    }
-
-    fn start(&mut self) {
-        common::pg::start_server();
-        self.stopped = false;
-    }
-}
-
-impl Drop for ServerGuard {
-    fn drop(&mut self) {
-        if self.stopped {
-            common::pg::start_server();
-        }
-    }
-}
-
 #[test]
 fn sql_outage_degrades_then_expires_and_a_process_born_during_it_waits_without_crashing() {
-    let _serial = PG_SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let running_db = common::pg::fresh_database("readiness_sql");
-    let cold_db = common::pg::fresh_database("readiness_cold");
+    let server = common::pg::Cluster::primary();
+    let running_db = server.create_database("readiness_sql");
+    let cold_db = server.create_database("readiness_cold");
 
     let running = Relay::combined(&env_refs(&shrunk(&[("DATABASE_URL", &running_db)])));
     wait_ready(&running, 200, &healthy());
     let mut before = Desktop::connect(&running);
     let health = HealthWatch::start(&running.http);
 
-    let mut server = ServerGuard { stopped: false };
     // The last success came at most one probe period before the stop began (pg_ctl's fast
     // stop itself takes a while), so the window ends no sooner than the grace after this.
     let stopped_at = orca_relay::clock::instant();

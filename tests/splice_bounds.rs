@@ -250,7 +250,7 @@ fn a_phone_that_reads_its_download_slowly_still_gets_its_input_through_at_once()
         .unwrap();
     let mut frames = ServerFrames::default();
     let mut buf = [0u8; 1024];
-    let mut worst = Duration::ZERO;
+    let mut delays = Vec::with_capacity(100);
     for key in 0..100u32 {
         let sent = orca_relay::clock::instant();
         phone_out
@@ -264,16 +264,26 @@ fn a_phone_that_reads_its_download_slowly_still_gets_its_input_through_at_once()
             frames.push(&buf[..n]);
         };
         assert_eq!(got, (0x81, format!("key-{key}").into_bytes()));
-        worst = worst.max(sent.elapsed());
+        delays.push(sent.elapsed());
         orca_relay::clock::sleep(Duration::from_millis(10));
     }
     stop.store(true, Ordering::Release);
     drop((phone, leg));
     let _ = streamer.join();
     let _ = slow.join();
+    // Each keystroke within 50 ms; on a loaded machine (CI runs beside busy loops) a few may
+    // lose a scheduling slice, so up to 5 of 100 may be late, none by a second. A leg paused
+    // by its own output never gets a keystroke through at all (the read above times out).
+    delays.sort();
+    let late = delays
+        .iter()
+        .filter(|delay| **delay > Duration::from_millis(50))
+        .count();
+    let worst = delays.last().copied().unwrap_or_default();
     assert!(
-        worst <= Duration::from_millis(50),
-        "a keystroke took {worst:?} behind the download"
+        late <= 5 && worst < Duration::from_secs(1),
+        "{late} of 100 keystrokes over 50 ms behind the download (median {:?}, worst {worst:?})",
+        delays[delays.len() / 2]
     );
 }
 
@@ -547,6 +557,73 @@ fn a_silent_pair_is_closed_at_the_idle_timeout_and_a_pinging_pair_stays() {
     assert_eq!(got.as_str(), "still here");
     drop(extra);
     drop((silent_phone, silent_leg));
+}
+
+/// A desktop streaming to a phone that downloads slowly is paused for longer than the idle
+/// window (the phone's output is at its bound): what the desktop sends, the answer to the
+/// relay's ping included, waits unread in the kernel, so its silence cannot be judged. Both ends
+/// are alive (the phone pings, the desktop writes): the pair is not closed as silent.
+#[test]
+fn a_desktop_paused_by_a_slow_download_is_not_closed_as_silent() {
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_SPLICE_IDLE_MS", "1500"),
+        ("ORCA_RELAY_WEDGE_MS", "60000"),
+    ]);
+    let mut desktop = Desktop::connect(&relay);
+    let (phone, leg) = splice(&relay, &mut desktop);
+    let (mut phone_in, mut phone_out) = (raw(&phone), raw(&phone));
+    let mut leg_out = raw(&leg);
+    let stop = Arc::new(AtomicBool::new(false));
+    let streamer = {
+        let stop = stop.clone();
+        orca_relay::threads::spawn("test-screen-stream", move || {
+            let frame = client_frame(0x82, &[1u8; 64 * 1024]);
+            leg_out
+                .set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            while !stop.load(Ordering::Acquire) {
+                match leg_out.write(&frame) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+        })
+        .unwrap()
+    };
+    // The phone reads 1 KiB every 100 ms and pings every 500 ms: alive, but slow.
+    let phone_end = {
+        let stop = stop.clone();
+        phone_in
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        orca_relay::threads::spawn("test-slow-phone", move || {
+            let mut buf = [0u8; 1024];
+            let mut last_ping = orca_relay::clock::instant();
+            while !stop.load(Ordering::Acquire) {
+                if let Ok(0) = phone_in.read(&mut buf) {
+                    break;
+                }
+                if last_ping.elapsed() >= Duration::from_millis(500) {
+                    last_ping = orca_relay::clock::instant();
+                    let _ = phone_out.write_all(&client_frame(0x89, b"keepalive"));
+                }
+                orca_relay::clock::sleep(Duration::from_millis(100));
+            }
+        })
+        .unwrap()
+    };
+    let idle = relay.wait_for_log("orca_relay_splice_idle", Duration::from_secs(5));
+    stop.store(true, Ordering::Release);
+    let _ = streamer.join();
+    let _ = phone_end.join();
+    drop((phone, leg));
+    assert!(idle.is_none(), "a live pair was closed as silent: {idle:?}");
 }
 
 /// A desktop's control leaves (no newer one takes its place): each of its spliced pairs is

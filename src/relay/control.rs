@@ -366,7 +366,9 @@ impl InviteRate {
             self.refilled_at_ms = now_ms;
         }
         if self.available == 0 {
-            return Err(INVITE_CREATE_REFILL_MS - (now_ms - self.refilled_at_ms));
+            return Err(
+                INVITE_CREATE_REFILL_MS.saturating_sub(now_ms.saturating_sub(self.refilled_at_ms))
+            );
         }
         self.available -= 1;
         Ok(())

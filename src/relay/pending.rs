@@ -17,7 +17,8 @@
 //! 3. a **phone or data leg** gets its 101 and then sends its credential as its first frame,
 //!    read by `splice_reader::FirstFrameReader` (at most a few KiB, never the declared length):
 //!    pings are answered, nothing else is; `phone.rs` / `data.rs` check the credential and only
-//!    then take the unit, the permit (a phone's thread) and the phone place.
+//!    then take the unit, the permit (a phone's thread) and the phone place. A leg gets a few
+//!    reads and answered pings per loop turn, then waits in the backlog behind the others.
 //!
 //! **Deadlines.** One absolute deadline per socket, fixed when it is accepted:
 //! [`upgrade::UPGRADE_DEADLINE`] (5 s) for the head and the whole pending life. At the 101 it
@@ -76,6 +77,11 @@ const ACCEPTS_PER_TURN: usize = 128;
 const HEAD_CHUNK: usize = 2 * 1024;
 /// The loop's wait when the listener keeps failing (not a descriptor shortage): no spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Reads of a splice leg's first frame per loop turn, and pings it may have answered in one: a
+/// leg that sends faster than the loop parses (a flood of pongs needs no reading) waits in the
+/// backlog behind the others, so it never holds the loop (accepts, other legs, deadlines).
+const FIRST_FRAME_READS_PER_TURN: usize = 4;
+const PINGS_PER_TURN: usize = 16;
 
 /// A connection the pending plane has finished with and handed on: the socket (non-blocking
 /// still), its id, and the bytes its first-frame reader holds.
@@ -148,6 +154,8 @@ struct Entry {
     seq: u64,
     deadline: Instant,
     stage: Stage,
+    /// Its turn's budget ran out with bytes perhaps still in the socket: it is in the backlog.
+    backlogged: bool,
 }
 
 enum Stage {
@@ -199,6 +207,9 @@ struct Plane {
     verdicts: (Sender<Verdict>, Receiver<Verdict>),
     waker: Arc<Waker>,
     scratch: Vec<u8>,
+    /// Legs whose turn's budget ran out (slot, seq): read again next turn, since an
+    /// edge-triggered registration does not report the bytes they left in the socket.
+    backlog: VecDeque<(usize, u64)>,
 }
 
 impl Plane {
@@ -236,6 +247,7 @@ impl Plane {
             verdicts: mpsc::channel(),
             waker,
             scratch: vec![0; HEAD_CHUNK],
+            backlog: VecDeque::new(),
         })
     }
 
@@ -246,7 +258,7 @@ impl Plane {
                 .deadlines
                 .peek()
                 .map(|Reverse((due, _, _))| due.saturating_duration_since(clock::instant()));
-            let timeout = if self.listener_ready {
+            let timeout = if self.listener_ready || !self.backlog.is_empty() {
                 Some(Duration::ZERO)
             } else if self.accept_failing {
                 // The listener is retried after a short wait, never in a spin.
@@ -278,6 +290,7 @@ impl Plane {
             if verdicts {
                 self.take_verdicts();
             }
+            self.serve_backlog();
             if self.listener_ready || self.accept_failing {
                 self.accept_some();
             }
@@ -383,6 +396,7 @@ impl Plane {
                 buf: Vec::new(),
                 scanned: 0,
             },
+            backlogged: false,
         });
         self.order.insert(seq, slot);
         self.deadlines.push(Reverse((deadline, slot, seq)));
@@ -690,7 +704,33 @@ impl Plane {
         self.read_first_frame(slot);
     }
 
+    /// Legs whose budget ran out last turn get their next turn, once each.
+    fn serve_backlog(&mut self) {
+        for _ in 0..self.backlog.len() {
+            let Some((slot, seq)) = self.backlog.pop_front() else {
+                return;
+            };
+            match self.entry(slot) {
+                Some(entry) if entry.seq == seq => entry.backlogged = false,
+                _ => continue,
+            }
+            self.progress(slot);
+        }
+    }
+
+    /// The leg's turn is over with bytes perhaps left in its socket: it goes on the backlog.
+    fn defer(&mut self, slot: usize) {
+        if let Some(entry) = self.entry(slot) {
+            if !entry.backlogged {
+                entry.backlogged = true;
+                let seq = entry.seq;
+                self.backlog.push_back((slot, seq));
+            }
+        }
+    }
+
     fn read_first_frame(&mut self, slot: usize) {
+        let (mut reads, mut pings) = (0, 0);
         loop {
             let Some(entry) = self.entry(slot) else {
                 return;
@@ -706,6 +746,10 @@ impl Plane {
                         // A client that does not read its pongs while pending is dropped.
                         drop(self.take(slot));
                         return;
+                    }
+                    pings += 1;
+                    if pings == PINGS_PER_TURN {
+                        return self.defer(slot);
                     }
                     continue;
                 }
@@ -724,6 +768,10 @@ impl Plane {
                 }
                 FirstFrame::Text(text) => return self.authenticate(slot, text),
             }
+            if reads == FIRST_FRAME_READS_PER_TURN {
+                return self.defer(slot);
+            }
+            reads += 1;
             match reader.fill(&entry.stream) {
                 Ok(0) => {
                     drop(self.take(slot));
@@ -844,6 +892,7 @@ impl Plane {
         self.verifying = None;
         self.verify_queue.clear();
         self.deadlines.clear();
+        self.backlog.clear();
         self.context.pending_now.store(0, Ordering::Release);
         parked
     }
@@ -918,6 +967,7 @@ impl Plane {
             seq,
             deadline,
             stage,
+            backlogged: false,
         });
         self.order.insert(seq, slot);
         self.deadlines.push(Reverse((deadline, slot, seq)));

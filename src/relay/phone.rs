@@ -99,8 +99,10 @@ pub(super) fn authenticate(
             return None;
         }
     };
-    // Nothing is taken until the invite is checked, and everything is taken before the phone
-    // is registered with its host: a refusal after that point never happens.
+    // The cap unit and the thread permit are taken just before the invite is checked (in
+    // memory, on this loop; both go back at once on a refusal), so that once `admit_phone` has
+    // registered the phone with its host nothing can refuse it any more. At a full cap a phone
+    // is therefore refused 4429 before its invite is looked at.
     let Some(unit) = context.slots.try_take() else {
         close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
         return None;

@@ -18,7 +18,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::StoreError;
 use crate::clock;
@@ -123,28 +123,45 @@ impl<K: Connector> Pool<K> {
             if state.open < state.ceiling {
                 state.open += 1;
                 drop(state);
-                return match self.shared.connector.connect() {
-                    Ok(conn) => Ok(self.guard(conn, false)),
-                    Err(error) => {
-                        self.lock().open -= 1;
-                        self.shared.returned.notify_one();
-                        Err(error)
-                    }
-                };
+                return self.open_counted();
             }
-            let now = clock::instant();
-            if now >= deadline {
-                return Err(StoreError::pool_exhausted(timeout, state.open));
-            }
-            state.waiters += 1;
-            let (next, _) = self
-                .shared
-                .returned
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            state = next;
-            state.waiters -= 1;
+            state = self.wait_returned(state, deadline, timeout)?;
         }
+    }
+
+    /// Opens a connection in a place the caller has counted (`open` already raised); the place
+    /// is given back when the connect fails.
+    fn open_counted(&self) -> Result<PooledConnection<K>, StoreError> {
+        match self.shared.connector.connect() {
+            Ok(conn) => Ok(self.guard(conn, false)),
+            Err(error) => {
+                self.lock().open -= 1;
+                self.shared.returned.notify_one();
+                Err(error)
+            }
+        }
+    }
+
+    /// Waits, as a counted waiter, until a connection is returned or `deadline` (the pool
+    /// exhausted, after `timeout` in all).
+    fn wait_returned<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, PoolState<K::Conn>>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<MutexGuard<'a, PoolState<K::Conn>>, StoreError> {
+        let now = clock::instant();
+        if now >= deadline {
+            return Err(StoreError::pool_exhausted(timeout, state.open));
+        }
+        state.waiters += 1;
+        let (mut state, _) = self
+            .shared
+            .returned
+            .wait_timeout(state, deadline - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.waiters -= 1;
+        Ok(state)
     }
 
     fn guard(&self, conn: K::Conn, reused: bool) -> PooledConnection<K> {
@@ -166,14 +183,7 @@ impl<K: Connector> Pool<K> {
             if state.open < state.ceiling {
                 state.open += 1;
                 drop(state);
-                return match self.shared.connector.connect() {
-                    Ok(conn) => Ok(self.guard(conn, false)),
-                    Err(error) => {
-                        self.lock().open -= 1;
-                        self.shared.returned.notify_one();
-                        Err(error)
-                    }
-                };
+                return self.open_counted();
             }
             if let Some(conn) = state.idle.pop() {
                 state.open -= 1;
@@ -182,18 +192,7 @@ impl<K: Connector> Pool<K> {
                 state = self.lock();
                 continue;
             }
-            let now = clock::instant();
-            if now >= deadline {
-                return Err(StoreError::pool_exhausted(timeout, state.open));
-            }
-            state.waiters += 1;
-            let (next, _) = self
-                .shared
-                .returned
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            state = next;
-            state.waiters -= 1;
+            state = self.wait_returned(state, deadline, timeout)?;
         }
     }
 

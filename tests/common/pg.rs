@@ -93,42 +93,6 @@ pub fn connections_named(admin: &mut Client, database: &str, application_name: &
         .unwrap_or_else(|error| panic!("read pg_stat_activity failed: {error}"))
 }
 
-fn pg_ctl(args: &[&str]) {
-    let pg_ctl = env("ORCA_RELAY_TEST_PG_CTL");
-    let data = env("ORCA_RELAY_TEST_PGDATA");
-    let user = std::env::var("ORCA_RELAY_TEST_PG_USER").unwrap_or_default();
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let as_root = unsafe { libc::geteuid() } == 0;
-    let mut command = if as_root && !user.is_empty() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", &user, "--", &pg_ctl]);
-        c
-    } else {
-        Command::new(&pg_ctl)
-    };
-    command.args(["-D", &data]).args(args);
-    // The server keeps its starter's stdout open: never pipe it.
-    command
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let status = command
-        .status()
-        .unwrap_or_else(|error| panic!("run pg_ctl {args:?} failed: {error}"));
-    assert!(status.success(), "pg_ctl {args:?} exited with {status}");
-}
-
-/// Stops the test server (fast shutdown: sessions are cut).
-pub fn stop_server() {
-    pg_ctl(&["stop", "-m", "fast", "-w"]);
-}
-
-/// Starts the test server again with the same data and port.
-pub fn start_server() {
-    let log = format!("{}/log/pg_ctl.log", env("ORCA_RELAY_TEST_PGDATA"));
-    pg_ctl(&["-l", &log, "start", "-w"]);
-}
-
 /// A PostgreSQL server of a test's own (its own data directory and port), from the same
 /// installation as the shared test server: for what the shared one must never go through, a
 /// primary stopped for good and a streaming replica promoted in its place. Stopped and deleted
@@ -218,7 +182,8 @@ impl Cluster {
             .expect("configure the cluster");
     }
 
-    fn start(&self) {
+    /// Starts the server (again, after [`Cluster::stop`]) with the same data and port.
+    pub fn start(&self) {
         let log = self.data.join("server.log");
         self.run(
             "pg_ctl",
@@ -302,6 +267,16 @@ impl Cluster {
 
     pub fn connect(&self, database: &str) -> Client {
         connect(&self.url(database))
+    }
+
+    /// Creates a database named after `prefix` on this server and returns its URL.
+    pub fn create_database(&self, prefix: &str) -> String {
+        static DATABASES: AtomicU32 = AtomicU32::new(0);
+        let name = format!("{prefix}_{}", DATABASES.fetch_add(1, Ordering::SeqCst));
+        self.connect("postgres")
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .unwrap_or_else(|error| panic!("create database {name} failed: {error}"));
+        self.url(&name)
     }
 
     /// Stops the server (fast shutdown: every session is ended).

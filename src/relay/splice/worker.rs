@@ -1484,6 +1484,15 @@ impl Worker {
                     leg.idle_armed = false;
                     return;
                 }
+                if leg.paused {
+                    // Not read while its peer's output is at the bound: what it sent (the
+                    // answer to our ping too) waits unread in the kernel, so its silence cannot
+                    // be judged. It counts as heard from; once resumed it gets a whole window.
+                    // (The wedge window ends a pair whose reader stopped, TCP keepalive one
+                    // whose end vanished.)
+                    leg.last_arrival_ms = now;
+                    leg.idle_pinged = false;
+                }
                 match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
                     IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
                     IdleStep::Ping { then } => {
