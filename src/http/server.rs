@@ -981,6 +981,17 @@ mod tests {
             table.waiting() == waiting
         }
 
+        /// Waits until the table holds `len` connections: a client sees its answer's close a
+        /// moment before the server's thread gives the connection's entry back.
+        fn wait_for_len(&self, len: usize) -> bool {
+            let table = &self.server.as_ref().unwrap().shared.table;
+            let until = crate::clock::instant() + Duration::from_secs(5);
+            while table.len() != len && crate::clock::instant() < until {
+                crate::clock::sleep(Duration::from_millis(5));
+            }
+            table.len() == len
+        }
+
         fn connect(&self) -> TcpStream {
             let stream = TcpStream::connect(self.addr).unwrap();
             stream
@@ -1159,6 +1170,10 @@ mod tests {
         assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
         assert_eq!(read_to_close(&mut stalled[0]), "", "the oldest was shed");
         assert_eq!(fixture.counter("orca_relay_http_connections_shed_total"), 1);
+        assert!(
+            fixture.wait_for_len(1),
+            "only the second stalled head is left"
+        );
         // A connection that withholds its body waits like a stalled head: it is shed too.
         let mut withholding = fixture.connect();
         withholding
@@ -1171,6 +1186,10 @@ mod tests {
         );
         assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
         assert_eq!(fixture.counter("orca_relay_http_connections_shed_total"), 2);
+        assert!(
+            fixture.wait_for_len(1),
+            "only the withholding connection is left"
+        );
         // Two connections busy in a handler cannot be shed: the next one is refused.
         let mut busy: Vec<TcpStream> = (0..2)
             .map(|_| {
