@@ -181,9 +181,8 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
         "the process is the new build"
     );
     assert_ne!(serving.pid, old_pid);
-    orca_relay::clock::sleep(Duration::from_secs(3));
+    let report = handover_kit::served(|| load.report(), 399, DEADLINE);
     let (joined, refused) = joiners.stop();
-    let report = load.report();
     assert!(report.closed.is_empty(), "closed: {:?}", report.closed);
     assert!(report.violations.is_empty(), "{:?}", report.violations);
     assert_eq!(
@@ -266,6 +265,24 @@ fn a_combined_relay_under_load_hands_over_twenty_times_losing_nothing() {
 
 // ---------------------------------------------------------------------------------------------
 // Every kind of connection, where it was.
+
+/// Fixes `stream`'s receive buffer at 64 KiB (the kernel doubles it), which also ends its
+/// autotuning.
+fn hold_receive_buffer_small(stream: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let size: libc::c_int = 64 * 1024;
+    // SAFETY: a valid descriptor and a c_int option value of the stated length.
+    let set = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(set, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+}
 
 /// A desktop seated on a combined relay through the blocking client.
 fn desktop(relay: &Relay) -> (Identity, Blocking, u64) {
@@ -370,10 +387,13 @@ fn every_kind_of_connection_crosses_a_handover_where_it_was() {
     let second = frame(true, OP_CONTINUE, &vec![b'x'; 70_000]);
     phone_b.send(&first).unwrap();
     phone_b.send(&second[..30_000]).unwrap();
-    // A pair whose desktop does not read: 3 MiB wait in the relay and in socket buffers.
+    // A pair whose desktop does not read: 8 MiB wait in the relay and in socket buffers. The
+    // desktop's receive buffer is held small (no autotuning), so the kernel cannot take it all
+    // and the relay holds pending output for the desktop when the handover comes.
     let (c, mut control_c, generation_c) = desktop(&relay);
     let (phone_c, leg_c) = pair(&relay, &c, &mut control_c, generation_c);
-    let blob: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    hold_receive_buffer_small(&leg_c.stream);
+    let blob: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
     let writer = {
         let mut phone_c = phone_c;
         let blob = blob.clone();
@@ -637,11 +657,12 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
                 ready(&relay);
                 let identities = place(&relay, 20);
                 let load = Load::start(&relay.ws, Spec::new(20, 5), identities);
-                orca_relay::clock::sleep(Duration::from_secs(1));
                 load.mark();
+                handover_kit::served(|| load.report(), 10, DEADLINE);
                 let outcome = hand_over(&relay, None, &extra, &args);
-                orca_relay::clock::sleep(Duration::from_secs(3));
-                let report = load.report();
+                // Served after the failure: every control pinged, every stream moving.
+                load.mark();
+                let report = handover_kit::served(|| load.report(), 10, DEADLINE);
                 let finished = load.finish(Duration::from_secs(30));
                 (name, cause, relay, outcome, report, finished)
             })
@@ -1050,8 +1071,7 @@ fn a_changed_env_applies_with_every_connection_kept() {
         Some(503),
         "over the new cap"
     );
-    orca_relay::clock::sleep(Duration::from_secs(3));
-    let report = load.report();
+    let report = handover_kit::served(|| load.report(), 0, DEADLINE);
     let finished = load.finish(Duration::from_secs(30));
     assert!(finished.closed.is_empty(), "closed: {:?}", finished.closed);
     assert!(finished.violations.is_empty());

@@ -104,9 +104,9 @@ fn a_postgres_cell_under_load_hands_over_losing_nothing() {
         handover_kit::served_version(&cell.http).as_deref(),
         Some("0.1.0+next")
     );
-    orca_relay::clock::sleep(Duration::from_secs(3));
+    handover_kit::served(|| load.report(), 399, Duration::from_secs(60));
     load.resume_desktop(0);
-    orca_relay::clock::sleep(Duration::from_secs(2));
+    handover_kit::served(|| load.report(), 400, Duration::from_secs(60));
     // (While the load still holds its connections.) The same cell for the database and the director: its lease, its row, its registration.
     assert_eq!(store.live_leases_for_host(&sample, now()).unwrap(), 1);
     let row = store.admit_effective("pg-handed").unwrap().unwrap();

@@ -154,9 +154,9 @@ fn systemctl_reload_hands_over_under_load_and_systemd_follows_the_next_process()
         systemd_harness::wait_until(Duration::from_secs(15), || !alive_inside(&ns, first)),
         "the old process exits"
     );
-    orca_relay::clock::sleep(Duration::from_secs(3));
+    handover_kit::served(|| load.report(), 399, Duration::from_secs(60));
     load.resume_desktop(0);
-    orca_relay::clock::sleep(Duration::from_secs(2));
+    handover_kit::served(|| load.report(), 400, Duration::from_secs(60));
     let (asked, failures) = poller.stop();
     let report = load.report();
     let finished = load.finish(Duration::from_secs(60));

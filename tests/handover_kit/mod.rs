@@ -344,3 +344,24 @@ pub fn served_version(http: &str) -> Option<String> {
         Some(rest.split('"').next()?.to_string())
     })
 }
+
+/// The load's report once every control has heard a ping and `streams` streams have moved
+/// since the mark (or, after `timeout`, as it stands, for the caller's assertions to name what
+/// is missing). A wait on the load itself, not on a figure of wall time: a loaded machine only
+/// makes it longer.
+pub fn served(
+    mut report: impl FnMut() -> load::Report,
+    streams: usize,
+    timeout: Duration,
+) -> load::Report {
+    let deadline = harness::now_instant() + timeout;
+    loop {
+        let now = report();
+        let served = now.pinged_since_mark >= now.controls
+            && now.streams_flowing_since_mark >= streams;
+        if served || harness::now_instant() >= deadline || !now.closed.is_empty() {
+            return now;
+        }
+        orca_relay::clock::sleep(Duration::from_millis(100));
+    }
+}
