@@ -99,6 +99,28 @@ pub struct Report {
 }
 
 #[derive(Default)]
+struct SinceMark {
+    mark: Option<Instant>,
+    pinged: usize,
+    flowing: usize,
+}
+
+impl Shared {
+    /// Counts a control pinged (`stream` false) or a stream moving since `mark`, if `mark` is
+    /// still the current one.
+    fn count_since(&self, mark: Instant, stream: bool) {
+        let mut since = self.since_mark.lock().unwrap();
+        if since.mark == Some(mark) {
+            if stream {
+                since.flowing += 1;
+            } else {
+                since.pinged += 1;
+            }
+        }
+    }
+}
+
+#[derive(Default)]
 struct Shared {
     stop: AtomicBool,
     stop_sending: AtomicBool,
@@ -115,8 +137,10 @@ struct Shared {
     bytes_received: AtomicU64,
     max_stall_ms: AtomicU64,
     worst_gaps: Mutex<Vec<(u64, u64)>>,
-    pinged: AtomicUsize,
-    flowing: AtomicUsize,
+    /// Controls pinged and streams moving since the current mark, counted under the lock by
+    /// the loops for the mark they saw (a loop's turn that began before a new mark counts
+    /// nothing into it).
+    since_mark: Mutex<SinceMark>,
     /// Streams whose receiving end has everything its sender sent (after stop_sending).
     drained: AtomicUsize,
 }
@@ -182,7 +206,8 @@ struct Stream {
     expected: u64,
     assembling: Option<Vec<u8>>,
     last_arrival: Option<Instant>,
-    flowing_since_mark: bool,
+    /// The mark this stream was last counted as moving for.
+    flowing_since: Option<Instant>,
     salt_out: u64,
     salt_in: u64,
 }
@@ -196,7 +221,8 @@ struct Conn {
     out_start: usize,
     role: Role,
     closed: bool,
-    pinged_since_mark: bool,
+    /// The mark this control was last counted as pinged for.
+    pinged_since: Option<Instant>,
     stream: Option<Stream>,
     mask: u32,
 }
@@ -311,10 +337,14 @@ impl Load {
 
     /// From now on: stalls are measured, and pings and arrivals are counted.
     pub fn mark(&self) {
-        self.shared.pinged.store(0, Ordering::SeqCst);
-        self.shared.flowing.store(0, Ordering::SeqCst);
+        let mut since = self.shared.since_mark.lock().unwrap();
         self.shared.max_stall_ms.store(0, Ordering::SeqCst);
         let ms = self.origin.elapsed().as_millis() as u64 + 1;
+        *since = SinceMark {
+            mark: Some(mark_instant(self.origin, ms)),
+            pinged: 0,
+            flowing: 0,
+        };
         self.shared.mark_ms.store(ms, Ordering::SeqCst);
     }
 
@@ -330,6 +360,10 @@ impl Load {
 
     pub fn report(&self) -> Report {
         let s = &self.shared;
+        let (pinged, flowing) = {
+            let since = s.since_mark.lock().unwrap();
+            (since.pinged, since.flowing)
+        };
         Report {
             controls: self.spec.controls,
             pairs: self.spec.pairs,
@@ -339,9 +373,9 @@ impl Load {
             messages_received: s.received.load(Ordering::SeqCst),
             bytes_received: s.bytes_received.load(Ordering::SeqCst),
             max_stall_ms: s.max_stall_ms.load(Ordering::SeqCst),
-            pinged_since_mark: s.pinged.load(Ordering::SeqCst),
+            pinged_since_mark: pinged,
             worst_gaps: s.worst_gaps.lock().unwrap().clone(),
-            streams_flowing_since_mark: s.flowing.load(Ordering::SeqCst),
+            streams_flowing_since_mark: flowing,
         }
     }
 
@@ -462,7 +496,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                     expected: 0,
                     assembling: None,
                     last_arrival: None,
-                    flowing_since_mark: false,
+                    flowing_since: None,
                     salt_out: out_salt,
                     salt_in: in_salt,
                 })
@@ -477,7 +511,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             out_start: 0,
             role,
             closed: false,
-            pinged_since_mark: false,
+            pinged_since: None,
             stream,
             mask: i as u32 + 1,
         });
@@ -512,7 +546,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
         paused_before = paused.clone();
         let now = crate::harness::now_instant();
         let mark_ms = shared.mark_ms.load(Ordering::SeqCst);
-        let mark = (mark_ms > 0).then(|| origin + Duration::from_millis(mark_ms - 1));
+        let mark = (mark_ms > 0).then(|| mark_instant(origin, mark_ms));
         to_read.sort_unstable();
         to_read.dedup();
         for i in std::mem::take(&mut to_read) {
@@ -570,6 +604,11 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             }
         }
     }
+}
+
+/// The instant of the mark taken `mark_ms` (less one) after `origin`.
+fn mark_instant(origin: Instant, mark_ms: u64) -> Instant {
+    origin + Duration::from_millis(mark_ms - 1)
 }
 
 fn mark_closed(shared: &Shared, conn: &mut Conn, why: &str) {
@@ -659,9 +698,9 @@ fn handle_frame(
                 let mut out = Vec::new();
                 client::encode(&mut out, true, OP_TEXT, pong.as_bytes(), mask);
                 conn.queue(&out);
-                if mark.is_some() && !conn.pinged_since_mark {
-                    conn.pinged_since_mark = true;
-                    shared.pinged.fetch_add(1, Ordering::SeqCst);
+                if let Some(mark) = mark.filter(|mark| conn.pinged_since != Some(*mark)) {
+                    conn.pinged_since = Some(mark);
+                    shared.count_since(mark, false);
                 }
             }
         }
@@ -738,9 +777,9 @@ fn handle_frame(
                         }
                     }
                 }
-                if !stream.flowing_since_mark && now >= mark {
-                    stream.flowing_since_mark = true;
-                    shared.flowing.fetch_add(1, Ordering::SeqCst);
+                if stream.flowing_since != Some(mark) && now >= mark {
+                    stream.flowing_since = Some(mark);
+                    shared.count_since(mark, true);
                 }
             }
             stream.last_arrival = Some(now);
