@@ -357,8 +357,8 @@ pub fn served(
     let deadline = harness::now_instant() + timeout;
     loop {
         let now = report();
-        let served = now.pinged_since_mark >= now.controls
-            && now.streams_flowing_since_mark >= streams;
+        let served =
+            now.pinged_since_mark >= now.controls && now.streams_flowing_since_mark >= streams;
         if served || harness::now_instant() >= deadline || !now.closed.is_empty() {
             return now;
         }
