@@ -48,6 +48,9 @@ use crate::protocol::CloseCode;
 /// is dropped (SPEC §5.2: within 1 s).
 pub const CLOSE_LINGER: Duration = Duration::from_secs(1);
 
+/// How often the reaper retries a close frame whose socket another thread was writing.
+const CLOSE_RETRY: Duration = Duration::from_millis(10);
+
 /// Why a send failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SendError {
@@ -234,9 +237,9 @@ impl Socket {
 
     /// Sends the close frame once (later calls do nothing) and schedules the TCP connection to
     /// be dropped after [`CLOSE_LINGER`]. Returns whether this call was the one that closed.
-    /// Never waits: with another thread mid-write (its frame cannot be interrupted), or a close
-    /// frame that does not fit in the socket's buffer now, the connection is shut down at once
-    /// instead (which also ends that other writer's wait).
+    /// Never waits: with another thread mid-write (its frame cannot be interrupted), the reaper
+    /// writes the close frame once that writer is done (within the linger); a close frame that
+    /// does not fit in the socket's buffer now shuts the connection down at once.
     pub fn close(self: &Arc<Self>, code: CloseCode, reason: &str, reaper: &Reaper) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
@@ -256,7 +259,15 @@ impl Socket {
                 poisoned.into_inner().broken = true;
                 false
             }
-            Err(TryLockError::WouldBlock) => false,
+            Err(TryLockError::WouldBlock) => {
+                // Another thread is writing this socket (a message, a ping): the reaper sends
+                // the close frame once it is done, within the linger.
+                reaper.send(
+                    Doomed::CloseFrame(self.clone(), close_frame_bytes(code.code(), reason)),
+                    CLOSE_RETRY,
+                );
+                return true;
+            }
         };
         if sent {
             reaper.schedule(self.clone(), CLOSE_LINGER);
@@ -264,6 +275,21 @@ impl Socket {
             self.shutdown();
         }
         true
+    }
+
+    /// The reaper's later attempt at a close frame `close` could not write: `Ok(true)` sent,
+    /// `Ok(false)` the writer is still busy, `Err(())` the connection is broken.
+    fn try_close_frame(&self, frame: &[u8]) -> Result<bool, ()> {
+        let mut writer = match self.writer.try_lock() {
+            Ok(writer) => writer,
+            Err(TryLockError::WouldBlock) => return Ok(false),
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        };
+        if !writer.broken && send_without_waiting(&self.stream, frame) {
+            return Ok(true);
+        }
+        writer.broken = true;
+        Err(())
     }
 
     /// Drops the TCP connection now (both directions); the reader thread wakes with an error.
@@ -474,6 +500,9 @@ enum Doomed {
     Socket(Arc<Socket>),
     /// A refused upgrade: our answer is written, our side shut down.
     Stream(Arc<TcpStream>),
+    /// A closing WebSocket connection whose close frame is still to be written (its writer
+    /// was busy): retried every `CLOSE_RETRY` for up to `CLOSE_LINGER`, then dropped.
+    CloseFrame(Arc<Socket>, Vec<u8>),
 }
 
 impl Doomed {
@@ -483,11 +512,38 @@ impl Doomed {
             Doomed::Stream(stream) => {
                 let _ = stream.shutdown(Shutdown::Both);
             }
+            Doomed::CloseFrame(socket, _) => socket.shutdown(),
+        }
+    }
+
+    /// Acts on a due entry at `now` (ms since the reaper's start); `Some` is what to do next
+    /// and when. `first_due` is when a close frame was first retried, for its give-up time.
+    fn act(self, now: u64, first_due: u64) -> Option<(u64, u64, Doomed)> {
+        let Doomed::CloseFrame(socket, frame) = self else {
+            self.shutdown();
+            return None;
+        };
+        match socket.try_close_frame(&frame) {
+            Ok(true) => Some((
+                now + CLOSE_LINGER.as_millis() as u64,
+                now,
+                Doomed::Socket(socket),
+            )),
+            Ok(false) if now < first_due + CLOSE_LINGER.as_millis() as u64 => Some((
+                now + CLOSE_RETRY.as_millis() as u64,
+                first_due,
+                Doomed::CloseFrame(socket, frame),
+            )),
+            _ => {
+                socket.shutdown();
+                None
+            }
         }
     }
 }
 
-struct Due(u64, Doomed);
+/// A reaper entry: when it is due, when it was first due (a retried close frame's start), what.
+struct Due(u64, u64, Doomed);
 
 impl PartialEq for Due {
     fn eq(&self, other: &Self) -> bool {
@@ -543,8 +599,10 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
     loop {
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
-            if let Some(Due(_, doomed)) = heap.pop() {
-                doomed.shutdown();
+            if let Some(Due(_, first, doomed)) = heap.pop() {
+                if let Some((due, first, doomed)) = doomed.act(now, first) {
+                    heap.push(Due(due, first, doomed));
+                }
             }
         }
         let wait = heap
@@ -552,14 +610,45 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
             .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
             .unwrap_or(Duration::from_secs(3600));
         match receiver.recv_timeout(wait) {
-            Ok((due, doomed)) => heap.push(Due(due, doomed)),
+            Ok((due, doomed)) => heap.push(Due(due, due, doomed)),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => {
-                for Due(_, doomed) in heap.drain() {
+                for Due(_, _, doomed) in heap.drain() {
                     doomed.shutdown();
                 }
                 return;
             }
         }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// A connected pair: the relay's side wrapped as a control socket, and the peer's stream.
+    fn socket_pair() -> (Arc<Socket>, TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        (Socket::new_control(1, ours), peer)
+    }
+
+    #[test]
+    fn a_close_while_another_thread_writes_still_sends_its_close_frame() {
+        let (reaper, _reaper_thread) = Reaper::start().unwrap();
+        let (socket, mut peer) = socket_pair();
+        // Another thread (a sender of this socket) holds the writer for a moment.
+        let writer = lock_writer(&socket.writer);
+        assert!(socket.close(CloseCode::PeerDropped, "replaced", &reaper));
+        drop(writer);
+        let mut bytes = Vec::new();
+        let _ = (&mut peer).take(64).read_to_end(&mut bytes);
+        let expected = close_frame_bytes(CloseCode::PeerDropped.code(), "replaced");
+        assert_eq!(
+            bytes, expected,
+            "the close frame, then the end of the connection"
+        );
     }
 }
