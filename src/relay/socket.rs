@@ -913,6 +913,9 @@ mod tests {
         let mut bytes = Vec::new();
         let _ = (&mut peer).take(64).read_to_end(&mut bytes);
         let expected = close_frame_bytes(CloseCode::PeerDropped.code(), "replaced");
-        assert_eq!(bytes, expected, "the close frame, then the end of the connection");
+        assert_eq!(
+            bytes, expected,
+            "the close frame, then the end of the connection"
+        );
     }
 }
