@@ -213,6 +213,14 @@ pub fn send_transfer(
     channel.send(Kind::End as u8, &[], &[], deadline)
 }
 
+/// The most descriptors a transfer may announce: Linux's ceiling on a process's open files
+/// (`fs.nr_open`, 1,048,576 by default); a header past it is refused before anything is
+/// allocated for it.
+pub const MAX_TRANSFER_FDS: usize = 1 << 20;
+
+/// The most of an announced document allocated before its chunks arrive.
+const PREALLOCATE_DOCUMENT: usize = 16 << 20;
+
 /// What arrived: the header, the document, the descriptors in order.
 pub struct Received {
     pub header: Transfer,
@@ -233,7 +241,13 @@ pub fn receive_transfer(
     if header.document_bytes > max_document {
         return Err(ProtocolError::Unexpected("document too large"));
     }
-    let mut document = Vec::with_capacity(header.document_bytes);
+    if header.fds > MAX_TRANSFER_FDS {
+        return Err(ProtocolError::Unexpected(
+            "more descriptors than a process holds",
+        ));
+    }
+    // Memory grows with what arrives, not with what the header announces.
+    let mut document = Vec::with_capacity(header.document_bytes.min(PREALLOCATE_DOCUMENT));
     let mut fds = Vec::with_capacity(header.fds);
     loop {
         let (kind, message) = receive(channel, deadline)?;
@@ -356,6 +370,30 @@ mod tests {
         assert_eq!(received.document, document);
         assert_eq!(received.fds.len(), 450);
         assert_eq!(batches, vec![200, 400, 450]);
+    }
+
+    /// The header comes from the other process: a count of descriptors no process could hold
+    /// is refused, not allocated for (before: `Vec::with_capacity` panicked, "capacity
+    /// overflow", or aborted the process on a count it could not allocate).
+    #[test]
+    fn a_header_announcing_more_descriptors_than_any_process_holds_is_refused() {
+        let (a, b) = wire::pair().unwrap();
+        a.send(Kind::End as u8, &[], &[], soon()).unwrap();
+        let header = Transfer {
+            version: 1,
+            document_bytes: 0,
+            fds: usize::MAX,
+            notify_socket: None,
+            watchdog_usec: None,
+            from_pid: 1,
+            from_version: version(),
+        };
+        let result = receive_transfer(&b, header, 1 << 20, soon(), |_| {});
+        assert!(
+            matches!(result, Err(ProtocolError::Unexpected(_))),
+            "{:?}",
+            result.err()
+        );
     }
 
     #[test]
