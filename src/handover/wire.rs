@@ -78,6 +78,11 @@ pub struct Listener {
     path: PathBuf,
     /// The socket file this listener created, so that dropping it never removes another's.
     identity: (u64, u64),
+    /// The only user whose connections are accepted: this process's (`SO_PEERCRED`).
+    owner: libc::uid_t,
+    /// Connections refused for their user: logged, throttled.
+    refused: std::sync::Mutex<crate::logging::FailureThrottle>,
+    bound_at: Instant,
 }
 
 fn cvt(result: libc::c_int) -> io::Result<libc::c_int> {
@@ -149,7 +154,9 @@ fn wait(fd: RawFd, events: libc::c_short, deadline: Instant) -> Result<(), WireE
 
 impl Listener {
     /// Binds `path` (a stale socket file left by a process that died is replaced) with mode
-    /// 0600: only the service's user may ask for a handover.
+    /// 0600, and accepts only connections whose peer is this process's user (`SO_PEERCRED`,
+    /// which also keeps out root, whom the mode does not): only the service's user may ask for
+    /// a handover.
     pub fn bind(path: &Path) -> io::Result<Listener> {
         let fd = seqpacket_socket()?;
         let (address, length) = unix_address(path)?;
@@ -177,6 +184,10 @@ impl Listener {
             fd,
             path: path.to_path_buf(),
             identity,
+            // SAFETY: geteuid(2) cannot fail.
+            owner: unsafe { libc::geteuid() },
+            refused: std::sync::Mutex::new(crate::logging::FailureThrottle::new()),
+            bound_at: clock::instant(),
         })
     }
 
@@ -242,11 +253,64 @@ impl Listener {
                 return Err(WireError::Io(error));
             }
             // SAFETY: a fresh descriptor from accept4.
-            return Ok(Some(Channel {
+            let channel = Channel {
                 fd: unsafe { OwnedFd::from_raw_fd(fd) },
-            }));
+            };
+            match peer_credentials(channel.as_raw_fd()) {
+                Ok(peer) if peer.uid == self.owner => return Ok(Some(channel)),
+                // Another user (root included, whom the file's mode does not stop): closed.
+                peer => self.note_refused(peer),
+            }
         }
     }
+
+    /// One throttled WARN line for a connection refused for its user.
+    fn note_refused(&self, peer: io::Result<libc::ucred>) {
+        let now_ms = clock::instant().duration_since(self.bound_at).as_millis() as u64;
+        let note = self
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failure(now_ms);
+        if let Some(note) = note {
+            match peer {
+                Ok(peer) => log::warn!(
+                    "orca_relay_handover_peer_refused uid={} pid={} owner_uid={}{note}",
+                    peer.uid,
+                    peer.pid,
+                    self.owner
+                ),
+                Err(e) => log::warn!("orca_relay_handover_peer_refused error={e}{note}"),
+            }
+        }
+    }
+}
+
+/// The connecting process's credentials, as the kernel recorded them at `connect(2)`.
+fn peer_credentials(fd: RawFd) -> io::Result<libc::ucred> {
+    let mut credentials = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut length = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `length` bytes into a ucred we own.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut credentials as *mut libc::ucred as *mut libc::c_void,
+            &mut length,
+        )
+    })?;
+    if length as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "short SO_PEERCRED answer",
+        ));
+    }
+    Ok(credentials)
 }
 
 impl Drop for Listener {
@@ -554,6 +618,70 @@ mod tests {
             b.send(1, b"x", &[], soon()),
             Err(WireError::Closed)
         ));
+    }
+
+    /// A connection on the handover socket can take every live connection of the process, so
+    /// the listener accepts only its own user: whatever the socket file's mode (root ignores
+    /// it; a mode can be changed), a peer of another uid is closed, never handed to the caller.
+    /// Played by a thread that changes its own effective uid (a raw `setresuid`, which changes
+    /// only the calling thread): only possible as root, the case 0600 does not cover.
+    /// Before: `accept` handed the other user's connection to the caller.
+    #[test]
+    fn a_peer_of_another_user_is_not_accepted() {
+        // SAFETY: geteuid(2) cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: cannot play another user; the check is covered by its peer");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("orca-wire-peer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.join("handover.sock");
+        let listener = Listener::bind(&path).unwrap();
+        // The file's mode alone no longer keeps the other user out.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let client_path = path.clone();
+        let client = crate::threads::spawn("test-other-user", move || {
+            // SAFETY: a raw syscall changes this thread's credentials only (glibc's wrapper
+            // would change every thread's); the thread ends with them.
+            let changed = unsafe {
+                libc::syscall(
+                    libc::SYS_setresuid,
+                    -1 as libc::c_long,
+                    65534 as libc::c_long,
+                    -1 as libc::c_long,
+                )
+            };
+            assert_eq!(changed, 0, "{}", io::Error::last_os_error());
+            let channel = Channel::connect(&client_path, soon()).unwrap();
+            let _ = channel.send(1, b"{}", &[], soon());
+            // The listener's answer: the connection closed.
+            matches!(channel.recv(soon()), Err(WireError::Closed))
+        })
+        .unwrap();
+        let (idle, _keep) = pair().unwrap();
+        let accepted = listener.accept(
+            idle.as_raw_fd(),
+            clock::instant() + Duration::from_millis(1500),
+        );
+        let refused_seen_by_peer = if accepted.as_ref().is_ok_and(|a| a.is_some()) {
+            drop(accepted);
+            false
+        } else {
+            assert!(matches!(accepted, Err(WireError::TimedOut)), "{accepted:?}");
+            client.join().unwrap()
+        };
+        assert!(refused_seen_by_peer, "a peer of another uid was accepted");
+        // Our own user still is.
+        let _own = Channel::connect(&path, soon()).unwrap();
+        assert!(matches!(
+            listener.accept(idle.as_raw_fd(), soon()),
+            Ok(Some(_))
+        ));
+        drop(listener);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
