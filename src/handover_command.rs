@@ -8,7 +8,8 @@
 //! one line saying what moved and how long streams paused) or rolled back (exit 1, one line with
 //! the cause). If the next process exits before it confirmed, the command tells the running
 //! process at once rather than letting it wait for its 10 s; on a rollback a next process that
-//! lingers is killed.
+//! lingers is killed. Without an outcome (the running process went away without one) the next
+//! process is never killed: it may own every connection; if it does not, it ends itself.
 //!
 //! The next process is put in a session of its own: a Ctrl-C meant for the command never
 //! reaches the relay that now serves.
@@ -118,10 +119,20 @@ fn hand_over(options: &HandoverOptions, socket: &Path) -> Result<(u32, Outcome),
     let mut child = start_next(options, socket, &accepted.token)?;
     let outcome = wait_for_outcome(&command, &mut child);
     match &outcome {
-        Ok(outcome) if outcome.committed => {}
-        _ => stop_next(&mut child),
+        // Rolled back: the next process was told to exit; one that lingers is killed.
+        Ok(outcome) if !outcome.committed => stop_next(&mut child),
+        Ok(_) => {}
+        // No outcome (the running process went away, or said nothing in time): it may have
+        // committed, and then the next process owns every connection. It is left alone: one
+        // that was not committed ends itself (a closed socket or its own deadline).
+        Err(_) => {}
     }
-    let outcome = outcome?;
+    let outcome = outcome.map_err(|cause| {
+        format!(
+            "{cause}; the outcome is unknown: the new process (pid {}) was left to finish on its own",
+            child.id()
+        )
+    })?;
     if outcome.committed {
         Ok((accepted.pid, outcome))
     } else {
@@ -246,6 +257,87 @@ mod tests {
         assert!(HandoverOptions::parse(&args(&["--test-fault", "bogus"])).is_err());
         assert!(HandoverOptions::parse(&args(&["--binary"])).is_err());
         assert!(HandoverOptions::parse(&args(&["extra"])).is_err());
+    }
+
+    /// The running process went away after `begin` without telling the command how it ended
+    /// (it exits 0 right after sending `committed`, so this is what a commit whose outcome line
+    /// was lost looks like). The next process may own every connection then: the command must
+    /// not kill it (a next process that was not committed ends itself: it reads a closed
+    /// socket). Before: the command killed it, so a committed handover served nobody.
+    #[test]
+    fn a_next_process_is_not_killed_when_the_outcome_is_unknown() {
+        use std::os::fd::AsRawFd;
+        let dir = std::env::temp_dir().join(format!("orca-handover-cmd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pid_file = dir.join("next.pid");
+        let script = dir.join("next.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\necho $$ > {}\nexec sleep 30\n",
+                pid_file.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = dir.join("handover.sock");
+        let listener = wire::Listener::bind(&socket).unwrap();
+        let running = {
+            let pid_file = pid_file.clone();
+            crate::threads::spawn("test-running", move || {
+                let soon = || clock::instant() + Duration::from_secs(5);
+                let (idle, _keep) = wire::pair().unwrap();
+                let command = listener.accept(idle.as_raw_fd(), soon()).unwrap().unwrap();
+                let (kind, _) = receive(&command, soon()).unwrap();
+                assert_eq!(kind, Kind::Begin);
+                let accepted = Accepted {
+                    token: "t".into(),
+                    pid: std::process::id(),
+                    version: handover::version(),
+                };
+                send(&command, Kind::Accepted, &accepted, soon()).unwrap();
+                // The next process has started; the running one goes away without a word.
+                let deadline = soon();
+                while std::fs::read_to_string(&pid_file).map_or(true, |s| !s.ends_with('\n')) {
+                    assert!(
+                        clock::instant() < deadline,
+                        "the next process did not start"
+                    );
+                    clock::sleep(Duration::from_millis(10));
+                }
+                drop(command);
+            })
+            .unwrap()
+        };
+        let options = HandoverOptions {
+            binary: Some(script),
+            test_fault: None,
+        };
+        let result = hand_over(&options, &socket);
+        running.join().unwrap();
+        let pid: libc::pid_t = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // SAFETY: signal 0 only asks whether the process exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        // SAFETY: the test's own child: killed and reaped, whatever the outcome.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            result.is_err(),
+            "no outcome came: not a commit as far as the command knows"
+        );
+        assert!(
+            alive,
+            "the next process was killed though the outcome was unknown"
+        );
     }
 
     #[test]
