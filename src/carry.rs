@@ -8,6 +8,10 @@
 
 use std::time::{Duration, Instant};
 
+/// The farthest a carried monotonic deadline is put (a longer time left, which no timer of the
+/// relay has, is read as this).
+const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The moment a running process took its handover snapshot.
 #[derive(Debug, Clone, Copy)]
 pub struct Snapshot {
@@ -60,12 +64,15 @@ impl Carry {
 
     /// The deadline (ms since the epoch) of a timer that had `left_ms` to run.
     pub fn deadline_ms(&self, left_ms: u64) -> u64 {
-        self.now_ms + left_ms.saturating_sub(self.elapsed_ms)
+        self.now_ms
+            .saturating_add(left_ms.saturating_sub(self.elapsed_ms))
     }
 
     /// The monotonic deadline of a timer that had `left_ms` to run.
     pub fn deadline(&self, left_ms: u64) -> Instant {
-        self.now + Duration::from_millis(left_ms.saturating_sub(self.elapsed_ms))
+        let left = Duration::from_millis(left_ms.saturating_sub(self.elapsed_ms));
+        // A time left no timer could have is a year: far, and no overflow.
+        self.now.checked_add(left.min(FAR)).unwrap_or(self.now)
     }
 
     /// The moment (ms since the epoch) that was `age_ms` old at the snapshot.
@@ -107,6 +114,16 @@ mod tests {
             "expired on the way: due now"
         );
         assert_eq!(carry.moment_ms(10_000), 1_990_000);
+    }
+
+    /// The time left comes from the other process's document: a value no timer could have
+    /// (u64::MAX) is a far deadline, not an overflow. Before: `deadline_ms` panicked
+    /// ("attempt to add with overflow"; a release build wrapped it to a deadline in the past).
+    #[test]
+    fn a_time_left_from_the_document_never_overflows() {
+        let carry = Carry::new(2_000_250, crate::clock::instant(), 2_000_000);
+        assert_eq!(carry.deadline_ms(u64::MAX), u64::MAX);
+        assert!(carry.deadline(u64::MAX) > carry.now);
     }
 
     #[test]
