@@ -266,7 +266,6 @@ mod tests {
     /// socket). Before: the command killed it, so a committed handover served nobody.
     #[test]
     fn a_next_process_is_not_killed_when_the_outcome_is_unknown() {
-        use std::os::fd::AsRawFd;
         let dir = std::env::temp_dir().join(format!("orca-handover-cmd-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
