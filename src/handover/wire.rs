@@ -18,7 +18,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::clock;
 
@@ -330,28 +330,39 @@ fn path_identity(path: &Path) -> Option<(u64, u64)> {
 }
 
 impl Channel {
-    /// Connects to the listener at `path`.
+    /// Connects to the listener at `path` by `deadline`. A full backlog (`EAGAIN`: on a unix
+    /// socket, not connected at all) is tried again every few milliseconds; `EINTR` too.
     pub fn connect(path: &Path, deadline: Instant) -> Result<Channel, WireError> {
         let fd = seqpacket_socket()?;
         let (address, length) = unix_address(path)?;
-        // SAFETY: connect(2) with an address we built and its length.
-        let result = unsafe {
-            libc::connect(
-                fd.as_raw_fd(),
-                &address as *const libc::sockaddr_un as *const libc::sockaddr,
-                length,
-            )
-        };
-        if result < 0 {
-            let error = io::Error::last_os_error();
-            if error.raw_os_error() != Some(libc::EINPROGRESS)
-                && error.kind() != io::ErrorKind::WouldBlock
-            {
-                return Err(WireError::Io(error));
+        loop {
+            // SAFETY: connect(2) with an address we built and its length.
+            let result = unsafe {
+                libc::connect(
+                    fd.as_raw_fd(),
+                    &address as *const libc::sockaddr_un as *const libc::sockaddr,
+                    length,
+                )
+            };
+            if result == 0 {
+                return Ok(Channel { fd });
             }
-            wait(fd.as_raw_fd(), libc::POLLOUT, deadline)?;
+            let error = io::Error::last_os_error();
+            match error.raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::EAGAIN) => {
+                    if clock::instant() >= deadline {
+                        return Err(WireError::TimedOut);
+                    }
+                    clock::sleep(Duration::from_millis(5));
+                }
+                Some(libc::EINPROGRESS) => {
+                    wait(fd.as_raw_fd(), libc::POLLOUT, deadline)?;
+                    return Ok(Channel { fd });
+                }
+                _ => return Err(WireError::Io(error)),
+            }
         }
-        Ok(Channel { fd })
     }
 
     /// A channel over an inherited descriptor.
@@ -576,7 +587,6 @@ pub fn pair() -> io::Result<(Channel, Channel)> {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
-    use std::time::Duration;
 
     fn soon() -> Instant {
         clock::instant() + Duration::from_secs(5)
@@ -682,6 +692,53 @@ mod tests {
         ));
         drop(listener);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A connect while the listener's backlog is full (the handover thread busy with another
+    /// connection) waits for room until its deadline. Before: `connect(2)`'s EAGAIN (which on
+    /// a unix socket means "not connected, try again") was taken for a connection in
+    /// progress, and an unconnected channel came back: its first send failed (ENOTCONN).
+    #[test]
+    fn a_connect_to_a_full_backlog_waits_for_room() {
+        let dir = std::env::temp_dir().join(format!("orca-wire-backlog-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("handover.sock");
+        let listener = Listener::bind(&path).unwrap();
+        // Fill the backlog: connections nobody accepts yet.
+        let mut waiting = Vec::new();
+        for _ in 0..64 {
+            let brief = clock::instant() + Duration::from_millis(50);
+            match Channel::connect(&path, brief) {
+                Ok(channel) if channel.send(1, b"x", &[], brief).is_ok() => waiting.push(channel),
+                _ => break,
+            }
+        }
+        assert!(waiting.len() < 64, "the backlog never filled");
+        let server = crate::threads::spawn("test-acceptor", move || {
+            let (idle, _keep) = pair().unwrap();
+            clock::sleep(Duration::from_millis(200));
+            let mut accepted = Vec::new();
+            while let Ok(Some(channel)) = listener.accept(
+                idle.as_raw_fd(),
+                clock::instant() + Duration::from_millis(1500),
+            ) {
+                accepted.push(channel);
+            }
+            accepted.len()
+        })
+        .unwrap();
+        let late = Channel::connect(&path, soon());
+        let sent = late.as_ref().map(|late| late.send(1, b"late", &[], soon()));
+        let accepted = server.join().unwrap();
+        drop(waiting);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            matches!(sent, Ok(Ok(()))),
+            "the late connect: {:?}",
+            sent.map(|s| s.err())
+        );
+        assert!(accepted > 0);
     }
 
     #[test]
