@@ -197,15 +197,27 @@ impl Giver {
         };
         let stop = crate::wake::Wake::new().ok()?;
         let thread_stop = stop.clone();
-        let handle = threads::spawn("handover", move || loop {
-            let far = clock::instant() + Duration::from_secs(3600);
-            match listener.accept(thread_stop.raw_fd(), far) {
-                Ok(Some(command)) => serve_request(&parts, &listener, command),
-                Ok(None) => return,
-                Err(wire::WireError::TimedOut) => continue,
-                Err(e) => {
-                    log::warn!("orca_relay_handover_accept_failed error={e}");
-                    clock::sleep(Duration::from_millis(100));
+        let handle = threads::spawn("handover", move || {
+            // A lasting accept failure (no descriptors left) logs once, then at the throttle's
+            // interval with its count.
+            let mut failures = crate::logging::FailureThrottle::new();
+            let since = clock::instant();
+            loop {
+                let far = clock::instant() + Duration::from_secs(3600);
+                match listener.accept(thread_stop.raw_fd(), far) {
+                    Ok(Some(command)) => {
+                        failures.success();
+                        serve_request(&parts, &listener, command)
+                    }
+                    Ok(None) => return,
+                    Err(wire::WireError::TimedOut) => continue,
+                    Err(e) => {
+                        let now_ms = clock::instant().duration_since(since).as_millis() as u64;
+                        if let Some(note) = failures.failure(now_ms) {
+                            log::warn!("orca_relay_handover_accept_failed error={e}{note}");
+                        }
+                        clock::sleep(Duration::from_millis(100));
+                    }
                 }
             }
         })
@@ -281,15 +293,20 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
         started,
         deadline,
     };
-    let result = flight
-        .wait_for_next(listener, &token)
-        .and_then(|()| flight.quiesce())
-        .and_then(|snapshot| flight.transfer_cell(snapshot))
-        .and_then(|()| flight.await_next(Kind::Built))
-        .and_then(|()| flight.park_workers())
-        .and_then(|snapshot| flight.transfer_pairs(snapshot))
-        .and_then(|()| flight.await_next(Kind::Confirm))
-        .and_then(|()| flight.commit());
+    // A panic in a step rolls back like any failure: otherwise the relay threads would stay
+    // held and the acceptor stopped with nobody to resume them (never half a handover).
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        flight
+            .wait_for_next(listener, &token)
+            .and_then(|()| flight.quiesce())
+            .and_then(|snapshot| flight.transfer_cell(snapshot))
+            .and_then(|()| flight.await_next(Kind::Built))
+            .and_then(|()| flight.park_workers())
+            .and_then(|snapshot| flight.transfer_pairs(snapshot))
+            .and_then(|()| flight.await_next(Kind::Confirm))
+            .and_then(|()| flight.commit())
+    }))
+    .unwrap_or_else(|_| Err("the running relay's handover thread panicked".into()));
     match result {
         Ok(()) => flight.exit_after_commit(),
         Err(cause) => flight.roll_back(cause),
