@@ -30,14 +30,20 @@ pub struct SystemClock {
 }
 
 impl SystemClock {
-    #[allow(clippy::disallowed_methods)] // the one place that reads the wall clock
     pub fn new() -> Self {
-        let anchor_wall_ms = SystemTime::now()
+        SystemClock::with_offset_ms(0)
+    }
+
+    /// The system clock moved by `offset_ms` (negative: behind). Only the test knob
+    /// `ORCA_RELAY_TEST_CLOCK_OFFSET_MS` asks for one (see [`offset_system_clock`]).
+    #[allow(clippy::disallowed_methods)] // the one place that reads the wall clock
+    pub fn with_offset_ms(offset_ms: i64) -> Self {
+        let wall_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         SystemClock {
-            anchor_wall_ms,
+            anchor_wall_ms: wall_ms.saturating_add_signed(offset_ms),
             anchor: Instant::now(),
         }
     }
@@ -63,10 +69,29 @@ impl Clock for SystemClock {
     }
 }
 
+static SYSTEM: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
+
 /// The process-wide system clock.
 pub fn system() -> SharedClock {
-    static CLOCK: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
-    CLOCK.get_or_init(|| Arc::new(SystemClock::new())).clone()
+    SYSTEM.get_or_init(|| Arc::new(SystemClock::new())).clone()
+}
+
+/// Moves this process's wall clock by `offset_ms` for the rest of its life, as if the machine's
+/// clock had been stepped before it started (the process anchors wall time once, so a step
+/// during its life never reaches it). A test knob only (`ORCA_RELAY_TEST_CLOCK_OFFSET_MS`,
+/// read by the role's start): the fault-injection test runs a process whose clock disagrees
+/// with the database's and its peers'. Must run before anything reads [`system`]; an error
+/// when the clock was already read with another offset.
+pub fn offset_system_clock(offset_ms: i64) -> Result<(), String> {
+    let clock = SYSTEM.get_or_init(|| Arc::new(SystemClock::with_offset_ms(offset_ms)));
+    let applied_ms = clock.now_ms() as i64 - SystemClock::new().now_ms() as i64;
+    // The two readings are a few milliseconds apart at most; a different offset is minutes.
+    if (applied_ms - offset_ms).abs() > 1_000 {
+        return Err(format!(
+            "the system clock was read before its offset of {offset_ms} ms could be applied"
+        ));
+    }
+    Ok(())
 }
 
 /// A clock that moves only when a test moves it.
@@ -128,6 +153,20 @@ mod tests {
         assert_eq!(clock.now_ms(), 1_250);
         clock.set(5);
         assert_eq!(clock.now_ms(), 5);
+    }
+
+    #[test]
+    fn an_offset_clock_runs_ahead_or_behind_by_its_offset() {
+        let plain = SystemClock::new();
+        let ahead = SystemClock::with_offset_ms(300_000);
+        let behind = SystemClock::with_offset_ms(-300_000);
+        let (p, a, b) = (
+            plain.now_ms() as i64,
+            ahead.now_ms() as i64,
+            behind.now_ms() as i64,
+        );
+        assert!((a - p - 300_000).abs() < 1_000, "ahead by {}", a - p);
+        assert!((p - b - 300_000).abs() < 1_000, "behind by {}", p - b);
     }
 
     #[test]

@@ -28,6 +28,14 @@ impl std::error::Error for RunError {}
 
 /// Runs the configured role until shutdown.
 pub fn run(config: Config) -> Result<(), RunError> {
+    // Before anything reads the clock: the test knob that runs this process's wall clock off.
+    if config.test_clock_offset_ms != 0 {
+        crate::clock::offset_system_clock(config.test_clock_offset_ms).map_err(RunError)?;
+        log::warn!(
+            "orca_relay_test_clock_offset offset_ms={} note=test_knob_never_set_in_production",
+            config.test_clock_offset_ms
+        );
+    }
     match config.role {
         Role::Combined => combined::run(config),
         Role::Cell => cell::run(config),

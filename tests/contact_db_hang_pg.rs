@@ -1,0 +1,178 @@
+//! A director keeps polling its cells while its database hangs (found by the nemesis,
+//! `tests/nemesis_fleet.rs` seed 1, issue 21).
+//!
+//! The feed poll is the dead-man contact (SPEC §5.5, §6.2), and the poller is meant to go on
+//! from the last known cell list while the database is down. It did while the database
+//! refused connections (a stopped server fails at once), but it listed the cells inline,
+//! before every round: a database that stops answering without refusing (a network partition,
+//! a server stuck in I/O) held each round for the whole connect or statement wait, so no cell
+//! was polled, every reserve cell's window passed with its director up and reachable, and the
+//! cells were held or tripped. Here a real director reaches PostgreSQL through a proxy that
+//! stops forwarding (a partition in which the proxy's kernel still acknowledges bytes), and a
+//! stand-in cell counts the seat-feed polls it gets meanwhile.
+
+mod common;
+mod harness;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness::*;
+
+const FEED_POLL_MS: u64 = 100;
+
+/// A TCP proxy to PostgreSQL that can stop forwarding (and hold new connections) on demand.
+struct HoldingProxy {
+    addr: SocketAddr,
+    hold: Arc<AtomicBool>,
+}
+
+impl HoldingProxy {
+    fn start(upstream: SocketAddr) -> HoldingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let hold = Arc::new(AtomicBool::new(false));
+        let flag = hold.clone();
+        orca_relay::threads::spawn("test-proxy", move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                let flag = flag.clone();
+                let _ = orca_relay::threads::spawn("test-proxy-conn", move || {
+                    let Ok(server) = TcpStream::connect(upstream) else {
+                        return;
+                    };
+                    let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let flag2 = flag.clone();
+                    let _ = orca_relay::threads::spawn("test-proxy-up", move || {
+                        forward(c2, s2, &flag2)
+                    });
+                    forward(server, client, &flag);
+                });
+            }
+        })
+        .expect("spawn the proxy");
+        HoldingProxy { addr, hold }
+    }
+}
+
+fn forward(mut from: TcpStream, mut to: TcpStream, hold: &AtomicBool) {
+    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        if hold.load(Ordering::SeqCst) {
+            orca_relay::clock::sleep(Duration::from_millis(10));
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+fn feed_polls(cell: &FakeServer) -> usize {
+    cell.seen()
+        .iter()
+        .filter(|seen| seen.path.starts_with("/internal/seats") && seen.path.contains("reserver=1"))
+        .count()
+}
+
+#[test]
+fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
+    let database_url = common::pg::fresh_database("contact_db_hang");
+    let upstream: SocketAddr = {
+        let config: postgres::Config = database_url.parse().expect("a database URL");
+        let host = match &config.get_hosts()[0] {
+            postgres::config::Host::Tcp(host) => host.clone(),
+            other => panic!("a TCP test server, not {other:?}"),
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        format!("{host}:{port}").parse().expect("host:port")
+    };
+    let proxy = HoldingProxy::start(upstream);
+    let through_proxy = database_url.replacen(
+        &format!("{}", upstream.port()),
+        &format!("{}", proxy.addr.port()),
+        1,
+    );
+    assert_ne!(through_proxy, database_url);
+
+    // A stand-in cell: it answers the seat feed and counts the polls.
+    let cell = FakeServer::start(|seen| {
+        if seen.path.starts_with("/internal/seats") {
+            (
+                200,
+                serde_json::json!({"v":1,"cellId":"c-hang","incarnation":1,"seq":0,
+                    "admitModeRaw":"reserve","admitModeEffective":"reserve","draining":false,
+                    "counts":{},"full":[]})
+                .to_string(),
+            )
+        } else {
+            (404, "{}".into())
+        }
+    });
+    let jwks = jwks_server();
+    let jwks_url = format!("{}/jwks.json", jwks.url());
+    let poll = FEED_POLL_MS.to_string();
+    let director = Relay::start_in(
+        Arc::new(TempDir::new("contact-db-hang")),
+        &[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("DATABASE_URL", &through_proxy),
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_JWKS_URL", &jwks_url),
+            ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+            ("ORCA_RELAY_FEED_POLL_MS", &poll),
+        ],
+    );
+    assert!(
+        director
+            .wait_for_log("orca_relay_migrations_applied", Duration::from_secs(30))
+            .is_some(),
+        "{}",
+        director.log_text()
+    );
+    let registration = serde_json::json!({"v":1,"cellId":"c-hang","cellUrl":"ws://127.0.0.1:9",
+        "region":"test","incarnation":1,"internalUrl":cell.url()});
+    let (status, body) = director.post(
+        "/v1/admin/cells/register",
+        Some(SERVICE_TOKEN),
+        &registration.to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        wait_until(Duration::from_secs(10), || feed_polls(&cell) >= 3),
+        "the director polls the registered cell"
+    );
+
+    // The database stops answering (nothing refused, nothing answered).
+    proxy.hold.store(true, Ordering::SeqCst);
+    // Long enough for rounds to begin with a listing that now waits.
+    orca_relay::clock::sleep(Duration::from_millis(5 * FEED_POLL_MS));
+    let before = feed_polls(&cell);
+    // An observation window: the polls must go on at their period (SPEC §11: a live cell's
+    // contact interval stays within 2 x FEED_POLL_MS).
+    orca_relay::clock::sleep(Duration::from_secs(3));
+    let during = feed_polls(&cell) - before;
+    proxy.hold.store(false, Ordering::SeqCst);
+    assert!(
+        during >= (3_000 / (2 * FEED_POLL_MS)) as usize,
+        "{during} polls in 3 s while the database hung (period {FEED_POLL_MS} ms); director log:\n{}",
+        director.log_text()
+    );
+}
