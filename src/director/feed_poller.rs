@@ -29,8 +29,14 @@
 //! Retired cells ([`super::membership`]) are not polled at all; cells no longer registered leave
 //! the board. Never one thread per cell per poll, never more than one poll in flight per cell.
 //!
-//! Must never: hold the board's lock across a request, log the service token, or stop polling
-//! because the database is down.
+//! The cell list comes from the database through its own thread, `feed-lister`, which refreshes
+//! a [`CellList`] every period; a round reads the latest list without waiting. A database that
+//! stops answering without refusing (a partition, a stuck server) holds a listing for a whole
+//! connect or statement wait; listed inline, that held every round, and reserve cells went
+//! unpolled with their director up (found by the nemesis, `tests/contact_db_hang_pg.rs`).
+//!
+//! Must never: hold the board's lock across a request, log the service token, or stop (or
+//! delay) polling because the database is down or slow.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -598,6 +604,62 @@ impl Poller {
     }
 }
 
+/// The registered cells as the database last listed them: `feed-lister` replaces the list, the
+/// coordinator takes the latest one at each round without waiting.
+#[derive(Clone, Default)]
+struct CellList(Arc<Mutex<Arc<Vec<CellRow>>>>);
+
+impl CellList {
+    fn latest(&self) -> Arc<Vec<CellRow>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn replace(&self, cells: Vec<CellRow>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(cells);
+    }
+}
+
+/// The `feed-lister` thread: lists the registered cells every `period` into `list`, logging a
+/// failure once per cause and the recovery once. A failed or slow listing leaves the last list
+/// in place: the poll is what keeps reserve cells armed, and a database outage is exactly when
+/// that matters.
+fn run_lister(store: &Store, list: &CellList, period: Duration, stop: Receiver<()>) {
+    let mut store_failing: Option<&'static str> = None;
+    let mut next = crate::clock::instant();
+    loop {
+        match store.list_cells() {
+            Ok(listed) => {
+                if store_failing.take().is_some() {
+                    log::info!(
+                        "orca_relay_director_feed_poller_cells_listed cells={}",
+                        listed.len()
+                    );
+                }
+                list.replace(listed);
+            }
+            Err(error) => {
+                let reason = error.reason_code();
+                if store_failing != Some(reason) {
+                    log::warn!(
+                        "orca_relay_director_feed_poller_cells_unavailable reason={reason} known_cells={}",
+                        list.latest().len()
+                    );
+                }
+                store_failing = Some(reason);
+            }
+        }
+        let now = crate::clock::instant();
+        next += period;
+        if next < now {
+            next = now;
+        }
+        match stop.recv_timeout(next - now) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
 /// How to build the poller.
 pub struct FeedPollerConfig {
     pub board: FeedBoard,
@@ -629,7 +691,8 @@ struct Rounds {
 }
 
 impl FeedPoller {
-    /// Starts `feed-poller` and its `feed-live-<n>` and `feed-suspect-<n>` workers.
+    /// Starts `feed-poller`, `feed-lister` and the `feed-live-<n>` and `feed-suspect-<n>`
+    /// workers.
     pub fn start(config: FeedPollerConfig) -> std::io::Result<FeedPoller> {
         let poller = Arc::new(Poller {
             board: config.board,
@@ -658,7 +721,14 @@ impl FeedPoller {
             }
         }
         let (stop, stop_receiver) = mpsc::channel();
-        let store = config.store;
+        let list = CellList::default();
+        let (lister_stop, lister_stop_receiver) = mpsc::channel::<()>();
+        let lister = {
+            let (store, list, period) = (config.store, list.clone(), config.period);
+            threads::spawn("feed-lister", move || {
+                run_lister(&store, &list, period, lister_stop_receiver)
+            })?
+        };
         let rounds = Rounds {
             board: poller.board.clone(),
             clock: config.clock,
@@ -669,7 +739,10 @@ impl FeedPoller {
             registry: config.registry,
         };
         let coordinator = threads::spawn("feed-poller", move || {
-            rounds.run(&store, stop_receiver);
+            rounds.run(&list, stop_receiver);
+            // The lister ends after its current listing (bounded by the store's timeouts).
+            drop(lister_stop);
+            threads::join_logged("feed-lister", lister);
             // The queues are closed: each worker ends after its current poll (≤ 2 s).
             live.close();
             suspect.close();
@@ -696,40 +769,16 @@ impl Rounds {
         )
     }
 
-    /// One round every period, at a fixed rate (a slow round does not push the next ones back).
-    fn run(&self, store: &Store, stop: Receiver<()>) {
+    /// One round every period, at a fixed rate (a slow round does not push the next ones back),
+    /// over the latest list `feed-lister` has (never waiting for the database).
+    fn run(&self, list: &CellList, stop: Receiver<()>) {
         log::info!(
             "orca_relay_director_feed_poller_started period_ms={} live_workers={LIVE_WORKERS} suspect_workers={SUSPECT_WORKERS}",
             self.period.as_millis()
         );
-        let mut cells: Vec<CellRow> = Vec::new();
-        let mut store_failing: Option<&'static str> = None;
         let mut next_round = crate::clock::instant();
         loop {
-            match store.list_cells() {
-                Ok(listed) => {
-                    if store_failing.take().is_some() {
-                        log::info!(
-                            "orca_relay_director_feed_poller_cells_listed cells={}",
-                            listed.len()
-                        );
-                    }
-                    cells = listed;
-                }
-                Err(error) => {
-                    // Keep polling the cells we knew: the poll is what keeps them armed, and a
-                    // database outage is exactly when that matters.
-                    let reason = error.reason_code();
-                    if store_failing != Some(reason) {
-                        log::warn!(
-                            "orca_relay_director_feed_poller_cells_unavailable reason={reason} known_cells={}",
-                            cells.len()
-                        );
-                    }
-                    store_failing = Some(reason);
-                }
-            }
-            self.round(&cells);
+            self.round(&list.latest());
             let now = crate::clock::instant();
             next_round += self.period;
             if next_round < now {
