@@ -692,7 +692,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     use crate::http::{HttpServer, HttpSettings};
 
     let clock = crate::clock::system();
-    let incarnation = clock.now_ms() as i64;
+    let incarnation = crate::cell::incarnation::take(&config.data_dir, clock.now_ms());
     let registry = Registry::new();
     let shutdown = Shutdown::new();
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)

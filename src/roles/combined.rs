@@ -60,7 +60,7 @@ const PLACEABLE_WAIT: Duration = Duration::from_secs(5);
 
 pub fn run(mut config: Config) -> Result<(), RunError> {
     let clock = clock::system();
-    let incarnation = clock.now_ms() as i64;
+    let incarnation = crate::cell::incarnation::take(&config.data_dir, clock.now_ms());
     let director_id = format!("combined-{incarnation}");
     let registry = Registry::new();
     let shutdown = Shutdown::new();
