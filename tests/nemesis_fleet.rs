@@ -163,3 +163,18 @@ fn the_largest_slot_count_since_a_time_counts_what_was_in_force_then() {
     assert_eq!(k.largest_slots_during(1_500, 3_000), 3);
     assert_eq!(k.largest_slots_during(2_500, 3_000), 2);
 }
+
+#[test]
+fn log_timestamps_are_read_as_utc_milliseconds() {
+    use nemesis::history::parse_timestamp_ms;
+    assert_eq!(parse_timestamp_ms("1970-01-01T00:00:00.000Z"), Some(0));
+    assert_eq!(
+        parse_timestamp_ms("2026-12-01T16:05:28.217Z"),
+        Some(1_796_141_128_217)
+    );
+    assert_eq!(
+        parse_timestamp_ms("2000-02-29T23:59:59.5Z"),
+        Some(951_868_799_500)
+    );
+    assert_eq!(parse_timestamp_ms("INFO"), None);
+}

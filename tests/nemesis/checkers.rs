@@ -190,12 +190,18 @@ impl Checkers {
                 return Some(now - started);
             }
             if now > deadline {
+                let stuck: Vec<String> = fleet
+                    .all()
+                    .filter(|p| p.phase() != Phase::Up)
+                    .map(|p| format!("{} threads: {}", p.name, p.thread_states()))
+                    .collect();
                 self.history.violation(
                     Checker::Liveness,
                     format!(
-                        "the fleet was not whole {} s after the nemesis stopped: {}",
+                        "the fleet was not whole {} s after the nemesis stopped: {}\n{}",
                         LIVENESS_DEADLINE.as_secs(),
-                        problems.join("; ")
+                        problems.join("; "),
+                        stuck.join("\n")
                     ),
                 );
                 return None;
@@ -305,6 +311,9 @@ impl Observer for Checkers {
         if let Who::Director(d) = who {
             if text.contains("orca_relay_director_feed_poller_cells_listed") {
                 self.knowledge.director_listed(d, t);
+            }
+            if text.contains("orca_relay_migrations_applied") {
+                self.knowledge.director_migrated(d, t);
             }
         }
         if let Who::Cell(c) = who {
@@ -422,6 +431,9 @@ struct SamplerState {
     last_written: u64,
     reported: HashSet<String>,
     failures: u64,
+    samples: u64,
+    sample_ms_total: u64,
+    sample_ms_max: u64,
 }
 
 impl Sampler {
@@ -444,6 +456,9 @@ impl Sampler {
                 last_written: 0,
                 reported: HashSet::new(),
                 failures: 0,
+                samples: 0,
+                sample_ms_total: 0,
+                sample_ms_max: 0,
             });
             while !flag.load(Ordering::SeqCst) {
                 let t = history.now_ms();
@@ -474,8 +489,22 @@ impl Sampler {
                     }
                 }
                 let spent = history.now_ms() - t;
+                {
+                    let mut state = state.lock().unwrap();
+                    state.samples += 1;
+                    state.sample_ms_total += spent;
+                    state.sample_ms_max = state.sample_ms_max.max(spent);
+                }
                 orca_relay::clock::sleep(SAMPLE_EVERY.saturating_sub(Duration::from_millis(spent)));
             }
+            let state = state.lock().unwrap();
+            history.event(format!(
+                "sampler_stopped samples={} mean_ms={} max_ms={} failures={}",
+                state.samples,
+                state.sample_ms_total / state.samples.max(1),
+                state.sample_ms_max,
+                state.failures
+            ));
         })
         .expect("spawn the sampler");
         Sampler {

@@ -278,12 +278,14 @@ enum Direction {
 }
 
 /// The `seq`th frame of `stream` in `direction`: text or binary, 1 B to 8 KiB of body after a
-/// header naming all three; every frame differs.
+/// header naming all three; the body's letters follow from all three too, so every frame
+/// differs.
 fn frame(stream: u64, direction: Direction, seq: u32) -> Message {
     let mut mix = Rng::derive(stream, (u64::from(seq) << 1) | direction as u64);
     let len = mix.between(1, 8 * 1024) as usize;
+    let (start, step) = (mix.next() % 26, 1 + mix.next() % 25);
     let mut body = format!("s{stream}:d{}:n{seq}:", direction as u8).into_bytes();
-    body.extend((0..len).map(|_| b'a' + (mix.next() % 26) as u8));
+    body.extend((0..len as u64).map(|i| b'a' + ((start + i * step) % 26) as u8));
     if mix.percent(30) {
         Message::text(String::from_utf8(body).expect("ascii"))
     } else {

@@ -33,17 +33,18 @@ pub const CELL_POOL_MAX: u32 = 4;
 pub const CELL_POOL_RESERVE_MAX: u32 = 2;
 pub const DIRECTOR_POOL_MAX: u32 = 3;
 
-/// The shrunk timings (SPEC §4 knobs). Windows of 2.5-3.5 s: shorter than the longest pause
-/// (5 s), longer than most director restarts.
+/// The shrunk timings (SPEC §4 knobs). Windows of 2.5-2.9 s: shorter than the longest pause
+/// (5 s), longer than most single director restarts; close together, so that in an outage the
+/// cells claim their slots at nearly the same time (the claim's lock is what keeps them apart).
 pub const DEAD_MAN_BASE_MS: u64 = 2_500;
-pub const DEAD_MAN_SPREAD_MS: u64 = 1_000;
+pub const DEAD_MAN_SPREAD_MS: u64 = 400;
 pub const FEED_POLL_MS: u64 = 200;
 /// Below five minutes, so a cell whose clock is five minutes ahead and judged slot liveness on
 /// its own clock would see every live holder as stale.
 pub const TRIP_SLOT_STALE_MS: u64 = 20_000;
 const TIMINGS: &[(&str, &str)] = &[
     ("ORCA_RELAY_DEAD_MAN_BASE_MS", "2500"),
-    ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "1000"),
+    ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "400"),
     ("ORCA_RELAY_FEED_POLL_MS", "200"),
     ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", "500"),
     ("ORCA_RELAY_TRIP_SLOT_STALE_MS", "20000"),
@@ -86,6 +87,10 @@ enum Want {
     /// Running, launched no earlier than this time.
     Run {
         at_ms: u64,
+    },
+    /// Running again this long after the current run has exited.
+    AfterExit {
+        delay_ms: u64,
     },
     Stopped,
 }
@@ -137,6 +142,36 @@ impl Proc {
         self.state.lock().unwrap().phase
     }
 
+    /// The pid of the current run, while it has one.
+    pub fn pid(&self) -> Option<u32> {
+        self.state.lock().unwrap().child.as_ref().map(Child::id)
+    }
+
+    /// Each thread of the current run with where it waits in the kernel (`comm:wchan`), for a
+    /// post-mortem of a process that does not exit or start.
+    pub fn thread_states(&self) -> String {
+        let Some(pid) = self.pid() else {
+            return "no process".into();
+        };
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return "gone".into();
+        };
+        let mut states: Vec<String> = tasks
+            .filter_map(Result::ok)
+            .map(|task| {
+                let read = |name: &str| {
+                    std::fs::read_to_string(task.path().join(name))
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string()
+                };
+                format!("{}:{}", read("comm"), read("wchan"))
+            })
+            .collect();
+        states.sort();
+        states.join(" ")
+    }
+
     pub fn incarnation(&self) -> u32 {
         self.state.lock().unwrap().incarnation
     }
@@ -151,7 +186,10 @@ impl Proc {
 
     /// Whether the nemesis wants it running (it may still be starting or restarting).
     pub fn wanted_running(&self) -> bool {
-        matches!(self.state.lock().unwrap().want, Want::Run { .. })
+        matches!(
+            self.state.lock().unwrap().want,
+            Want::Run { .. } | Want::AfterExit { .. }
+        )
     }
 
     pub fn log_lines(&self) -> Vec<LogLine> {
@@ -277,6 +315,17 @@ impl Proc {
         self.state.lock().unwrap().want = Want::Run { at_ms };
     }
 
+    /// Wants it running again `delay_ms` after its current run exits (a drain takes as long
+    /// as it takes; the process then stays down for the fault's duration).
+    pub fn start_after_exit(&self, delay_ms: u64) {
+        let mut state = self.state.lock().unwrap();
+        state.want = if state.child.is_some() {
+            Want::AfterExit { delay_ms }
+        } else {
+            Want::Run { at_ms: 0 }
+        };
+    }
+
     /// One supervisor turn: reap an exit, launch when wanted.
     fn supervise(
         self: &Arc<Self>,
@@ -293,6 +342,21 @@ impl Proc {
         if let Some(status) = exited {
             use std::os::unix::process::ExitStatusExt;
             state.child = None;
+            // Judge the exit on everything the run wrote: wait (without the lock, which the
+            // reader takes on a start line) until its stderr has been read to the end.
+            if let Some(reader) = state.readers.pop() {
+                drop(state);
+                let deadline = orca_relay::clock::instant() + Duration::from_secs(5);
+                while !reader.is_finished() && orca_relay::clock::instant() < deadline {
+                    orca_relay::clock::sleep(Duration::from_millis(5));
+                }
+                state = self.state.lock().unwrap();
+                if reader.is_finished() {
+                    let _ = reader.join();
+                } else {
+                    state.readers.push(reader);
+                }
+            }
             let clean = status.code() == Some(0);
             let expected = state.expected.take();
             let was = state.phase;
@@ -305,6 +369,11 @@ impl Proc {
                 status.code(),
                 status.signal()
             ));
+            if let Want::AfterExit { delay_ms } = state.want {
+                state.want = Want::Run {
+                    at_ms: now + delay_ms,
+                };
+            }
             match expected {
                 Some(EndKind::Killed) => {}
                 Some(EndKind::Terminated) => {
@@ -334,8 +403,9 @@ impl Proc {
                         history.violation(
                             Checker::Deaths,
                             format!(
-                                "{} died ({status}) without being killed\n{}",
+                                "{} died ({status}) without being killed (refused registration: {refused}; {})\n{}",
                                 self.name,
+                                k.describe_registration(state.launched_at, now),
                                 self.log_tail(20)
                             ),
                         );
@@ -394,7 +464,7 @@ impl Proc {
         let (k, history, observer) = (k.clone(), history.clone(), observer.clone());
         let reader = orca_relay::threads::spawn(format!("nemesis-log-{}", self.name), move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let t = history.now_ms();
+                let t = history.logged_at(&line, history.now_ms());
                 if line.contains("orca_relay_started ") {
                     let mut state = proc.state.lock().unwrap();
                     if state.incarnation == incarnation && state.phase == Phase::Starting {

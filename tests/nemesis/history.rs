@@ -63,6 +63,9 @@ pub struct Violation {
 
 pub struct History {
     origin: Instant,
+    /// The wall clock (ms since the epoch) at `origin`, to place the processes' own log
+    /// timestamps on the history's time line.
+    origin_wall_ms: u64,
     pub path: PathBuf,
     file: Mutex<Option<BufWriter<File>>>,
     violations: Mutex<Vec<Violation>>,
@@ -80,6 +83,7 @@ impl History {
             .unwrap_or_else(|e| panic!("create the history file {}: {e}", path.display()));
         Arc::new(History {
             origin: orca_relay::clock::instant(),
+            origin_wall_ms: orca_relay::clock::system().now_ms(),
             path,
             file: Mutex::new(Some(BufWriter::new(file))),
             violations: Mutex::default(),
@@ -91,6 +95,17 @@ impl History {
     /// Milliseconds since this history began: the time base of every fact of the run.
     pub fn now_ms(&self) -> u64 {
         self.origin.elapsed().as_millis() as u64
+    }
+
+    /// When a process logged `line`, on the history's time line: from the line's own timestamp
+    /// (`2026-12-01T16:05:28.217Z …`, the process's real wall clock, which the test knob does
+    /// not move), so a reader thread that a loaded machine delays does not move the event;
+    /// `read_at` when the line has none.
+    pub fn logged_at(&self, line: &str, read_at: u64) -> u64 {
+        match line.split_whitespace().next().and_then(parse_timestamp_ms) {
+            Some(wall_ms) => wall_ms.saturating_sub(self.origin_wall_ms).min(read_at),
+            None => read_at,
+        }
     }
 
     /// A header line, without a time.
@@ -152,4 +167,26 @@ impl Drop for History {
     fn drop(&mut self) {
         self.flush();
     }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.mmmZ` as ms since the Unix epoch (UTC).
+pub fn parse_timestamp_ms(text: &str) -> Option<u64> {
+    let text = text.strip_suffix('Z')?;
+    let (date, time) = text.split_once('T')?;
+    let mut date = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (date.next()??, date.next()??, date.next()??);
+    let (hms, millis) = time.split_once('.').unwrap_or((time, "0"));
+    let mut hms = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hour, minute, second) = (hms.next()??, hms.next()??, hms.next()??);
+    let millis: i64 = format!("{millis:0<3}").get(..3)?.parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let ms = ((days * 24 + hour) * 60 + minute) * 60_000 + second * 1_000 + millis;
+    u64::try_from(ms).ok()
 }

@@ -51,6 +51,9 @@ pub struct Run {
     /// A director's feed poller logged that it listed the cells again after failing to
     /// (`orca_relay_director_feed_poller_cells_listed`).
     pub listed: Option<u64>,
+    /// A director logged `orca_relay_migrations_applied`: its admin API serves registrations
+    /// from then on (503 `starting` before).
+    pub migrated: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -128,6 +131,7 @@ impl Knowledge {
                 ended: None,
                 exited: None,
                 listed: None,
+                migrated: None,
             })
         });
     }
@@ -145,6 +149,15 @@ impl Knowledge {
         self.with_process(Who::Director(d), |p| {
             if let Some(run) = p.current() {
                 run.listed.get_or_insert(t);
+            }
+        });
+    }
+
+    /// A director's migrations are applied (its registrations are served).
+    pub fn director_migrated(&self, d: usize, t: u64) {
+        self.with_process(Who::Director(d), |p| {
+            if let Some(run) = p.current() {
+                run.migrated.get_or_insert(t);
             }
         });
     }
@@ -278,13 +291,16 @@ impl Knowledge {
             .max()
     }
 
-    /// Every director was up (started) and PostgreSQL available throughout `from..=to`: a
-    /// cell's registration could not have been refused for an outage.
+    /// Every director was serving registrations (started, migrations applied) and PostgreSQL
+    /// available throughout `from..=to`: a cell's registration could not have been refused for
+    /// an outage.
     pub fn registration_possible(&self, from: u64, to: u64) -> bool {
         let facts = self.facts.lock().unwrap();
         let every_director = facts.directors.iter().all(|director| {
             director.runs.iter().any(|run| {
-                run.started.is_some_and(|s| s <= from) && run.ended.is_none_or(|(t, _)| t >= to)
+                run.started.is_some_and(|s| s <= from)
+                    && run.migrated.is_some_and(|m| m <= from)
+                    && run.ended.is_none_or(|(t, _)| t >= to)
             })
         });
         every_director
@@ -293,6 +309,27 @@ impl Knowledge {
                 .iter()
                 .chain(&facts.pg_cut)
                 .any(|span| span.overlaps(from, to))
+    }
+
+    /// The directors' runs and the database's outages overlapping `from..=to`, for a
+    /// violation's detail.
+    pub fn describe_registration(&self, from: u64, to: u64) -> String {
+        let facts = self.facts.lock().unwrap();
+        let mut text = format!("from={from} to={to}");
+        for (d, director) in facts.directors.iter().enumerate() {
+            for run in &director.runs {
+                text.push_str(&format!(
+                    " d{d}:[launched={} started={:?} migrated={:?} ended={:?}]",
+                    run.launched, run.started, run.migrated, run.ended
+                ));
+            }
+        }
+        for span in facts.pg_stopped.iter().chain(&facts.pg_cut) {
+            if span.overlaps(from, to) {
+                text.push_str(&format!(" pg_unavailable={span:?}"));
+            }
+        }
+        text
     }
 
     /// The latest fresh window of cell `c` at or before `t`: its current run's launch, or a

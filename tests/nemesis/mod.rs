@@ -179,8 +179,6 @@ struct Nemesis<'a> {
     skipped: Vec<usize>,
     applied: BTreeMap<FaultKind, usize>,
     reserve_writes: usize,
-    database: String,
-    admin: Option<::postgres::Client>,
 }
 
 impl Nemesis<'_> {
@@ -191,7 +189,14 @@ impl Nemesis<'_> {
             (FaultKind::DirectorKill, Target::Director(d)) => self.fleet.directors[d].kill9(k, h),
             (FaultKind::CellPause, Target::Cell(c)) => self.fleet.cells[c].pause(k, h),
             (FaultKind::CellKill, Target::Cell(c)) => self.fleet.cells[c].kill9(k, h),
-            (FaultKind::CellDrain, Target::Cell(c)) => self.fleet.cells[c].terminate(k, h),
+            (FaultKind::CellDrain, Target::Cell(c)) => {
+                let cell = &self.fleet.cells[c];
+                let terminated = cell.terminate(k, h);
+                if terminated {
+                    cell.start_after_exit(fault.duration_ms);
+                }
+                terminated
+            }
             (FaultKind::PgRestartFast, _) => self.db_ops.send(DbOp::Stop("fast")).is_ok(),
             (FaultKind::PgRestartImmediate, _) => self.db_ops.send(DbOp::Stop("immediate")).is_ok(),
             (FaultKind::PgUnreachable, _) => {
@@ -231,7 +236,11 @@ impl Nemesis<'_> {
                     return false;
                 }
                 proc.set_clock_offset_ms(fault.value);
-                proc.terminate(k, h)
+                let terminated = proc.terminate(k, h);
+                if terminated {
+                    proc.start_after_exit(fault.duration_ms);
+                }
+                terminated
             }
             (FaultKind::CellHandover, Target::Cell(c)) => self.handover(c),
             _ => false,
@@ -247,9 +256,7 @@ impl Nemesis<'_> {
             (FaultKind::CellPause, Target::Cell(c)) => {
                 self.fleet.cells[c].resume(k, h);
             }
-            (FaultKind::CellKill | FaultKind::CellDrain, Target::Cell(c)) => {
-                self.fleet.cells[c].start_at(now)
-            }
+            (FaultKind::CellKill, Target::Cell(c)) => self.fleet.cells[c].start_at(now),
             (FaultKind::PgRestartFast | FaultKind::PgRestartImmediate, _) => {
                 let _ = self.db_ops.send(DbOp::Start);
             }
@@ -267,8 +274,6 @@ impl Nemesis<'_> {
                 self.slots[c] = SLOTS;
                 self.fleet.write_switch(c, true, SLOTS);
             }
-            (FaultKind::ClockJump, Target::Director(d)) => self.fleet.directors[d].start_at(now),
-            (FaultKind::ClockJump, Target::Cell(c)) => self.fleet.cells[c].start_at(now),
             _ => {}
         }
     }
@@ -286,41 +291,23 @@ impl Nemesis<'_> {
     }
 
     /// Puts the operator's record of a cell back to `reserve` once its row says `reserve`
-    /// again (a record written before the row would count the cell's `db` row as a slot).
+    /// again (a record written before the row would count the cell's `db` row as a slot). The
+    /// row is read as the cell reports it (`orca_relay_admit_mode{kind="effective"}`, the row
+    /// it last wrote), over HTTP with a deadline: the nemesis never waits on the database,
+    /// which one of its own faults may be starving.
     fn settle_returns(&mut self) {
-        if self.returning.is_empty() {
-            return;
-        }
-        if self.admin.is_none() {
-            self.admin = self.pg.admin(&self.database);
-        }
-        let Some(admin) = self.admin.as_mut() else {
-            return;
-        };
         let mut still = Vec::new();
-        let mut failed = false;
         for c in std::mem::take(&mut self.returning) {
-            let mode = admin.query_opt(
-                "SELECT mode FROM relay_cell_admit_effective WHERE cell_id = $1",
-                &[&format!("c{c}")],
-            );
-            let row_reserve = match mode {
-                Ok(row) => row
-                    .and_then(|row| row.try_get::<_, String>(0).ok())
-                    .is_some_and(|mode| mode == "reserve"),
-                Err(_) => {
-                    failed = true;
-                    false
-                }
-            };
+            let row_reserve = self
+                .fleet
+                .metrics(knowledge::Who::Cell(c))
+                .and_then(|m| m.get("orca_relay_admit_mode{kind=\"effective\"}").copied())
+                == Some(1.0);
             if row_reserve && self.fleet.record_admit_mode(c, "reserve") {
                 self.knowledge.deliberate_db_ended(c, self.history.now_ms());
             } else {
                 still.push(c);
             }
-        }
-        if failed {
-            self.admin = None;
         }
         self.returning = still;
     }
@@ -468,8 +455,6 @@ pub fn run(pg: &Arc<Postgres>, settings: &Settings) -> Outcome {
         skipped: Vec::new(),
         applied: BTreeMap::new(),
         reserve_writes: 0,
-        database: database.clone(),
-        admin: None,
     };
     for (at, id, begin) in actions {
         while history.now_ms() < at {
@@ -554,7 +539,7 @@ pub fn run(pg: &Arc<Postgres>, settings: &Settings) -> Outcome {
         "verdict {}",
         outcome.summary().replace('\n', "\n    ")
     ));
-    if !outcome.passed() {
+    if !outcome.passed() || std::env::var_os("ORCA_RELAY_NEMESIS_KEEP_LOGS").is_some() {
         // Every process's whole log beside the history, for the post-mortem.
         for proc in fleet.all() {
             let path = history.path.with_extension(format!("{}.log", proc.name));

@@ -22,7 +22,8 @@ pub enum FaultKind {
     CellPause,
     /// `kill -9` a cell, restart it after the duration.
     CellKill,
-    /// `SIGTERM` a cell (it drains and exits 0), restart it the duration after it exited.
+    /// `SIGTERM` a cell (it drains and exits 0); it is started again the duration after it
+    /// exited.
     CellDrain,
     /// PostgreSQL stopped with `pg_ctl stop -m fast` (sessions cut), started after the duration.
     PgRestartFast,
@@ -32,8 +33,8 @@ pub enum FaultKind {
     /// PostgreSQL unreachable: its network namespace's link goes down for the duration (or the
     /// TCP proxy stops forwarding, without root).
     PgUnreachable,
-    /// PostgreSQL slow: its processes get `value` percent of one CPU for the duration (a
-    /// brownout; cgroup CPU quota).
+    /// PostgreSQL slow: its processes get `value` percent (10-30) of one CPU for the duration
+    /// (a brownout; cgroup CPU quota).
     PgSlow,
     /// A switch write that re-arms a cell: a new generation, still `reserve`.
     SwitchRearm,
@@ -45,7 +46,8 @@ pub enum FaultKind {
     SwitchSlots,
     /// The process restarts with its wall clock `value` ms off (a machine whose clock was
     /// stepped: a running process anchors wall time at start, so only a restart sees a step);
-    /// the offset sticks for its later restarts. Down for the duration.
+    /// the offset sticks for its later restarts. It is stopped with `SIGTERM` and started again
+    /// the duration after it exited.
     ClockJump,
     /// `orca-relay handover` on a cell (issue 23): only when the binary has the command.
     CellHandover,
@@ -216,6 +218,12 @@ pub fn draw(seed: u64, length_ms: u64, shape: Shape, available: &[FaultKind]) ->
             })
             .expect("a kind under the total weight");
         let mut drawn = draw_one(&mut rng, kind, shape);
+        // A director outage: half the director kills take every director down together, each
+        // long enough for the cells' windows to pass with no director to poll them.
+        let outage = kind == FaultKind::DirectorKill && shape.directors > 1 && rng.percent(50);
+        if outage {
+            drawn.1 = rng.between(3_500, 7_000);
+        }
         // A busy target: try the others of the same kind in turn.
         let candidates = targets(kind, shape);
         let first = candidates
@@ -252,19 +260,21 @@ pub fn draw(seed: u64, length_ms: u64, shape: Shape, available: &[FaultKind]) ->
             duration_ms,
             value,
         });
-        // A director outage: now and then the other director dies too while this one is down,
-        // so that every cell's window passes with no director to poll it.
-        if kind == FaultKind::DirectorKill && shape.directors > 1 && rng.percent(40) {
+        if outage {
             let Target::Director(first) = target else {
                 unreachable!()
             };
-            let other = Target::Director((first + 1) % shape.directors);
-            let at_ms = t + rng.between(0, 800);
-            let free = busy
-                .get(&Resource::Process(other))
-                .is_none_or(|&free_at| free_at <= at_ms);
-            if free && at_ms < last_end {
-                let duration_ms = rng.between(3_000, 7_000).min(last_end - at_ms);
+            for other in
+                (1..shape.directors).map(|i| Target::Director((first + i) % shape.directors))
+            {
+                let at_ms = t + rng.between(0, 500);
+                let free = busy
+                    .get(&Resource::Process(other))
+                    .is_none_or(|&free_at| free_at <= at_ms);
+                if !free || at_ms >= last_end {
+                    continue;
+                }
+                let duration_ms = rng.between(3_500, 7_000).min(last_end - at_ms);
                 busy.insert(
                     Resource::Process(other),
                     at_ms + duration_ms + RESTART_MARGIN_MS,
@@ -334,7 +344,7 @@ fn draw_one(rng: &mut Rng, kind: FaultKind, shape: Shape) -> (Target, u64, i64) 
         FaultKind::PgSlow => (
             Target::Database,
             rng.between(2_000, 8_000),
-            rng.between(2, 10) as i64,
+            rng.between(10, 30) as i64,
         ),
         FaultKind::SwitchRearm | FaultKind::CellHandover => (cell, 0, 0),
         FaultKind::SwitchDb => (cell, rng.between(2_000, 10_000), 0),
