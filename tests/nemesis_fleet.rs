@@ -133,17 +133,28 @@ fn only_available_kinds_are_drawn() {
 }
 
 #[test]
-fn a_director_started_during_an_outage_becomes_able_once_the_database_answers() {
+fn a_director_started_during_an_outage_becomes_able_once_it_has_the_cell_list() {
     let k = Knowledge::new(1, 1, 2);
     k.pg_cut(50);
     k.launched(Who::Director(0), 100);
     k.started(Who::Director(0), 200);
     assert!(k.director_able_spans().is_empty());
+    // Healed: able once the database has answered for a reconnect's worth of time...
     k.pg_healed(900);
+    let stable = 900 + nemesis::knowledge::LISTING_MS;
     assert_eq!(
         k.director_able_spans(),
         vec![Span {
-            from: 900,
+            from: stable,
+            to: None
+        }]
+    );
+    // ...or from its line saying it listed the cells, when that comes first.
+    k.director_listed(0, 1_000);
+    assert_eq!(
+        k.director_able_spans(),
+        vec![Span {
+            from: 1_000,
             to: None
         }]
     );
@@ -151,6 +162,12 @@ fn a_director_started_during_an_outage_becomes_able_once_the_database_answers() 
     assert_eq!(k.last_able_at_or_before(5_000), Some(2_000));
     assert_eq!(k.last_able_at_or_before(1_500), Some(1_500));
     assert_eq!(k.last_able_at_or_before(800), None);
+    // A cell is reachable only while it serves (not in its start-up handshake).
+    k.launched(Who::Cell(0), 1_000);
+    k.started(Who::Cell(0), 1_200);
+    assert_eq!(k.last_reachable_at_or_before(0, 1_100), None);
+    assert_eq!(k.last_reachable_at_or_before(0, 1_500), Some(1_500));
+    assert_eq!(k.last_reachable_at_or_before(0, 9_000), Some(2_000));
 }
 
 #[test]

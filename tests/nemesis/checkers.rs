@@ -40,6 +40,9 @@ pub const LIVENESS_DEADLINE: Duration = Duration::from_secs(30);
 /// first listing) before its polls arrive.
 const TRIP_TOLERANCE_BEFORE_MS: u64 = 2 * FEED_POLL_MS + 250;
 const TRIP_TOLERANCE_AFTER_MS: u64 = 2 * FEED_POLL_MS + 500;
+/// A new slot count reaches a cell within its switch poll; its claims in that time may still
+/// use the previous one.
+const SLOTS_MARGIN_MS: u64 = 2_000;
 /// A drained cell's final write lands before it exits; the sample may be this old.
 const LEAK_GRACE_MS: u64 = 300;
 /// A deliberate `db` flip's full pool shrinks back once the cell is `reserve` again.
@@ -142,17 +145,18 @@ impl Checkers {
     }
 
     /// Checker 3: a trip or held line at `t` must come after a silence at least as long as the
-    /// cell's window in which no director could reach it (its own pauses do not count: a
-    /// director polling a paused cell could reach it the moment it resumed).
+    /// cell's window in which no director could reach it: every director down or without the
+    /// cell list, or the cell still starting (its own pauses do not count: a director polling a
+    /// paused cell reaches it the moment it resumes).
     fn judge_trip(&self, c: usize, t: u64, what: &str) {
         let window = window_ms(c);
         let judged_at = t.saturating_sub(TRIP_TOLERANCE_AFTER_MS);
-        let last_able = self.knowledge.last_able_at_or_before(judged_at);
+        let last_reachable = self.knowledge.last_reachable_at_or_before(c, judged_at);
         let fresh = self.knowledge.fresh_window_at_or_before(c, t);
-        let silence_from = last_able.unwrap_or(0).max(fresh);
+        let silence_from = last_reachable.unwrap_or(0).max(fresh);
         let silence = t.saturating_sub(silence_from);
         self.history.event(format!(
-            "dead_man cell=c{c} {what} window_ms={window} unreachable_since={silence_from} (last director able={last_able:?}, fresh window={fresh})"
+            "dead_man cell=c{c} {what} window_ms={window} unreachable_since={silence_from} (last reachable={last_reachable:?}, fresh window={fresh})"
         ));
         if silence + TRIP_TOLERANCE_BEFORE_MS < window {
             let paused =
@@ -556,6 +560,11 @@ fn sample(
         .filter(|&c| !knowledge.deliberate_db(c, t, 0))
         .collect();
     state.holding_since.retain(|c, _| holders.contains(c));
+    let arrivals: Vec<usize> = holders
+        .iter()
+        .copied()
+        .filter(|c| !state.holding_since.contains_key(c))
+        .collect();
     for &c in &holders {
         state.holding_since.entry(c).or_insert(t);
     }
@@ -577,6 +586,37 @@ fn sample(
                     detail.join(" ")
                 ),
             );
+        }
+    }
+    // Each claim is granted only while fewer than the claimant's own `deadManTripSlots` hold a
+    // slot, so a new holder never makes more holders than its own cap allows (a cap lowered
+    // later keeps the slots taken under the higher one, and a value set on another cell never
+    // widens this cell's).
+    // Several arrivals between two samples: in the order most favourable to the fleet (the
+    // smallest caps first), each must still fit its own cap.
+    let mut caps: Vec<(u32, usize)> = arrivals
+        .iter()
+        .map(|&c| {
+            (
+                knowledge.slots_of_during(c, t.saturating_sub(SLOTS_MARGIN_MS), t),
+                c,
+            )
+        })
+        .collect();
+    caps.sort();
+    let already = holders.len() - arrivals.len();
+    for (k, &(own, c)) in caps.iter().enumerate() {
+        let holders_then = already + k + 1;
+        if holders_then as u32 > own {
+            let key = format!("arrival:{c}:{t}");
+            if state.reported.insert(key) {
+                history.violation(
+                    Checker::Bound,
+                    format!(
+                        "c{c} took a trip slot as holder number {holders_then} ({holders:?}) with its deadManTripSlots at {own}"
+                    ),
+                );
+            }
         }
     }
     for &c in &all_holders {

@@ -252,7 +252,9 @@ impl Proc {
     /// [`Proc::start_at`].
     pub fn terminate(&self, k: &Knowledge, history: &History) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state.child.is_none() || state.expected.is_some() || state.phase == Phase::Paused {
+        // A drain of a serving process (a SIGTERM during the start-up handshake is not acted
+        // on until the handshake ends; that is the signal handling's business, not this run's).
+        if state.child.is_none() || state.expected.is_some() || state.phase != Phase::Up {
             return false;
         }
         let t = history.now_ms();

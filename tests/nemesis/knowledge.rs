@@ -291,6 +291,44 @@ impl Knowledge {
             .max()
     }
 
+    /// The latest time at or before `x` at which some director could reach cell `c`: a
+    /// director able to poll, and the cell serving (from its `orca_relay_started` line until it
+    /// was signalled; its own pauses included: a director polling a paused cell reaches it the
+    /// moment it resumes, which the pause guard must allow for). A cell still in its start-up
+    /// handshake answers its feed 503 (SPEC §8), so no director can reach it then.
+    pub fn last_reachable_at_or_before(&self, c: usize, x: u64) -> Option<u64> {
+        let able = self.director_able_spans();
+        let serving: Vec<Span> = {
+            let facts = self.facts.lock().unwrap();
+            facts.cells[c]
+                .process
+                .runs
+                .iter()
+                .filter_map(|run| {
+                    Some(Span {
+                        from: run.started?,
+                        to: run.ended.map(|(t, _)| t),
+                    })
+                })
+                .collect()
+        };
+        let mut latest = None;
+        for a in &able {
+            for s in &serving {
+                let from = a.from.max(s.from);
+                let to = match (a.to, s.to) {
+                    (Some(p), Some(q)) => p.min(q),
+                    (Some(p), None) | (None, Some(p)) => p,
+                    (None, None) => u64::MAX,
+                };
+                if from <= x && from <= to {
+                    latest = latest.max(Some(to.min(x)));
+                }
+            }
+        }
+        latest
+    }
+
     /// Every director was serving registrations (started, migrations applied) and PostgreSQL
     /// available throughout `from..=to`: a cell's registration could not have been refused for
     /// an outage.
@@ -393,6 +431,13 @@ impl Knowledge {
             .count()
     }
 
+    /// The largest `deadManTripSlots` cell `c` had at any time in `from..=to`: the cap its own
+    /// claim is judged by.
+    pub fn slots_of_during(&self, c: usize, from: u64, to: u64) -> u32 {
+        let facts = self.facts.lock().unwrap();
+        largest_slots(&facts.cells[c], from, to)
+    }
+
     /// The largest `deadManTripSlots` any cell had at any time in `from..=to`: with mixed
     /// values the cap is the largest set (SPEC §5.5), and a slot taken under a larger value is
     /// kept after the value is lowered.
@@ -401,19 +446,7 @@ impl Knowledge {
         facts
             .cells
             .iter()
-            .map(|cell| {
-                let in_force_at_from = cell
-                    .slots
-                    .iter()
-                    .rfind(|(t, _)| *t <= from)
-                    .map(|(_, s)| *s)
-                    .unwrap_or(0);
-                cell.slots
-                    .iter()
-                    .filter(|(t, _)| *t > from && *t <= to)
-                    .map(|(_, s)| *s)
-                    .fold(in_force_at_from, u32::max)
-            })
+            .map(|cell| largest_slots(cell, from, to))
             .max()
             .unwrap_or(0)
     }
@@ -433,6 +466,21 @@ impl Knowledge {
         }
         Some(exited)
     }
+}
+
+/// The largest slot count `cell` had in force at any time in `from..=to`.
+fn largest_slots(cell: &CellFacts, from: u64, to: u64) -> u32 {
+    let in_force_at_from = cell
+        .slots
+        .iter()
+        .rfind(|(t, _)| *t <= from)
+        .map(|(_, s)| *s)
+        .unwrap_or(0);
+    cell.slots
+        .iter()
+        .filter(|(t, _)| *t > from && *t <= to)
+        .map(|(_, s)| *s)
+        .fold(in_force_at_from, u32::max)
 }
 
 fn close_last(spans: &mut [Span], t: u64) {

@@ -288,6 +288,26 @@ pub fn draw(seed: u64, length_ms: u64, shape: Shape, available: &[FaultKind]) ->
                     value: 0,
                 });
             }
+            // Now and then the database slows down just as the cells' windows pass: their
+            // claims then overlap in the database, which is what the claim's lock is for.
+            let slow_at = t + 1_800;
+            let slow = available.contains(&FaultKind::PgSlow)
+                && rng.percent(50)
+                && busy
+                    .get(&Resource::PgCpu)
+                    .is_none_or(|&free_at| free_at <= slow_at)
+                && slow_at + 3_000 < last_end;
+            if slow {
+                busy.insert(Resource::PgCpu, slow_at + 3_000 + 200);
+                faults.push(Fault {
+                    id: faults.len(),
+                    at_ms: slow_at,
+                    kind: FaultKind::PgSlow,
+                    target: Target::Database,
+                    duration_ms: 3_000,
+                    value: rng.between(10, 20) as i64,
+                });
+            }
         }
     }
     faults.sort_by_key(|f| (f.at_ms, f.id));
