@@ -228,10 +228,10 @@ impl Proc {
         if state.child.is_none() || state.expected.is_some() {
             return false;
         }
+        // The harness's knowledge first: a client that sees its socket reset the moment the
+        // signal lands must already find the kill recorded.
         let t = history.now_ms();
-        if !self.signal(&state, libc::SIGKILL) {
-            return false;
-        }
+        k.ended(self.who, t, EndKind::Killed);
         if state.phase == Phase::Paused {
             if let Who::Cell(c) = self.who {
                 k.resumed(c, t);
@@ -240,7 +240,7 @@ impl Proc {
         state.expected = Some(EndKind::Killed);
         state.want = Want::Stopped;
         state.phase = Phase::Stopping;
-        k.ended(self.who, t, EndKind::Killed);
+        self.signal(&state, libc::SIGKILL);
         history.event(format!(
             "signal proc={} incarnation={} signal=KILL",
             self.name, state.incarnation
@@ -258,13 +258,11 @@ impl Proc {
             return false;
         }
         let t = history.now_ms();
-        if !self.signal(&state, libc::SIGTERM) {
-            return false;
-        }
+        k.ended(self.who, t, EndKind::Terminated);
         state.expected = Some(EndKind::Terminated);
         state.want = Want::Stopped;
         state.phase = Phase::Stopping;
-        k.ended(self.who, t, EndKind::Terminated);
+        self.signal(&state, libc::SIGTERM);
         history.event(format!(
             "signal proc={} incarnation={} signal=TERM",
             self.name, state.incarnation
@@ -279,13 +277,11 @@ impl Proc {
             return false;
         }
         let t = history.now_ms();
-        if !self.signal(&state, libc::SIGSTOP) {
-            return false;
-        }
-        state.phase = Phase::Paused;
         if let Who::Cell(c) = self.who {
             k.paused(c, t);
         }
+        state.phase = Phase::Paused;
+        self.signal(&state, libc::SIGSTOP);
         history.event(format!(
             "signal proc={} incarnation={} signal=STOP",
             self.name, state.incarnation

@@ -236,11 +236,7 @@ impl Nemesis<'_> {
                     return false;
                 }
                 proc.set_clock_offset_ms(fault.value);
-                let terminated = proc.terminate(k, h);
-                if terminated {
-                    proc.start_after_exit(fault.duration_ms);
-                }
-                terminated
+                proc.kill9(k, h)
             }
             (FaultKind::CellHandover, Target::Cell(c)) => self.handover(c),
             _ => false,
@@ -257,6 +253,8 @@ impl Nemesis<'_> {
                 self.fleet.cells[c].resume(k, h);
             }
             (FaultKind::CellKill, Target::Cell(c)) => self.fleet.cells[c].start_at(now),
+            (FaultKind::ClockJump, Target::Director(d)) => self.fleet.directors[d].start_at(now),
+            (FaultKind::ClockJump, Target::Cell(c)) => self.fleet.cells[c].start_at(now),
             (FaultKind::PgRestartFast | FaultKind::PgRestartImmediate, _) => {
                 let _ = self.db_ops.send(DbOp::Start);
             }

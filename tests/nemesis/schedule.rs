@@ -46,8 +46,8 @@ pub enum FaultKind {
     SwitchSlots,
     /// The process restarts with its wall clock `value` ms off (a machine whose clock was
     /// stepped: a running process anchors wall time at start, so only a restart sees a step);
-    /// the offset sticks for its later restarts. It is stopped with `SIGTERM` and started again
-    /// the duration after it exited.
+    /// the offset sticks for its later restarts. It is stopped with `kill -9` (a machine that
+    /// went down) and started again after the duration.
     ClockJump,
     /// `orca-relay handover` on a cell (issue 23): only when the binary has the command.
     CellHandover,
