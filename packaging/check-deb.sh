@@ -39,6 +39,7 @@ expect -rw-r--r-- usr/share/doc/orca-relay/examples/fleet-seed.json
 expect -rw-r--r-- usr/share/doc/orca-relay/examples/fleet-seed.toml
 expect -rw-r--r-- usr/share/doc/orca-relay/PROTOCOL.md
 expect -rw-r--r-- usr/share/doc/orca-relay/OPERATIONS.md
+expect -rw-r--r-- usr/share/doc/orca-relay/CONFIGURATION.md
 expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay.rules.yml
 expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay.rules.test.yml
 expect -rw-r--r-- usr/share/doc/orca-relay/monitoring/orca-relay-dashboard.json

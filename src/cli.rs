@@ -39,8 +39,8 @@ const RUN_HELP: &str = "\
 usage: orca-relay run    (or orca-relay with no arguments)
 
 Runs the role named by ORCA_RELAY_ROLE (combined, cell, director) until SIGTERM, which drains.
-Configuration comes from the environment (see `orca-relay check-config --help` and the
-README's configuration table). A bad configuration stops it with one line per problem.
+Configuration comes from the environment (see `orca-relay check-config --help` and
+docs/CONFIGURATION.md). A bad configuration stops it with one line per problem.
 ";
 
 const MIGRATE_HELP: &str = "\
@@ -400,9 +400,9 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(errors) => {
-            // One line per problem.
+            // One line per problem, each filed as an error under journald.
             for error in &errors.0 {
-                eprintln!("orca-relay: {error}");
+                crate::logging::print_fatal(&format!("orca-relay: {error}"));
             }
             return 1;
         }
@@ -410,7 +410,7 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     match f(config) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("orca-relay: {e}");
+            crate::logging::print_fatal(&format!("orca-relay: {e}"));
             1
         }
     }

@@ -5,8 +5,9 @@
 //! `signals` thread that feeds it, and the `sd_notify` datagrams (`READY=1`, `WATCHDOG=1`,
 //! `STOPPING=1`, `STATUS=…`).
 //!
-//! Runs on: the `signals` thread for SIGTERM/SIGINT; notifications go out from whichever
-//! thread calls them (one small datagram, no waiting); [`raise_fd_limit`] once at start.
+//! Runs on: the `signals` thread for SIGTERM/SIGINT (and SIGHUP, logged and ignored);
+//! notifications go out from whichever thread calls them (one small datagram, no waiting);
+//! [`raise_fd_limit`] once at start.
 //!
 //! Never: does work inside a signal handler (signal-hook's iterator hands each signal to a
 //! normal thread); runs a drain callback while holding the shutdown lock; fails or complains
@@ -20,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::threads;
@@ -322,15 +323,21 @@ impl Shutdown {
     /// Waits up to `timeout` for a shutdown request; returns whether one was made (at once if
     /// it already was). Role loops use it as their tick: `while !shutdown.wait_timeout(tick)`.
     pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        self.wait_while_in(ShutdownState::Running, timeout)
+    }
+
+    /// Waits up to `timeout` while the state is still `state`; returns whether it has moved
+    /// on. The drain waits with `wait_while_in(Draining, …)`: it sleeps until its deadline or
+    /// a second signal, where [`Shutdown::wait_timeout`] would return at once (the state is no
+    /// longer Running) and turn the drain's wait into a spin.
+    pub fn wait_while_in(&self, state: ShutdownState, timeout: Duration) -> bool {
         let guard = self.lock();
         let (guard, _) = self
             .shared
             .1
-            .wait_timeout_while(guard, timeout, |inner| {
-                inner.state == ShutdownState::Running
-            })
+            .wait_timeout_while(guard, timeout, |inner| inner.state == state)
             .unwrap_or_else(PoisonError::into_inner);
-        guard.state != ShutdownState::Running
+        guard.state != state
     }
 
     /// Ends the `signals` thread (its iterator stops), so it can be joined at shutdown. After
@@ -339,6 +346,14 @@ impl Shutdown {
         if let Some(handle) = self.lock().signal_handle.take() {
             handle.close();
         }
+    }
+}
+
+fn shutdown_state_name(state: ShutdownState) -> &'static str {
+    match state {
+        ShutdownState::Running => "running",
+        ShutdownState::Draining => "draining",
+        ShutdownState::Immediate => "exiting",
     }
 }
 
@@ -352,21 +367,52 @@ fn signal_name(signal: i32) -> &'static str {
     match signal {
         SIGTERM => "SIGTERM",
         SIGINT => "SIGINT",
+        SIGHUP => "SIGHUP",
         _ => "other",
     }
 }
 
-/// Catches SIGTERM and SIGINT and hands them to `shutdown` on a thread named `signals`. The
-/// first begins the drain (logs `orca_relay_shutdown_draining`, sends `STOPPING=1`, runs the
-/// drain callbacks); the second logs `orca_relay_shutdown_immediate` and exits the process
-/// with status 0 at once (SPEC §9).
+/// What the process does with a signal it catches (docs/OPERATIONS.md, "Signals").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignalAction {
+    /// SIGTERM, SIGINT: one step of the shutdown (drain, then exit at once).
+    Shutdown,
+    /// SIGHUP: logged and ignored. Its default action would end the process at once, with no
+    /// drain, and systemd counts a death by SIGHUP as a clean exit, so `Restart=on-failure`
+    /// would leave the unit dead. It has no meaning yet; the live handover may give it one.
+    Ignore,
+}
+
+/// The signals the `signals` thread catches.
+pub const CAUGHT_SIGNALS: [i32; 3] = [SIGTERM, SIGINT, SIGHUP];
+
+pub fn signal_action(signal: i32) -> SignalAction {
+    match signal {
+        SIGHUP => SignalAction::Ignore,
+        _ => SignalAction::Shutdown,
+    }
+}
+
+/// Catches SIGTERM, SIGINT and SIGHUP on a thread named `signals`. The first SIGTERM/SIGINT
+/// begins the drain (logs `orca_relay_shutdown_draining`, sends `STOPPING=1`, runs the drain
+/// callbacks); the second logs `orca_relay_shutdown_immediate` and exits the process with
+/// status 0 at once (SPEC §9). SIGHUP logs `orca_relay_signal_ignored signal=SIGHUP` and
+/// changes nothing.
 pub fn install_signal_handlers(shutdown: &Shutdown) -> io::Result<JoinHandle<()>> {
-    let mut signals = Signals::new([SIGTERM, SIGINT])?;
+    let mut signals = Signals::new(CAUGHT_SIGNALS)?;
     shutdown.lock().signal_handle = Some(signals.handle());
     let shutdown = shutdown.clone();
     threads::spawn("signals", move || {
         for signal in signals.forever() {
             let name = signal_name(signal);
+            if signal_action(signal) == SignalAction::Ignore {
+                // WARN: whoever sent it expected something to happen, and nothing did.
+                log::warn!(
+                    "orca_relay_signal_ignored signal={name} state={}",
+                    shutdown_state_name(shutdown.state())
+                );
+                continue;
+            }
             let (state, callbacks) = shutdown.advance();
             match state {
                 ShutdownState::Draining => {
@@ -536,6 +582,47 @@ mod tests {
         assert!(!shutdown.wait_timeout(Duration::from_millis(20)));
         shutdown.begin_drain();
         assert!(shutdown.wait_timeout(Duration::ZERO));
+    }
+
+    #[test]
+    fn the_drain_waits_until_its_deadline_or_a_second_signal() {
+        let shutdown = Shutdown::new();
+        shutdown.begin_drain();
+        // Draining: the drain's wait sleeps its whole timeout (wait_timeout returns at once).
+        let started = crate::clock::instant();
+        assert!(!shutdown.wait_while_in(ShutdownState::Draining, Duration::from_millis(200)));
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(
+            shutdown.wait_timeout(Duration::from_secs(30)),
+            "no wait once draining"
+        );
+        // A second signal wakes it.
+        let (go, ready) = mpsc::channel::<()>();
+        let second = {
+            let shutdown = shutdown.clone();
+            threads::spawn("test-second-signal", move || {
+                ready.recv().expect("go signal");
+                shutdown.request();
+            })
+            .expect("spawn")
+        };
+        let started = crate::clock::instant();
+        go.send(()).expect("signaller alive");
+        assert!(shutdown.wait_while_in(ShutdownState::Draining, Duration::from_secs(30)));
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "woken by the second signal, not the timeout"
+        );
+        assert!(shutdown.is_immediate());
+        second.join().expect("signaller joined");
+    }
+
+    #[test]
+    fn sighup_is_ignored_and_the_shutdown_signals_step_the_shutdown() {
+        assert_eq!(signal_action(SIGHUP), SignalAction::Ignore);
+        assert_eq!(signal_action(SIGTERM), SignalAction::Shutdown);
+        assert_eq!(signal_action(SIGINT), SignalAction::Shutdown);
+        assert!(CAUGHT_SIGNALS.contains(&SIGHUP));
     }
 
     #[test]

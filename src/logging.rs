@@ -10,6 +10,14 @@
 //! No timestamps by default when running under systemd (journald stamps every line); set
 //! `ORCA_RELAY_LOG_TIMESTAMPS=1` to add them elsewhere.
 //!
+//! The filter is `RUST_LOG`, and `info` when it is unset **or empty** (SPEC §4: `''` is unset).
+//! The packaged env files ship `RUST_LOG=`, which systemd passes on as `''`; `env_logger` reads
+//! an empty filter as "errors only", so it never sees that value: [`log_filter`] decides.
+//!
+//! A line that ends the process (a refused configuration, a start that failed) is not a log
+//! record: `main` and `cli` print it with [`print_fatal`], which under journald puts `<3>` in
+//! front, so `journalctl -p err` shows why a unit failed to start.
+//!
 //! [`FailureThrottle`]: a failure that repeats (a director that does not answer heartbeats, a
 //! cell whose feed cannot be polled, SQL that keeps failing) is logged on its first
 //! occurrence, then at most once per [`REPEAT_LOG_INTERVAL_MS`] with the number of failures
@@ -56,10 +64,46 @@ fn stderr_identity() -> Option<(u64, u64)> {
 
 /// Whether this process logs to the journal (see the module header).
 fn logs_to_journal() -> bool {
-    match (std::env::var("JOURNAL_STREAM"), stderr_identity()) {
-        (Ok(stream), Some(stderr)) => is_journal_stream(&stream, stderr),
+    match (set_variable("JOURNAL_STREAM"), stderr_identity()) {
+        (Some(stream), Some(stderr)) => is_journal_stream(&stream, stderr),
         _ => false,
     }
+}
+
+/// The value of an environment variable the logging reads, `None` when it is unset or empty
+/// (SPEC §4: `''` is unset, as for every variable `config.rs` reads).
+fn set_variable(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .filter(|value| !value.trim().is_empty())
+}
+
+/// The filter when `RUST_LOG` is unset or empty.
+pub const DEFAULT_FILTER: &str = "info";
+
+/// The log filter for a `RUST_LOG` value: the value itself, or [`DEFAULT_FILTER`] when it is
+/// unset, empty or blank.
+pub fn log_filter(rust_log: Option<&str>) -> &str {
+    match rust_log.map(str::trim) {
+        Some(filter) if !filter.is_empty() => filter,
+        _ => DEFAULT_FILTER,
+    }
+}
+
+/// A line that ends the process, as printed: with the error priority `<3>` first when stderr
+/// is the journal.
+pub fn fatal_line(line: &str, journal: bool) -> String {
+    if journal {
+        format!("<{}>{line}", priority(log::Level::Error))
+    } else {
+        line.to_string()
+    }
+}
+
+/// Prints a line that ends the process on stderr (see the module header). Works before
+/// [`init`], for `main`'s own refusals.
+pub fn print_fatal(line: &str) {
+    eprintln!("{}", fatal_line(line, logs_to_journal()));
 }
 
 /// One log line without its newline: `[<N>][timestamp ]LEVEL message`.
@@ -82,10 +126,10 @@ pub fn format_line(
 
 pub fn init() {
     let journal = logs_to_journal();
-    let timestamps = std::env::var_os("INVOCATION_ID").is_none()
-        || std::env::var("ORCA_RELAY_LOG_TIMESTAMPS").is_ok_and(|v| v == "1");
-    let mut builder =
-        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    let timestamps = set_variable("INVOCATION_ID").is_none()
+        || set_variable("ORCA_RELAY_LOG_TIMESTAMPS").is_some_and(|v| v.trim() == "1");
+    let mut builder = env_logger::Builder::new();
+    builder.parse_filters(log_filter(set_variable("RUST_LOG").as_deref()));
     builder.format(move |buf, record| {
         let line = if timestamps {
             let ts = buf.timestamp_millis();
@@ -272,6 +316,27 @@ impl SharedThrottle {
 mod tests {
     use super::*;
     use crate::clock::{Clock, ManualClock};
+
+    #[test]
+    fn an_unset_empty_or_blank_rust_log_is_the_default_filter() {
+        assert_eq!(log_filter(None), "info");
+        assert_eq!(log_filter(Some("")), "info");
+        assert_eq!(log_filter(Some("  ")), "info");
+        assert_eq!(log_filter(Some("warn")), "warn");
+        assert_eq!(
+            log_filter(Some(" orca_relay=debug,warn ")),
+            "orca_relay=debug,warn"
+        );
+    }
+
+    #[test]
+    fn a_fatal_line_carries_the_error_priority_only_in_the_journal() {
+        assert_eq!(
+            fatal_line("orca-relay: invalid X=\"5\"", true),
+            "<3>orca-relay: invalid X=\"5\""
+        );
+        assert_eq!(fatal_line("orca-relay: no", false), "orca-relay: no");
+    }
 
     #[test]
     fn priorities_follow_syslog() {

@@ -1,11 +1,12 @@
-//! `orca-relay`: parse the arguments, set up logging, hand off to `cli`.
+//! `orca-relay`: parse the arguments, set up logging, hand off to `cli`. A refusal is printed
+//! with `logging::print_fatal` (priority 3 under journald).
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let command = match orca_relay::cli::parse(&args) {
         Ok(command) => command,
         Err(message) => {
-            eprintln!("orca-relay: {message}");
+            orca_relay::logging::print_fatal(&format!("orca-relay: {message}"));
             std::process::exit(2);
         }
     };

@@ -5,7 +5,7 @@
 //! them is accepted. A peer that answers 401 to the first is asked again with the next one, and
 //! the token it took is remembered for that peer ([`ServiceTokens::call_peer`]), so the list can
 //! lead with a token the peer does not know yet. A token is rotated without an outage and in
-//! any order of restarts (README "Rotating the service token"): `NEW,OLD` on one side, then on
+//! any order of restarts (docs/OPERATIONS.md "Rotating the service token"): `NEW,OLD` on one side, then on
 //! the other, then `NEW` everywhere.
 //!
 //! Floor 1: plain values. Every comparison runs over SHA-256 digests of fixed length, and every

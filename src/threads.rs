@@ -48,7 +48,8 @@ pub fn install_panic_logger() {
         let thread = std::thread::current();
         let name = thread.name().unwrap_or("unnamed");
         log::error!("orca_relay_thread_panicked thread={name} detail={info}");
-        if std::env::var_os("ORCA_RELAY_PANIC_BACKTRACE").is_some() {
+        // Set and not empty (SPEC §4: '' is unset).
+        if std::env::var("ORCA_RELAY_PANIC_BACKTRACE").is_ok_and(|v| !v.trim().is_empty()) {
             default_hook(info);
         }
     }));

@@ -1,14 +1,29 @@
-//! The repository documents itself: README links to the protocol and operations documents,
-//! and no document points outside the repository or at a file that does not exist.
+//! The repository documents itself: README links to the protocol, operations, configuration
+//! and benchmark documents and stays short; no document points outside the repository or at a
+//! file that does not exist; and docs/CONFIGURATION.md lists exactly the variables the config
+//! reader reads, with the defaults it applies.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
+
+use orca_relay::config::{Config, VARIABLES};
 
 const DOCUMENTS: &[&str] = &[
     "README.md",
     "ARCHITECTURE.md",
     "docs/PROTOCOL.md",
     "docs/OPERATIONS.md",
+    "docs/CONFIGURATION.md",
+    "docs/BENCHMARKS.md",
+    "docs/DEVELOPMENT.md",
 ];
+
+/// A newcomer scans the README: what it is, the two commands, trying it, roles and links.
+/// Detail belongs in docs/ (issue 20 cut it from 665 lines).
+const README_MAX_LINES: usize = 250;
+
+/// Read by `env_logger`, not by `Config`, and documented with the rest.
+const LOG_VARIABLE: &str = "RUST_LOG";
 
 /// Folders of the repository a document may name a path in.
 const TOP_LEVEL: &[&str] = &[
@@ -51,7 +66,13 @@ fn code_paths(text: &str) -> Vec<String> {
 fn readme_links_the_protocol_and_the_runbook() {
     let readme = read("README.md");
     let targets = links(&readme);
-    for document in ["docs/PROTOCOL.md", "docs/OPERATIONS.md", "ARCHITECTURE.md"] {
+    for document in [
+        "docs/PROTOCOL.md",
+        "docs/OPERATIONS.md",
+        "docs/CONFIGURATION.md",
+        "docs/BENCHMARKS.md",
+        "ARCHITECTURE.md",
+    ] {
         assert!(
             targets.iter().any(|t| t == document),
             "README links {document}"
@@ -95,5 +116,111 @@ fn documents_point_only_inside_the_repository_at_files_that_exist() {
     assert!(
         checked > 20,
         "only {checked} paths found: the scan is broken"
+    );
+}
+
+#[test]
+fn readme_stays_short_enough_to_scan() {
+    let lines = read("README.md").lines().count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    );
+}
+
+/// The rows of docs/CONFIGURATION.md's tables whose first cell is a variable name in
+/// backticks: name → the default cell, as written.
+fn documented_variables() -> Vec<(String, String)> {
+    read("docs/CONFIGURATION.md")
+        .lines()
+        .filter_map(|line| {
+            let mut cells = line.strip_prefix("| `")?.splitn(2, '`');
+            let name = cells.next()?;
+            let is_name = !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            if !is_name {
+                return None;
+            }
+            let default = cells.next()?.split('|').nth(1)?.trim().to_string();
+            Some((name.to_string(), default))
+        })
+        .collect()
+}
+
+#[test]
+fn configuration_documents_exactly_the_variables_the_config_reads() {
+    let documented = documented_variables();
+    let mut rows: BTreeMap<&str, usize> = BTreeMap::new();
+    for (name, _) in &documented {
+        *rows.entry(name.as_str()).or_default() += 1;
+    }
+    let read_by_relay: BTreeSet<&str> = VARIABLES.iter().copied().chain([LOG_VARIABLE]).collect();
+    let missing: Vec<&&str> = read_by_relay
+        .iter()
+        .filter(|name| !rows.contains_key(**name))
+        .collect();
+    let unknown: Vec<&&str> = rows
+        .keys()
+        .filter(|name| !read_by_relay.contains(**name))
+        .collect();
+    let repeated: Vec<(&&str, &usize)> = rows.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        missing.is_empty() && unknown.is_empty() && repeated.is_empty(),
+        "docs/CONFIGURATION.md: missing {missing:?}, not read by the relay {unknown:?}, \
+         in more than one row {repeated:?}"
+    );
+}
+
+#[test]
+fn configuration_documents_the_defaults_the_config_applies() {
+    // The smallest valid cell configuration: every other variable at its default.
+    let minimal: HashMap<&str, &str> = [
+        ("ORCA_RELAY_ROLE", "cell"),
+        (
+            "ORCA_RELAY_SERVICE_TOKEN",
+            "0123456789abcdef0123456789abcdef",
+        ),
+        (
+            "ORCA_RELAY_JWKS_URL",
+            "https://auth.example.com/.well-known/jwks.json",
+        ),
+        ("ORCA_RELAY_AUTH_ISSUER", "https://auth.example.com"),
+    ]
+    .into_iter()
+    .collect();
+    let defaults = Config::from_lookup(&|name| minimal.get(name).map(|v| v.to_string()))
+        .expect("the minimal cell configuration is valid")
+        .describe();
+    let mut checked = 0;
+    for (name, documented) in documented_variables() {
+        let Some(applied) = defaults.get(name.as_str()) else {
+            continue;
+        };
+        if minimal.contains_key(name.as_str()) {
+            continue;
+        }
+        // A documented default is either a number, a value in backticks, or prose (`unset`,
+        // `cores`, `= POOL_MAX`, "10 (cell), 3 (director)"); numbers and literal values are
+        // compared, prose is left to the config's own tests.
+        let literal = documented
+            .strip_prefix('`')
+            .and_then(|rest| rest.strip_suffix('`'))
+            .filter(|value| !value.contains('<') && !value.contains('$'));
+        let value = match literal {
+            Some(value) => value.to_string(),
+            None if documented.parse::<u64>().is_ok() => documented.clone(),
+            None => continue,
+        };
+        assert_eq!(
+            &value, applied,
+            "docs/CONFIGURATION.md documents {name}'s default as {documented}, the config applies {applied}"
+        );
+        checked += 1;
+    }
+    assert!(
+        checked >= 30,
+        "only {checked} defaults compared: the scan is broken"
     );
 }

@@ -166,3 +166,85 @@ fn heartbeats_refused_many_times_are_logged_once_then_once_on_recovery() {
     assert_eq!(relay.count_log("orca_relay_heartbeat_recovered"), 1);
     assert_eq!(relay.count_log("orca_relay_heartbeat_failed"), 1);
 }
+
+// ---------------------------------------------------------------------------------------------
+// What the packaged env files ship (issue 22): `RUST_LOG=` empty, and a start that fails.
+
+#[test]
+fn an_empty_rust_log_means_the_default_filter_info() {
+    // packaging/cell.env ships `RUST_LOG=` and systemd passes it on as ''; SPEC §4: '' is unset.
+    let relay = Relay::combined(&[("RUST_LOG", "")]);
+    assert!(
+        relay.count_log("INFO orca_relay_started") == 1,
+        "{}",
+        relay.log_text()
+    );
+}
+
+/// Runs the binary to its exit with stderr going to a file that `JOURNAL_STREAM` names (as
+/// under systemd); returns (exit code, stderr).
+fn run_to_exit_under_journald(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new("fatal");
+    let log_path = dir.0.join("stderr.log");
+    let file = std::fs::File::create(&log_path).expect("log file");
+    let metadata = file.metadata().expect("log file metadata");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_orca-relay"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("INVOCATION_ID", "0123456789abcdef0123456789abcdef")
+        .env(
+            "JOURNAL_STREAM",
+            format!("{}:{}", metadata.dev(), metadata.ino()),
+        )
+        .env("ORCA_RELAY_WS_ADDR", "127.0.0.1:0")
+        .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
+        .env("ORCA_RELAY_DATA_DIR", &dir.0)
+        .env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(file))
+        .spawn()
+        .expect("start orca-relay");
+    let exited = wait_until(Duration::from_secs(30), || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    });
+    if !exited {
+        let _ = child.kill();
+    }
+    let status = child.wait().expect("wait");
+    (status.code(), std::fs::read_to_string(&log_path).unwrap())
+}
+
+#[test]
+fn under_journald_a_fatal_start_line_is_filed_as_an_error() {
+    // A bad value: one line naming it, at priority 3 so that `journalctl -p err` shows it.
+    let (code, text) = run_to_exit_under_journald(&["run"], &[("ORCA_RELAY_HTTP_IDLE_MS", "5")]);
+    assert_eq!(code, Some(1), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("ORCA_RELAY_HTTP_IDLE_MS"))
+        .unwrap_or_else(|| panic!("no line names the variable:\n{text}"));
+    assert!(
+        line.starts_with("<3>orca-relay: invalid ORCA_RELAY_HTTP_IDLE_MS=\"5\""),
+        "{line}"
+    );
+
+    // A start that fails after the configuration was read (the WebSocket port is taken).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (code, text) = run_to_exit_under_journald(&["run"], &[("ORCA_RELAY_WS_ADDR", &addr)]);
+    assert_eq!(code, Some(1), "{text}");
+    let last = text.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("<3>orca-relay: ") && last.contains(&addr),
+        "the refusal, last, at priority 3: {last:?}\n{text}"
+    );
+
+    // A command line the binary cannot parse (systemd would run it from a drop-in's ExecStart).
+    let (code, text) = run_to_exit_under_journald(&["no-such-command"], &[]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.starts_with("<3>orca-relay: "), "{text}");
+}

@@ -2,8 +2,8 @@
 //! on a real PostgreSQL: one `director` and two reserve `cell`s, restarted one at a time as an
 //! operator rolls an env file through the fleet. `ORCA_RELAY_SERVICE_TOKEN` is a comma list:
 //! the first token is sent, any is accepted, and a peer that answers 401 is asked again with
-//! the next token, which is then remembered for it. The roll (README "Rotating the service
-//! token"), the issue's own sequence:
+//! the next token, which is then remembered for it. The roll (docs/OPERATIONS.md "Rotating the
+//! service token"), the issue's own sequence:
 //!
 //! | step | director | cells |
 //! |---|---|---|

@@ -531,8 +531,8 @@ pub fn holds_trip_slot(cell: &CellRow, trip_slot_stale_ms: u64) -> bool {
 
 /// `GET /v1/admin/cells`, version 1: every registered cell, ordered by id, and a `summary`. Ages
 /// are the database's (`…AgeMs`), except the feed's and the status report's, which are this
-/// director's own. A field this director has no data for is `null`. Documented in README
-/// ("Fleet membership") and docs/OPERATIONS.md ("Reading fleet status").
+/// director's own. A field this director has no data for is `null`. Documented in
+/// docs/OPERATIONS.md ("The fleet listing", "Reading fleet status").
 pub fn fleet_listing(
     cells: &[CellRow],
     feeds: &HashMap<String, FeedStatus>,

@@ -25,11 +25,12 @@ use super::feed_poller::{FeedBoard, POLL_TIMEOUT};
 use super::membership::Judge;
 use super::placement::{self, Candidate, Decision, Params, Path, Rng};
 use crate::auth::Verifier;
+use crate::cell::mode::CellMode;
 use crate::clock::SharedClock;
 use crate::http::{Reply, Request};
 use crate::metrics::{Counter, Registry};
 use crate::service_token::ServiceTokens;
-use crate::store::{Store, StoreError};
+use crate::store::{CellRow, Store, StoreError};
 
 /// Public bodies over 4 KiB are refused (SPEC §5.4).
 pub const ASSIGN_BODY_LIMIT: usize = 4 * 1024;
@@ -195,6 +196,36 @@ pub struct Fleet {
     /// Which cells are retired (skipped).
     pub membership: Judge,
     pub rng: Mutex<Rng>,
+    /// The combined role's own cell, whose drain this director knows of at once.
+    pub in_process_cell: Option<InProcessCell>,
+}
+
+/// The cell that runs in the director's own process (the combined role). The feed poller
+/// learns of its drain only with its next poll (up to `FEED_POLL_MS` later) and the store with
+/// its next heartbeat; a desktop that follows the `drain` frame straight back to `/v1/assign`
+/// must not be placed on it in between, so placement reads its drain from its [`CellMode`].
+pub struct InProcessCell {
+    pub cell_id: String,
+    pub mode: Arc<CellMode>,
+}
+
+impl InProcessCell {
+    /// Whether placement must leave this cell out now.
+    fn is_draining(&self) -> bool {
+        self.mode.is_draining()
+    }
+}
+
+/// The cells placement may consider: all of them but the in-process cell while it drains
+/// (neither a pin nor a candidate; with no other cell the answer is 503 with `Retry-After`).
+fn placeable_cells(
+    mut cells: Vec<CellRow>,
+    in_process_cell: Option<&InProcessCell>,
+) -> Vec<CellRow> {
+    if let Some(local) = in_process_cell.filter(|local| local.is_draining()) {
+        cells.retain(|cell| cell.cell_id != local.cell_id);
+    }
+    cells
 }
 
 impl Fleet {
@@ -217,7 +248,14 @@ impl Fleet {
             ),
             membership,
             rng: Mutex::new(Rng::from_os()),
+            in_process_cell: None,
         }
+    }
+
+    /// The same placement for a director that runs `cell` in its own process.
+    pub fn with_in_process_cell(mut self, cell: InProcessCell) -> Fleet {
+        self.in_process_cell = Some(cell);
+        self
     }
 }
 
@@ -391,7 +429,10 @@ fn place_in_fleet(
 ) -> Result<Reply, Reply> {
     let failed = store_unavailable(relay_host_id);
     // The cells change on the scale of heartbeats; one read serves every round.
-    let cells = context.store.list_cells().map_err(&failed)?;
+    let cells = placeable_cells(
+        context.store.list_cells().map_err(&failed)?,
+        fleet.in_process_cell.as_ref(),
+    );
     // Cells that refused a booking during this request.
     let mut refused: Vec<String> = Vec::new();
     // The epoch this request last wrote: while the row still holds it, a failed booking there
@@ -526,6 +567,42 @@ fn book(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn registered(cell_id: &str) -> CellRow {
+        CellRow {
+            cell_id: cell_id.into(),
+            cell_url: format!("ws://{cell_id}"),
+            internal_url: None,
+            region: "default".into(),
+            incarnation: 1,
+            registered_at: 0,
+            registered_age_ms: 0,
+            runtime: None,
+            admit_mode: "db".into(),
+            admit_mode_updated_at: None,
+            effective: None,
+        }
+    }
+
+    #[test]
+    fn a_draining_in_process_cell_is_left_out_of_placement() {
+        let mode = Arc::new(CellMode::new());
+        let local = InProcessCell {
+            cell_id: "combined".into(),
+            mode: mode.clone(),
+        };
+        let ids = |cells: Vec<CellRow>| -> Vec<String> {
+            cells.into_iter().map(|cell| cell.cell_id).collect()
+        };
+        let cells = || vec![registered("combined"), registered("other")];
+        assert_eq!(
+            ids(placeable_cells(cells(), Some(&local))),
+            ["combined", "other"]
+        );
+        mode.set_draining();
+        assert_eq!(ids(placeable_cells(cells(), Some(&local))), ["other"]);
+        assert_eq!(ids(placeable_cells(cells(), None)), ["combined", "other"]);
+    }
 
     #[test]
     fn reserve_answers_parse() {

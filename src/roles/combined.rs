@@ -12,6 +12,11 @@
 //!   `self-record` thread writes it from the cell's own switch file whenever the applied
 //!   `admitMode` changes, so a combined process whose switch says `reserve` books its desktops.
 //!
+//! - the drain: placement leaves the cell out from the moment it begins draining
+//!   ([`InProcessCell`]), so a desktop that follows its `drain` frame straight back to
+//!   `/v1/assign` is never placed on this process again (503 `relay_capacity_exhausted` with
+//!   `Retry-After` while it is the only cell).
+//!
 //! Without `ORCA_RELAY_SERVICE_TOKEN` a random in-process token protects the cell's internal
 //! API; the director side holds the same one.
 //!
@@ -37,7 +42,9 @@ use crate::cell::switch::AdmitMode;
 use crate::clock;
 use crate::config::Config;
 use crate::director::admin::AdminContext;
-use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
+use crate::director::assign::{
+    self, AssignContext, Fleet, HttpCellClient, InProcessCell, Placement,
+};
 use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
 use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
@@ -125,7 +132,11 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         Arc::new(HttpCellClient::new(service_token.clone())),
         &config.timings,
         membership,
-    );
+    )
+    .with_in_process_cell(InProcessCell {
+        cell_id: config.cell_id.clone(),
+        mode: cell.context.mode.clone(),
+    });
     let assign_context = Arc::new(AssignContext::new(
         verifier,
         store.clone(),

@@ -44,7 +44,7 @@ pub const PENDING_OUTPUT_BOUND: usize = 1024 * 1024;
 
 /// The read buffer of one worker, shared by all its legs: 256 KiB lets one read take several
 /// 64 KiB frames, which keeps single-stream throughput at nginx's (measured with the per-leg
-/// buffer of the thread-per-leg relay; see README's bench section).
+/// buffer of the thread-per-leg relay; see docs/BENCHMARKS.md).
 pub const READ_BUFFER_BYTES: usize = 256 * 1024;
 
 /// One leg as its relay thread hands it over.
