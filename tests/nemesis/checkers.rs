@@ -35,14 +35,21 @@ pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 /// After the nemesis stops, the fleet must be whole again within this.
 pub const LIVENESS_DEADLINE: Duration = Duration::from_secs(30);
 /// Checker 3's tolerances. The last contact before the directors went away may be up to two
-/// poll periods (the contact promise, SPEC §11) plus scheduling before the moment the harness
-/// saw the last director go; a director that came back needs two poll periods (plus its
-/// first listing) before its polls arrive.
-const TRIP_TOLERANCE_BEFORE_MS: u64 = 2 * FEED_POLL_MS + 250;
+/// poll periods (the contact promise, SPEC §11) plus scheduling on a loaded machine before the
+/// moment the harness saw the last director go; a director that came back needs two poll
+/// periods (plus its first listing) before its polls arrive. Both stay far below a window
+/// (2.5 s), so a cell that trips on its own pause, or a poll backoff that outlasts the pause
+/// guard's grace, is still caught.
+const TRIP_TOLERANCE_BEFORE_MS: u64 = 2 * FEED_POLL_MS + 500;
 const TRIP_TOLERANCE_AFTER_MS: u64 = 2 * FEED_POLL_MS + 500;
 /// A new slot count reaches a cell within its switch poll; its claims in that time may still
 /// use the previous one.
 const SLOTS_MARGIN_MS: u64 = 2_000;
+/// A claim asked for before a re-arm may commit after it (the database cut off, the cell
+/// paused): that far back a re-arm excuses a holder over its cap, provided the cell drops the
+/// stale permit and frees the slot within [`STALE_PERMIT_RELEASE_MS`].
+const STALE_PERMIT_LOOKBACK_MS: u64 = 15_000;
+const STALE_PERMIT_RELEASE_MS: u64 = 1_500;
 /// A drained cell's final write lands before it exits; the sample may be this old.
 const LEAK_GRACE_MS: u64 = 300;
 /// A deliberate `db` flip's full pool shrinks back once the cell is `reserve` again.
@@ -148,11 +155,11 @@ impl Checkers {
     /// cell's window in which no director could reach it: every director down or without the
     /// cell list, or the cell still starting (its own pauses do not count: a director polling a
     /// paused cell reaches it the moment it resumes).
-    fn judge_trip(&self, c: usize, t: u64, what: &str) {
+    fn judge_trip(&self, c: usize, t: u64, what: &str, generation: Option<u64>) {
         let window = window_ms(c);
         let judged_at = t.saturating_sub(TRIP_TOLERANCE_AFTER_MS);
         let last_reachable = self.knowledge.last_reachable_at_or_before(c, judged_at);
-        let fresh = self.knowledge.fresh_window_at_or_before(c, t);
+        let fresh = self.knowledge.fresh_window_at_or_before(c, t, generation);
         let silence_from = last_reachable.unwrap_or(0).max(fresh);
         let silence = t.saturating_sub(silence_from);
         self.history.event(format!(
@@ -321,12 +328,17 @@ impl Observer for Checkers {
             }
         }
         if let Who::Cell(c) = who {
+            // The line names the switch generation it was judged under.
+            let generation = text
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("generation="))
+                .and_then(|g| g.parse().ok());
             if text.contains("orca_relay_cell_reserve_dead_man_tripped") {
                 self.trips.fetch_add(1, Ordering::Relaxed);
-                self.judge_trip(c, t, "tripped");
+                self.judge_trip(c, t, "tripped", generation);
             } else if text.contains("orca_relay_cell_reserve_dead_man_held") {
                 self.helds.fetch_add(1, Ordering::Relaxed);
-                self.judge_trip(c, t, "held");
+                self.judge_trip(c, t, "held", generation);
             }
         }
     }
@@ -434,6 +446,9 @@ struct SamplerState {
     last_summary: String,
     last_written: u64,
     reported: HashSet<String>,
+    /// Holders over their own cap that a recent re-arm may release at once (a dropped permit
+    /// of an earlier generation): cell → (first seen, the violation if it stays).
+    stale_permits: BTreeMap<usize, (u64, String)>,
     failures: u64,
     samples: u64,
     sample_ms_total: u64,
@@ -459,6 +474,7 @@ impl Sampler {
                 last_summary: String::new(),
                 last_written: 0,
                 reported: HashSet::new(),
+                stale_permits: BTreeMap::new(),
                 failures: 0,
                 samples: 0,
                 sample_ms_total: 0,
@@ -568,26 +584,6 @@ fn sample(
     for &c in &holders {
         state.holding_since.entry(c).or_insert(t);
     }
-    let oldest = state.holding_since.values().copied().min().unwrap_or(t);
-    let bound = knowledge.largest_slots_during(oldest.saturating_sub(1_000), t);
-    history.sampled(Checker::Bound);
-    if holders.len() as u32 > bound {
-        let key = format!("bound:{holders:?}");
-        if state.reported.insert(key) {
-            let detail: Vec<String> = rows
-                .iter()
-                .map(|r| format!("c{}:{}/{}:{}ms", r.cell, r.mode, r.admit_mode, r.age_ms))
-                .collect();
-            history.violation(
-                Checker::Bound,
-                format!(
-                    "{} cells hold a trip slot ({holders:?}) but deadManTripSlots is {bound}; rows: {}",
-                    holders.len(),
-                    detail.join(" ")
-                ),
-            );
-        }
-    }
     // Each claim is granted only while fewer than the claimant's own `deadManTripSlots` hold a
     // slot, so a new holder never makes more holders than its own cap allows (a cap lowered
     // later keeps the slots taken under the higher one, and a value set on another cell never
@@ -608,15 +604,61 @@ fn sample(
     for (k, &(own, c)) in caps.iter().enumerate() {
         let holders_then = already + k + 1;
         if holders_then as u32 > own {
-            let key = format!("arrival:{c}:{t}");
-            if state.reported.insert(key) {
-                history.violation(
-                    Checker::Bound,
-                    format!(
-                        "c{c} took a trip slot as holder number {holders_then} ({holders:?}) with its deadManTripSlots at {own}"
-                    ),
-                );
+            let detail = format!(
+                "c{c} took a trip slot as holder number {holders_then} ({holders:?}) with its deadManTripSlots at {own}"
+            );
+            if knowledge.rearmed_during(c, t.saturating_sub(STALE_PERMIT_LOOKBACK_MS), t) {
+                // Claimed under the generation before a re-arm (a larger cap, a claim held up by
+                // an outage or a pause): the cell drops that permit and frees the slot at once.
+                state.stale_permits.entry(c).or_insert((t, detail));
+            } else if state.reported.insert(format!("arrival:{c}:{t}")) {
+                history.violation(Checker::Bound, detail);
             }
+        }
+    }
+    let stale: Vec<(usize, u64, String)> = state
+        .stale_permits
+        .iter()
+        .map(|(c, (since, detail))| (*c, *since, detail.clone()))
+        .collect();
+    for (c, since, detail) in stale {
+        if !holders.contains(&c) {
+            state.stale_permits.remove(&c);
+            history.event(format!(
+                "stale_permit_released cell=c{c} held_ms={}",
+                t - since
+            ));
+        } else if t > since + STALE_PERMIT_RELEASE_MS {
+            state.stale_permits.remove(&c);
+            history.violation(
+                Checker::Bound,
+                format!("{detail}; still holding {} ms later", t - since),
+            );
+        }
+    }
+    let oldest = state.holding_since.values().copied().min().unwrap_or(t);
+    let bound = knowledge.largest_slots_during(oldest.saturating_sub(1_000), t);
+    history.sampled(Checker::Bound);
+    // A stale permit being released does not count (above).
+    let counted = holders
+        .iter()
+        .filter(|c| !state.stale_permits.contains_key(c))
+        .count();
+    if counted as u32 > bound {
+        let key = format!("bound:{holders:?}");
+        if state.reported.insert(key) {
+            let detail: Vec<String> = rows
+                .iter()
+                .map(|r| format!("c{}:{}/{}:{}ms", r.cell, r.mode, r.admit_mode, r.age_ms))
+                .collect();
+            history.violation(
+                Checker::Bound,
+                format!(
+                    "{} cells hold a trip slot ({holders:?}) but deadManTripSlots is {bound}; rows: {}",
+                    holders.len(),
+                    detail.join(" ")
+                ),
+            );
         }
     }
     for &c in &all_holders {

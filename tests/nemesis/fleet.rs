@@ -707,7 +707,7 @@ impl Fleet {
         std::fs::rename(&tmp, &path).expect("rename the switch file");
         let t = self.history.now_ms();
         if reserve {
-            self.knowledge.rearmed(c, t);
+            self.knowledge.rearmed(c, t, generation);
         }
         self.knowledge.slots_written(c, t, slots);
         self.history.event(format!(

@@ -70,8 +70,9 @@ impl ProcFacts {
 #[derive(Debug, Clone, Default)]
 struct CellFacts {
     process: ProcFacts,
-    /// Switch writes with a new generation that says `reserve` (a fresh window).
-    rearms: Vec<u64>,
+    /// Switch writes with a new generation that says `reserve` (a fresh window): (when,
+    /// generation).
+    rearms: Vec<(u64, u64)>,
     pauses: Vec<Span>,
     /// `deadManTripSlots` written, from when.
     slots: Vec<(u64, u32)>,
@@ -194,8 +195,10 @@ impl Knowledge {
         close_last(&mut self.facts.lock().unwrap().cells[c].pauses, t);
     }
 
-    pub fn rearmed(&self, c: usize, t: u64) {
-        self.facts.lock().unwrap().cells[c].rearms.push(t);
+    pub fn rearmed(&self, c: usize, t: u64, generation: u64) {
+        self.facts.lock().unwrap().cells[c]
+            .rearms
+            .push((t, generation));
     }
 
     pub fn slots_written(&self, c: usize, t: u64, slots: u32) {
@@ -370,9 +373,10 @@ impl Knowledge {
         text
     }
 
-    /// The latest fresh window of cell `c` at or before `t`: its current run's launch, or a
-    /// re-arming switch write since.
-    pub fn fresh_window_at_or_before(&self, c: usize, t: u64) -> u64 {
+    /// The latest fresh window of cell `c` at or before `t` for a dead-man line of switch
+    /// `generation`: its current run's launch, or the write of a re-arming generation up to
+    /// that one (a write the cell had not applied yet when it logged does not count).
+    pub fn fresh_window_at_or_before(&self, c: usize, t: u64, generation: Option<u64>) -> u64 {
         let facts = self.facts.lock().unwrap();
         let cell = &facts.cells[c];
         let launched = cell
@@ -386,8 +390,8 @@ impl Knowledge {
         let rearmed = cell
             .rearms
             .iter()
-            .copied()
-            .filter(|&r| r <= t)
+            .filter(|(r, g)| *r <= t && generation.is_none_or(|line| *g <= line))
+            .map(|(r, _)| *r)
             .max()
             .unwrap_or(0);
         launched.max(rearmed)
@@ -405,6 +409,15 @@ impl Knowledge {
             .filter_map(|run| run.ended)
             .find(|(t, _)| *t <= to)
             .map(|(_, kind)| kind)
+    }
+
+    /// A switch write re-armed cell `c` in `from..=to` (a permit the cell asked for under an
+    /// earlier generation is then dropped, and its slot released, SPEC §5.5).
+    pub fn rearmed_during(&self, c: usize, from: u64, to: u64) -> bool {
+        self.facts.lock().unwrap().cells[c]
+            .rearms
+            .iter()
+            .any(|(r, _)| (from..=to).contains(r))
     }
 
     /// Cell `c` was paused at some time in `from..=to`.
