@@ -169,7 +169,7 @@ impl Proc {
             })
             .collect();
         states.sort();
-        states.join(" ")
+        format!("{} sockets: {}", states.join(" "), tcp_sockets(pid))
     }
 
     pub fn incarnation(&self) -> u32 {
@@ -802,6 +802,42 @@ impl Drop for Fleet {
     fn drop(&mut self) {
         self.teardown();
     }
+}
+
+/// The TCP sockets of process `pid` as the kernel sees them (`/proc/net/tcp`): local and remote
+/// address, state, send and receive queues, timer: where a stuck call is waiting.
+fn tcp_sockets(pid: u32) -> String {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let target = target.display().to_string();
+            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let inode = f.get(9)?;
+            inodes.iter().any(|i| i == inode).then(|| {
+                format!(
+                    "[{}->{} st={} queues={} timer={} retrans={}]",
+                    f.get(1).unwrap_or(&""),
+                    f.get(2).unwrap_or(&""),
+                    f.get(3).unwrap_or(&""),
+                    f.get(4).unwrap_or(&""),
+                    f.get(5).unwrap_or(&""),
+                    f.get(6).unwrap_or(&"")
+                )
+            })
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A GET with a 2 s deadline: (status, body), `None` without an answer.
