@@ -31,7 +31,10 @@ use nemesis::schedule::{self, FaultKind, Shape};
 /// - 207 has a cell five minutes fast through later outages (it catches slot liveness judged on
 ///   the cell's clock), and fails before the same two fixes.
 /// - 232 has the longest cuts and the most drains; it fails before the feed poller's fix.
-const SEEDS: &[u64] = &[22, 207, 232];
+/// - 26 has six pauses longer than any window, several of them of armed cells: a watchdog
+///   without its pause guard trips or holds there whenever its first tick after the resume
+///   comes before the directors' polls that queued while the cell was stopped.
+const SEEDS: &[u64] = &[22, 207, 232, 26];
 /// How long the nemesis injects faults per seed.
 const LENGTH: Duration = Duration::from_secs(40);
 const DESKTOPS: usize = 12;
