@@ -10,6 +10,11 @@
 //! got the documented 4408), closed by a fault that closes it by design (its cell was killed or
 //! drained: then the close code must be the documented one, or the connection simply gone), or
 //! a violation of checker 4.
+//!
+//! Desktops reach the directors as they would through a load balancer: a `nemesis-lb` thread
+//! checks every director's `/ready` every [`LB_CHECK_EVERY`], and a desktop asks only the
+//! directors that answered 200 at the last check (a director that is starting, or whose JWKS
+//! or database never answered, is not in the balancer, SPEC §7).
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -38,9 +43,13 @@ const ANSWER_MS: u64 = 15_000;
 /// Close codes a stream or control may end with (docs/PROTOCOL.md).
 const DOCUMENTED: [u16; 8] = [1000, 1001, 4401, 4404, 4408, 4409, 4429, 4503];
 
+/// How often the load balancer in front of the directors checks their `/ready`.
+pub const LB_CHECK_EVERY: Duration = Duration::from_millis(250);
+
 /// Where the clients find the fleet.
 #[derive(Clone)]
 pub struct Endpoints {
+    /// Each director's base URL (behind the load balancer).
     pub directors: Vec<String>,
     /// Each cell's public URL (`ws://…`), by cell index.
     pub cells: Vec<String>,
@@ -84,6 +93,9 @@ impl DesktopStatus {
 
 struct Context {
     endpoints: Endpoints,
+    /// The directors the load balancer routes to (their `/ready` answered 200 at its last
+    /// check).
+    in_balancer: std::sync::Mutex<Vec<bool>>,
     history: Arc<History>,
     knowledge: Arc<Knowledge>,
     shared: Arc<Shared>,
@@ -92,6 +104,7 @@ struct Context {
 
 pub struct Clients {
     desktops: Vec<(Arc<DesktopStatus>, JoinHandle<()>)>,
+    balancer: Option<JoinHandle<()>>,
     context: Arc<Context>,
 }
 
@@ -103,13 +116,36 @@ impl Clients {
         history: Arc<History>,
         knowledge: Arc<Knowledge>,
     ) -> Clients {
+        let directors = endpoints.directors.len();
         let context = Arc::new(Context {
             endpoints,
+            in_balancer: std::sync::Mutex::new(vec![false; directors]),
             history,
             knowledge,
             shared: Arc::default(),
             stop: Arc::default(),
         });
+        let balancer = {
+            let context = context.clone();
+            orca_relay::threads::spawn("nemesis-lb", move || {
+                while !context.stop.load(Ordering::SeqCst) {
+                    let ready: Vec<bool> = context
+                        .endpoints
+                        .directors
+                        .iter()
+                        .map(|director| {
+                            ureq::get(&format!("{director}/ready"))
+                                .timeout(Duration::from_secs(1))
+                                .call()
+                                .is_ok_and(|response| response.status() == 200)
+                        })
+                        .collect();
+                    *context.in_balancer.lock().unwrap() = ready;
+                    orca_relay::clock::sleep(LB_CHECK_EVERY);
+                }
+            })
+            .expect("spawn the load balancer")
+        };
         let desktops = (0..count)
             .map(|i| {
                 let status = Arc::new(DesktopStatus {
@@ -131,7 +167,11 @@ impl Clients {
                 (status, thread)
             })
             .collect();
-        Clients { desktops, context }
+        Clients {
+            desktops,
+            balancer: Some(balancer),
+            context,
+        }
     }
 
     /// Each desktop's cell, `None` for one without a control.
@@ -152,10 +192,13 @@ impl Clients {
     }
 
     /// Ends every desktop: each finishes or cuts its stream, closes its control 1000.
-    pub fn stop(self) -> ClientCounts {
+    pub fn stop(mut self) -> ClientCounts {
         self.context.stop.store(true, Ordering::SeqCst);
-        for (_, thread) in self.desktops {
+        for (_, thread) in std::mem::take(&mut self.desktops) {
             let _ = thread.join();
+        }
+        if let Some(balancer) = self.balancer.take() {
+            let _ = balancer.join();
         }
         let s = &self.context.shared;
         ClientCounts {
@@ -539,10 +582,23 @@ impl Desktop {
         }
     }
 
-    /// `POST /v1/assign` on a director (the other one when the first does not answer 200):
-    /// (cell index, epoch).
+    /// `POST /v1/assign` through the load balancer: on a director in it (the other one when
+    /// the first does not answer 200): (cell index, epoch).
     fn assign(&mut self, token: &str, reconnect: bool) -> Option<(usize, i64)> {
-        let directors = self.context.endpoints.directors.clone();
+        let in_balancer = self.context.in_balancer.lock().unwrap().clone();
+        let directors: Vec<String> = self
+            .context
+            .endpoints
+            .directors
+            .iter()
+            .zip(in_balancer)
+            .filter(|(_, ready)| *ready)
+            .map(|(url, _)| url.clone())
+            .collect();
+        if directors.is_empty() {
+            // The balancer has no backend: it answers 503 itself.
+            return None;
+        }
         let first = self.rng.below(directors.len());
         for i in 0..directors.len() {
             let director = &directors[(first + i) % directors.len()];

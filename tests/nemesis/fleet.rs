@@ -814,7 +814,12 @@ fn tcp_sockets(pid: u32) -> String {
         .filter_map(|fd| std::fs::read_link(fd.path()).ok())
         .filter_map(|target| {
             let target = target.display().to_string();
-            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
         })
         .collect();
     let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
