@@ -1,6 +1,7 @@
-//! The network-edge benchmark (issue 10; SPEC §5.4, §11): `/health` and `/ready` round trips on
-//! the HTTP port of an idle process next to the same process under attack, and 10,000 requests
-//! on reused connections with idle gaps of 0 to 29 s.
+//! The network-edge benchmark (issues 10 and 19; SPEC §5.4, §11, §12): `/health` and `/ready`
+//! round trips on the HTTP port of an idle process next to the same process under attack
+//! (slowloris heads, withheld bodies, unauthenticated phone and data legs on the WebSocket
+//! port), and 10,000 requests on reused connections with idle gaps of 0 to 29 s.
 //!
 //! Usage:
 //!
@@ -14,6 +15,8 @@
 //! - `--quick`: 5 s windows; keep-alive 100 connections × 5 requests, gaps 0–12 s.
 //! - `--seconds S` (10): length of each latency window.
 //! - `--slowloris N` (2000), `--burst N` (500): the attack's size.
+//! - `--withheld N` (2000): connections that withhold their bodies; `--legs N` (2000):
+//!   unauthenticated WebSocket legs (half phones, half data legs).
 //! - `--keepalive-connections N` (1000), `--keepalive-requests N` (10), `--gap-max-ms N`
 //!   (29000): the keep-alive run (connections × requests, gaps uniform in 0..=gap-max).
 //! - `--skip-attack`, `--skip-keepalive`: leave a part out.
@@ -31,8 +34,18 @@
 //!      `ORCA_RELAY_HTTP_CONNECTIONS_MAX` (1024: the slowloris sockets are shed oldest first and
 //!      reconnect) and once with 4096 (every slowloris socket is held by its own thread).
 //!
-//!    Reported: probes, failures, p50/p99/max per path; the bursts' answered count and p99; the
-//!    relay's shed and refused counters. Target: p99 under attack ≤ 50 ms (PASS/FAIL).
+//!    - *withheld bodies* (default caps): 2,000 connections, half `POST /v1/assign` with
+//!      `Content-Length: 100` and 5 bytes of it, half `GET /health` with `Content-Length: 60000`
+//!      and none, each reconnecting when closed (the table of 1,024 sheds them: a connection
+//!      waiting for body bytes is sheddable, and an answer never waits for an unread body);
+//!    - *phone legs* (default caps: connection cap 1,000, 256 pending): 2,000 WebSocket upgrades
+//!      on `/v1/connect/*` and `/v1/host/data/*` that ping, trickle their first frame or declare
+//!      an 8 MiB one, each reconnecting when closed; besides the probes, a desktop connects
+//!      (assign, upgrade, hello) every 250 ms and its admission time is reported.
+//!
+//!    Reported: probes, failures, p50/p99/max per path; the bursts' answered count and p99 (or
+//!    the desktops' for the phone-leg attack); the relay's shed and refused counters. Target:
+//!    p99 under attack ≤ 50 ms (PASS/FAIL).
 //! 2. **Keep-alive.** N connections each send M requests with idle gaps drawn uniformly from
 //!    0 to 29 s (default idle close 30 s): every request must be answered on its connection.
 //!    Reported: answered, unanswered (no answer within 5 s), closed by the server, latency.
@@ -64,6 +77,8 @@ struct Options {
     seconds: f64,
     slowloris: usize,
     burst: usize,
+    withheld: usize,
+    legs: usize,
     keepalive_connections: usize,
     keepalive_requests: usize,
     gap_max_ms: u64,
@@ -77,6 +92,8 @@ impl Options {
             seconds: 10.0,
             slowloris: 2000,
             burst: 500,
+            withheld: 2000,
+            legs: 2000,
             keepalive_connections: 1000,
             keepalive_requests: 10,
             gap_max_ms: 29_000,
@@ -97,6 +114,8 @@ impl Options {
                 "--seconds" => options.seconds = number(&value("--seconds")?, "--seconds")?,
                 "--slowloris" => options.slowloris = number(&value("--slowloris")?, "--slowloris")?,
                 "--burst" => options.burst = number(&value("--burst")?, "--burst")?,
+                "--withheld" => options.withheld = number(&value("--withheld")?, "--withheld")?,
+                "--legs" => options.legs = number(&value("--legs")?, "--legs")?,
                 "--keepalive-connections" => {
                     options.keepalive_connections = number(
                         &value("--keepalive-connections")?,
@@ -374,6 +393,208 @@ fn start_bursts(addr: &str, n: usize) -> Bursts {
     Bursts { stop, thread }
 }
 
+/// A background attacker: stopped by the flag, its thread returns (sockets open at the end,
+/// reconnects).
+struct Attacker {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<(usize, u64)>,
+}
+
+/// Keeps `n` sockets open with `open(i)`; every `every`, `tick(i, stream)` writes the next bytes
+/// (false: give the socket up) after what the relay sent is read and dropped; a socket the
+/// relay closed is opened again.
+fn start_attacker(
+    name: &str,
+    n: usize,
+    every: Duration,
+    open: impl Fn(usize) -> Option<TcpStream> + Send + 'static,
+    tick: impl Fn(usize, &mut TcpStream) -> bool + Send + 'static,
+) -> Attacker {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+    let thread = {
+        let stop = stop.clone();
+        orca_relay::threads::spawn(format!("bench-{name}"), move || {
+            let mut sockets: Vec<Option<TcpStream>> = (0..n).map(&open).collect();
+            let _ = opened_tx.send(sockets.iter().filter(|s| s.is_some()).count());
+            let mut reconnects = 0u64;
+            let mut sink = [0u8; 4096];
+            while !stop.load(Ordering::Acquire) {
+                let round = clock::instant();
+                for (i, slot) in sockets.iter_mut().enumerate() {
+                    let alive = match slot {
+                        None => false,
+                        Some(stream) => {
+                            let open = loop {
+                                match stream.read(&mut sink) {
+                                    Ok(0) => break false,
+                                    // A WebSocket close frame from the relay ends it too.
+                                    Ok(n) if sink[..n].contains(&0x88) => break false,
+                                    Ok(_) => continue,
+                                    Err(e) if e.kind() == ErrorKind::WouldBlock => break true,
+                                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                                    Err(_) => break false,
+                                }
+                            };
+                            open && tick(i, stream)
+                        }
+                    };
+                    if !alive {
+                        *slot = open(i);
+                        reconnects += 1;
+                    }
+                }
+                let spent = round.elapsed();
+                if spent < every {
+                    clock::sleep(every - spent);
+                }
+            }
+            (sockets.iter().filter(|s| s.is_some()).count(), reconnects)
+        })
+        .expect("spawn attacker")
+    };
+    let opened = opened_rx.recv().unwrap_or(0);
+    if opened < n {
+        println!("  ({name}: only {opened} of {n} sockets opened)");
+    }
+    Attacker { stop, thread }
+}
+
+impl Attacker {
+    fn finish(self) -> (usize, u64) {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().unwrap_or((0, 0))
+    }
+}
+
+/// `n` connections that withhold their bodies, reconnecting when closed.
+fn start_withheld(addr: &str, n: usize) -> Attacker {
+    let addr = addr.to_string();
+    start_attacker(
+        "withheld",
+        n,
+        Duration::from_millis(250),
+        move |i| {
+            let mut conn = Conn::try_connect(&addr, Duration::from_secs(1)).ok()?;
+            let request: &[u8] = if i % 2 == 0 {
+                b"POST /v1/assign HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"v\":"
+            } else {
+                b"GET /health HTTP/1.1\r\nHost: bench\r\nContent-Length: 60000\r\n\r\n"
+            };
+            conn.send(request).ok()?;
+            conn.stream.set_nonblocking(true).ok()?;
+            Some(conn.stream)
+        },
+        |_, _| true,
+    )
+}
+
+/// `n` unauthenticated WebSocket legs (half phones, half data legs) that ping, trickle their
+/// first frame or declare an 8 MiB one, reconnecting when closed.
+fn start_legs(addr: &str, n: usize) -> Attacker {
+    const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+    let addr = addr.to_string();
+    let mask = [0x11, 0x22, 0x33, 0x44];
+    start_attacker(
+        "legs",
+        n,
+        Duration::from_millis(400),
+        move |i| {
+            let mut conn = Conn::try_connect(&addr, Duration::from_secs(1)).ok()?;
+            let path = if i % 2 == 0 {
+                format!("/v1/connect/bench{i:011}")
+            } else {
+                format!("/v1/host/data/{i:x}-{i}")
+            };
+            let mut bytes = format!(
+                "GET {path} HTTP/1.1\r\nHost: bench\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {KEY}\r\n\r\n"
+            )
+            .into_bytes();
+            match (i / 2) % 3 {
+                0 => {}
+                1 => {
+                    bytes.extend_from_slice(&[0x81, 0x80 | 126, 0, 200]);
+                    bytes.extend_from_slice(&mask);
+                }
+                _ => {
+                    bytes.extend_from_slice(&[0x81, 0x80 | 127]);
+                    bytes.extend_from_slice(&(8u64 << 20).to_be_bytes());
+                    bytes.extend_from_slice(&mask);
+                }
+            }
+            conn.send(&bytes).ok()?;
+            conn.stream.set_nonblocking(true).ok()?;
+            Some(conn.stream)
+        },
+        move |i, stream| {
+            let next: Vec<u8> = if (i / 2) % 3 == 0 {
+                let mut ping = vec![0x89, 0x80 | 2];
+                ping.extend_from_slice(&mask);
+                ping.extend_from_slice(&[b'h' ^ mask[0], b'i' ^ mask[1]]);
+                ping
+            } else {
+                vec![b'x']
+            };
+            // A partial write would cut a frame: such a socket is given up (and opened again).
+            match stream.write(&next) {
+                Ok(n) => n == next.len(),
+                Err(e) => e.kind() == ErrorKind::WouldBlock,
+            }
+        },
+    )
+}
+
+/// A desktop connecting every 250 ms (assign, upgrade, hello) until stopped: the admission
+/// times of those that got in, and how many did not.
+fn start_desktops(relay: &Relay) -> (Arc<AtomicBool>, JoinHandle<(Vec<Duration>, usize)>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ws, http) = (relay.ws.clone(), relay.http.clone());
+    let flag = stop.clone();
+    let thread = orca_relay::threads::spawn("bench-desktops", move || {
+        let mut admitted = Vec::new();
+        let mut failed = 0;
+        while !flag.load(Ordering::Acquire) {
+            let started = clock::instant();
+            let outcome = std::panic::catch_unwind(|| {
+                let relay_host_id = harness::host_id();
+                let token = harness::token(&format!("user-{relay_host_id}"), &relay_host_id);
+                let body = format!(r#"{{"v":1,"relayHostId":"{relay_host_id}"}}"#);
+                let answer = ureq::post(&format!("http://{http}/v1/assign"))
+                    .timeout(ANSWER_TIMEOUT)
+                    .set("Authorization", &format!("Bearer {token}"))
+                    .send_string(&body)
+                    .ok()?
+                    .into_string()
+                    .ok()?;
+                let epoch = serde_json::from_str::<serde_json::Value>(&answer)
+                    .ok()?["assignmentEpoch"]
+                    .as_i64()?;
+                let mut control =
+                    harness::ws_connect(&format!("ws://{ws}/v1/host/control"), Some(&token))
+                        .ok()?;
+                harness::send_json(
+                    &mut control,
+                    serde_json::json!({"type":"host-hello","v":1,"relayHostId":relay_host_id,"assignmentEpoch":epoch}),
+                );
+                let ack = harness::read_json(&mut control);
+                (ack["type"] == "host-hello-ack").then_some(control)
+            });
+            match outcome {
+                Ok(Some(_control)) => admitted.push(started.elapsed()),
+                _ => failed += 1,
+            }
+            let spent = started.elapsed();
+            if spent < Duration::from_millis(250) {
+                clock::sleep(Duration::from_millis(250) - spent);
+            }
+        }
+        admitted.sort();
+        (admitted, failed)
+    })
+    .expect("spawn desktops");
+    (stop, thread)
+}
+
 /// Probes for `seconds`: a fresh connection every [`PROBE_EVERY`], alternating the paths.
 /// Returns (latencies per path, failures per path).
 fn probe(addr: &str, seconds: f64) -> [(Vec<Duration>, usize); 2] {
@@ -401,6 +622,15 @@ fn probe(addr: &str, seconds: f64) -> [(Vec<Duration>, usize); 2] {
 }
 
 const PATHS: [&str; 2] = ["/health", "/ready"];
+
+/// What a latency scenario runs beside the probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attack {
+    None,
+    Slowloris,
+    Withheld,
+    Legs,
+}
 
 fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
     println!();
@@ -431,18 +661,22 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
         "shed",
         "refused"
     );
-    let scenarios: [(&str, Option<&str>, bool); 3] = [
-        ("idle", None, false),
-        ("attack, cap 1024 (def.)", None, true),
-        ("attack, cap 4096", Some("4096"), true),
+    // (name, HTTP connections max, attack)
+    let scenarios: [(&str, Option<&str>, Attack); 5] = [
+        ("idle", None, Attack::None),
+        ("attack, cap 1024 (def.)", None, Attack::Slowloris),
+        ("attack, cap 4096", Some("4096"), Attack::Slowloris),
+        ("withheld bodies (def.)", None, Attack::Withheld),
+        ("phone legs (def.)", None, Attack::Legs),
     ];
     for (name, binary) in systems {
-        for (scenario, cap, attack) in scenarios {
+        for (scenario, cap, kind) in scenarios {
+            let attack = kind != Attack::None;
             let env: Vec<(&str, &str)> = cap
                 .map(|cap| vec![("ORCA_RELAY_HTTP_CONNECTIONS_MAX", cap)])
                 .unwrap_or_default();
             let relay = start(binary, &env);
-            let (slowloris, bursts) = if attack {
+            let (slowloris, bursts) = if kind == Attack::Slowloris {
                 (
                     Some(start_slowloris(&relay.http, options.slowloris)),
                     Some(start_bursts(&relay.http, options.burst)),
@@ -450,6 +684,12 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
             } else {
                 (None, None)
             };
+            let attacker = match kind {
+                Attack::Withheld => Some(start_withheld(&relay.http, options.withheld)),
+                Attack::Legs => Some(start_legs(&relay.ws, options.legs)),
+                _ => None,
+            };
+            let desktops = (kind == Attack::Legs).then(|| start_desktops(&relay));
             let results = probe(&relay.http, options.seconds);
             let burst = bursts.map(|bursts| {
                 bursts.stop.store(true, Ordering::Release);
@@ -457,15 +697,40 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
                 stats.latencies.sort();
                 stats
             });
-            let slow = slowloris.map(|slowloris| {
-                slowloris.stop.store(true, Ordering::Release);
-                slowloris.thread.join().unwrap_or((0, 0))
+            let burst = burst.or_else(|| {
+                desktops.map(|(stop, thread)| {
+                    stop.store(true, Ordering::Release);
+                    let (latencies, failed) = thread.join().unwrap_or_default();
+                    BurstStats {
+                        clients: latencies.len() + failed,
+                        answered: latencies.len(),
+                        latencies,
+                    }
+                })
             });
-            let shed = scrape(&relay, "orca_relay_http_connections_shed_total");
-            let refused = scrape(
-                &relay,
-                "orca_relay_http_connections_refused_total{reason=\"full\"}",
-            );
+            let slow = slowloris
+                .map(|slowloris| {
+                    slowloris.stop.store(true, Ordering::Release);
+                    slowloris.thread.join().unwrap_or((0, 0))
+                })
+                .or_else(|| attacker.map(Attacker::finish));
+            let (shed, refused) = if kind == Attack::Legs {
+                (
+                    scrape(&relay, "orca_relay_ws_pending_upgrades_shed_total"),
+                    scrape(
+                        &relay,
+                        "orca_relay_upgrades_refused_total{status=\"503\",reason=\"connection_cap\"}",
+                    ),
+                )
+            } else {
+                (
+                    scrape(&relay, "orca_relay_http_connections_shed_total"),
+                    scrape(
+                        &relay,
+                        "orca_relay_http_connections_refused_total{reason=\"full\"}",
+                    ),
+                )
+            };
             drop(relay);
             for (which, (latencies, failed)) in results.iter().enumerate() {
                 let p99 = percentile(latencies, 99.0);
@@ -500,10 +765,28 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
                 );
             }
             if let Some((open, reconnects)) = slow {
+                let what = match kind {
+                    Attack::Slowloris => "slowloris sockets",
+                    Attack::Withheld => "withheld-body connections",
+                    _ => "unauthenticated legs",
+                };
                 println!(
-                    "{:<11} {:<24} slowloris sockets open at the end: {open}, reconnects: {reconnects}",
+                    "{:<11} {:<24} {what} open at the end: {open}, reconnects: {reconnects}",
                     "", ""
                 );
+            }
+            if kind == Attack::Legs {
+                if let Some(stats) = &burst {
+                    println!(
+                        "{:<11} {:<24} desktops admitted {}/{}, p50 {} ms, p99 {} ms (the burst columns above; shed = pending legs shed, refused = 503 connection_cap)",
+                        "",
+                        "",
+                        stats.answered,
+                        stats.clients,
+                        ms(percentile(&stats.latencies, 50.0)),
+                        ms(percentile(&stats.latencies, 99.0))
+                    );
+                }
             }
         }
     }

@@ -10,8 +10,9 @@
 #   scripts/test-postgres.sh stop      stop the server and delete its data directory
 #   scripts/test-postgres.sh status    say whether it runs
 #
-# A test that needs PostgreSQL to go away and come back (same data, same port) runs
-# (tests/common/pg.rs has stop_server() and start_server() doing exactly this):
+# A test that needs PostgreSQL to go away and come back starts a server of its own
+# (tests/common/pg.rs: Cluster), never this shared one, so test binaries can run side by side.
+# By hand, stopping and starting this one (same data, same port) is:
 #   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" stop -m fast -w
 #   runuser -u "$ORCA_RELAY_TEST_PG_USER" -- "$ORCA_RELAY_TEST_PG_CTL" -D "$ORCA_RELAY_TEST_PGDATA" \
 #       -l "$ORCA_RELAY_TEST_PGDATA/log/pg_ctl.log" start -w

@@ -38,6 +38,15 @@
 //! allocation of N bytes failed", abort), and an allocation failure while a panic message is
 //! being written can even deadlock. So the process must refuse connections before the count gets
 //! near the limit: that is the capacity computed here.
+//!
+//! ## Memory
+//!
+//! Every connection's memory is bounded by construction (a spliced leg by its worker's read
+//! buffer and output bound, a control by its frame limit and its thread's stack; the figures
+//! are [`MemoryBounds`], filled by the role from the data plane's constants). The process states
+//! the RSS it can reach at its cap (`base + cap x per connection`) and lowers the cap, like
+//! the descriptor ceiling, when that exceeds the memory it has: the cgroup's `memory.max`
+//! (`MemoryMax=`, the tightest level; v1 `memory.limit_in_bytes`), else `MemTotal`.
 
 use std::fmt;
 use std::io;
@@ -68,6 +77,8 @@ pub enum Resource {
     CgroupPids,
     /// `RLIMIT_NPROC`: tasks of this user (not enforced for root).
     UserProcesses,
+    /// The memory the process may use: the cgroup's `memory.max`, else `MemTotal`.
+    Memory,
 }
 
 impl Resource {
@@ -89,6 +100,7 @@ impl Resource {
             Resource::PidSpace => "kernel.pid_max",
             Resource::CgroupPids => "pids.max",
             Resource::UserProcesses => "RLIMIT_NPROC",
+            Resource::Memory => "memory",
         }
     }
 
@@ -101,12 +113,13 @@ impl Resource {
             Resource::PidSpace => "sysctl -w kernel.pid_max=4194304 (persist in /etc/sysctl.d/)",
             Resource::CgroupPids => "TasksMax= in the unit (or the parent slice's TasksMax=)",
             Resource::UserProcesses => "LimitNPROC= in the unit",
+            Resource::Memory => "MemoryMax= in the unit (or the slice's), or a machine with more memory",
         }
     }
 
     /// Whether a connection pays this resource only when it holds a thread.
     pub fn per_thread(self) -> bool {
-        self != Resource::Descriptors
+        !matches!(self, Resource::Descriptors | Resource::Memory)
     }
 }
 
@@ -137,6 +150,9 @@ pub struct Limits {
     /// user).
     pub nproc: Option<u64>,
     pub process_threads: u64,
+    /// The memory the process may use: the cgroup's memory limit at its tightest level, else
+    /// the machine's `MemTotal`; `None` when neither could be read as a limit.
+    pub memory_bytes: Option<u64>,
 }
 
 /// What the process keeps for itself, beyond what it uses at the time of the reading: HTTP
@@ -340,6 +356,11 @@ pub struct Plan {
     /// Relay threads at most at once (controls, pending upgrades, legs not yet spliced): the
     /// threaded figure, so a spawn never gets near the map or task limits.
     pub relay_threads: u64,
+    /// The RSS the process can reach at `cap` ([`MemoryBounds::rss_at`]), and the memory it
+    /// has (`None`: unknown, not checked).
+    pub rss_at_cap: u64,
+    pub memory_bytes: Option<u64>,
+    pub memory: MemoryBounds,
 }
 
 /// The configuration figures the reserve depends on.
@@ -354,6 +375,27 @@ pub struct Needs {
     /// descriptor each (at most [`HTTP_DESCRIPTORS_RESERVED`] reserved).
     pub http_connections_max: u64,
     pub configured_cap: u64,
+    pub memory: MemoryBounds,
+}
+
+/// What one connection can hold at most and what the process holds besides, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryBounds {
+    pub per_connection: u64,
+    pub base: u64,
+}
+
+impl MemoryBounds {
+    /// The RSS the process can reach holding `connections`.
+    pub fn rss_at(&self, connections: u64) -> u64 {
+        self.base
+            .saturating_add(connections.saturating_mul(self.per_connection))
+    }
+
+    /// The connections `memory` holds (0 when it holds not even the base).
+    pub fn connections_in(&self, memory: u64) -> u64 {
+        memory.saturating_sub(self.base) / self.per_connection.max(1)
+    }
 }
 
 /// Descriptors kept for HTTP connections, whatever `ORCA_RELAY_HTTP_CONNECTIONS_MAX` says: enough
@@ -378,17 +420,27 @@ pub fn plan(limits: &Limits, needs: Needs) -> Plan {
     reserve.maps += needs.http_connections_max * MAPS_PER_THREAD;
     let capacity = compute(limits, reserve, MAPS_PER_THREAD);
     let ceiling = capacity.descriptors;
-    let (cap, lowered_by) = if needs.configured_cap > ceiling {
+    let (mut cap, mut lowered_by) = if needs.configured_cap > ceiling {
         (ceiling, Some(Resource::Descriptors))
     } else {
         (needs.configured_cap, None)
     };
+    // Then memory: the RSS the process can reach at its cap must fit in what it has.
+    if let Some(memory) = limits.memory_bytes {
+        if needs.memory.rss_at(cap) > memory {
+            cap = needs.memory.connections_in(memory).max(1);
+            lowered_by = Some(Resource::Memory);
+        }
+    }
     Plan {
         relay_threads: capacity.threaded,
         capacity,
         ceiling,
         cap,
         lowered_by,
+        rss_at_cap: needs.memory.rss_at(cap),
+        memory_bytes: limits.memory_bytes,
+        memory: needs.memory,
     }
 }
 
@@ -396,12 +448,31 @@ impl Plan {
     /// The `key=value` fields of the start-up line and `check-config`.
     pub fn summary(&self) -> String {
         format!(
-            "connections={} limited_by={} cap={} relay_threads={} threads_limited_by={}",
+            "connections={} limited_by={} cap={} relay_threads={} threads_limited_by={} rss_at_cap={} memory={} per_connection_bytes={}",
             self.ceiling,
             Resource::Descriptors,
             self.cap,
             self.relay_threads,
-            self.capacity.threaded_limiting
+            self.capacity.threaded_limiting,
+            self.rss_at_cap,
+            self.memory_bytes
+                .map_or_else(|| "unknown".to_string(), |m| m.to_string()),
+            self.memory.per_connection
+        )
+    }
+
+    /// The memory arithmetic as `check-config` prints it.
+    pub fn memory_figure(&self) -> String {
+        format!(
+            "memory: {} base + {} connections x {} bytes = {} bytes at the cap, of {}",
+            self.memory.base,
+            self.cap,
+            self.memory.per_connection,
+            self.rss_at_cap,
+            self.memory_bytes.map_or_else(
+                || "unknown".to_string(),
+                |m| format!("{m} the process may use")
+            )
         )
     }
 }
@@ -511,6 +582,68 @@ fn read_cgroup_pids(dirs: &[PathBuf]) -> io::Result<(Option<u64>, u64)> {
     Ok(tightest)
 }
 
+/// The cgroup directories of this process's memory controller, from its own cgroup up to the
+/// root, with the file that holds the limit: cgroup v2 `memory.max`, v1
+/// `memory.limit_in_bytes` (under `/sys/fs/cgroup/memory`).
+pub fn memory_cgroup_files(proc_self_cgroup: &str, root: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for line in proc_self_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let bases: Vec<(PathBuf, &str)> = if controllers.is_empty() {
+            vec![
+                (root.to_path_buf(), "memory.max"),
+                (root.join("unified"), "memory.max"),
+            ]
+        } else if controllers.split(',').any(|c| c == "memory") {
+            vec![(root.join("memory"), "memory.limit_in_bytes")]
+        } else {
+            continue;
+        };
+        for (base, name) in bases {
+            let mut dir = base.join(path.trim_start_matches('/'));
+            loop {
+                if dir.join(name).is_file() {
+                    files.push(dir.join(name));
+                }
+                if dir == base || !dir.pop() {
+                    break;
+                }
+            }
+        }
+    }
+    files
+}
+
+/// The smallest memory limit among `files` (`max`, and v1's "no limit" of nearly 2^63, are no
+/// limit), then `MemTotal` from `meminfo` when no level limits.
+fn read_memory(files: &[PathBuf], meminfo: &str) -> Option<u64> {
+    let cgroup = files
+        .iter()
+        .filter_map(|file| read_number(file).ok().flatten())
+        .filter(|&limit| limit < 1 << 60)
+        .min();
+    let total = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024);
+    match (cgroup, total) {
+        (Some(cgroup), Some(total)) => Some(cgroup.min(total)),
+        (cgroup, total) => cgroup.or(total),
+    }
+}
+
 /// Fills [`Limits`] for this process from `getrlimit`, `/proc` and the cgroup files.
 pub fn read_limits() -> io::Result<Limits> {
     let proc_sys = Path::new("/proc/sys");
@@ -542,6 +675,11 @@ pub fn read_limits() -> io::Result<Limits> {
     let cgroup = read_bounded(Path::new("/proc/self/cgroup"), SMALL_FILE_BYTES)?;
     let (cgroup_pids_max, cgroup_pids_current) =
         read_cgroup_pids(&pids_cgroup_dirs(&cgroup, Path::new("/sys/fs/cgroup")))?;
+    let meminfo = read_bounded(Path::new("/proc/meminfo"), SMALL_FILE_BYTES).unwrap_or_default();
+    let memory_bytes = read_memory(
+        &memory_cgroup_files(&cgroup, Path::new("/sys/fs/cgroup")),
+        &meminfo,
+    );
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     Ok(Limits {
@@ -560,6 +698,7 @@ pub fn read_limits() -> io::Result<Limits> {
             soft_rlimit(libc::RLIMIT_NPROC)?
         },
         process_threads,
+        memory_bytes,
     })
 }
 
@@ -582,8 +721,12 @@ mod tests {
             cgroup_pids_current: 0,
             nproc: None,
             process_threads: 20,
+            memory_bytes: Some(64 * GIB),
         }
     }
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
 
     const NO_RESERVE: Reserve = Reserve {
         descriptors: 0,
@@ -780,7 +923,64 @@ mod tests {
             pending_upgrades_max: 256,
             http_connections_max: 1024,
             configured_cap: cap,
+            memory: MemoryBounds {
+                per_connection: 2 * MIB,
+                base: 512 * MIB,
+            },
         }
+    }
+
+    #[test]
+    fn the_cap_is_lowered_to_what_memory_holds_at_the_worst_case() {
+        // 24 GiB: (24 GiB - 512 MiB) / 2 MiB = 12,032 connections.
+        let plan = plan_with_memory(Some(24 * GIB), 15_000);
+        assert_eq!(
+            (plan.cap, plan.lowered_by),
+            (12_032, Some(Resource::Memory))
+        );
+        assert!(plan.rss_at_cap <= 24 * GIB);
+        assert_eq!(plan.rss_at_cap, 512 * MIB + 12_032 * 2 * MIB);
+        // Descriptors first, then memory: 19,330 by descriptors, fewer by memory.
+        assert_eq!(plan.ceiling, 19_330);
+        // Enough memory: the cap stands, and the RSS at it is stated.
+        let kept = plan_with_memory(Some(64 * GIB), 15_000);
+        assert_eq!((kept.cap, kept.lowered_by), (15_000, None));
+        assert!(kept
+            .summary()
+            .contains(&format!("rss_at_cap={}", 512 * MIB + 30_000 * MIB)));
+        // Unknown memory: nothing is lowered for it.
+        let unknown = plan_with_memory(None, 15_000);
+        assert_eq!((unknown.cap, unknown.lowered_by), (15_000, None));
+        assert!(unknown.summary().contains("memory=unknown"));
+        // Not even the base fits: one connection, never zero.
+        assert_eq!(plan_with_memory(Some(100 * MIB), 1_000).cap, 1);
+    }
+
+    fn plan_with_memory(memory: Option<u64>, cap: u64) -> Plan {
+        let mut limits = machine();
+        limits.memory_bytes = memory;
+        plan(&limits, needs(cap))
+    }
+
+    #[test]
+    fn memory_comes_from_the_tightest_cgroup_level_else_memtotal() {
+        let dir = std::env::temp_dir().join(format!("orca-memory-{}", std::process::id()));
+        let unit = dir.join("system.slice/orca-relay-cell.service");
+        std::fs::create_dir_all(&unit).unwrap();
+        std::fs::write(dir.join("memory.max"), "max\n").unwrap();
+        std::fs::write(dir.join("system.slice/memory.max"), "8589934592\n").unwrap();
+        std::fs::write(unit.join("memory.max"), "max\n").unwrap();
+        let files = memory_cgroup_files("0::/system.slice/orca-relay-cell.service\n", &dir);
+        assert_eq!(files.len(), 3);
+        let meminfo = "MemTotal:       24684544 kB\nMemFree: 1 kB\n";
+        assert_eq!(read_memory(&files, meminfo), Some(8 * GIB));
+        std::fs::write(dir.join("system.slice/memory.max"), "max\n").unwrap();
+        assert_eq!(read_memory(&files, meminfo), Some(24_684_544 * 1024));
+        // cgroup v1's "unlimited".
+        std::fs::write(dir.join("system.slice/memory.max"), "9223372036854771712\n").unwrap();
+        assert_eq!(read_memory(&files, meminfo), Some(24_684_544 * 1024));
+        assert_eq!(read_memory(&[], "garbage"), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -372,6 +372,12 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                             let raise = figure.resource.how_to_raise();
                             let _ = writeln!(out, "  {figure} (raise: {raise})");
                         }
+                        let _ = writeln!(
+                            out,
+                            "  {} (raise: {})",
+                            plan.memory_figure(),
+                            crate::capacity::Resource::Memory.how_to_raise()
+                        );
                     }
                     Err(e) => {
                         let _ = writeln!(out, "effective capacity: unknown ({e})");
@@ -417,9 +423,10 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
 }
 
 fn host_options(config: &Config, flags: &[(String, String)]) -> Result<HostOptions, String> {
-    let relay_host_id = flag(flags, "relay-host-id")
-        .map(str::to_string)
-        .unwrap_or_else(crate::client::random_host_id);
+    let relay_host_id = match flag(flags, "relay-host-id") {
+        Some(id) => id.to_string(),
+        None => crate::client::random_host_id()?,
+    };
     let user_id = flag(flags, "user-id").unwrap_or("local-user").to_string();
     let token = match flag(flags, "token") {
         Some(token) => token.to_string(),

@@ -52,9 +52,12 @@ pub struct PhoneOptions {
     pub invite: String,
 }
 
-/// A random relay host id: 16 characters of `[A-Za-z0-9_-]`.
-pub fn random_host_id() -> String {
-    crate::cell::state::random_token()[..16].to_string()
+/// A random relay host id: 16 characters of `[A-Za-z0-9_-]`; `Err` when the OS random source
+/// fails (no id is made up in its place).
+pub fn random_host_id() -> Result<String, String> {
+    crate::cell::state::random_token()
+        .map(|token| token[..16].to_string())
+        .map_err(|_| "cannot make a relay host id: the OS random source failed".to_string())
 }
 
 /// Connects a WebSocket with an optional bearer token.

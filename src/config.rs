@@ -206,6 +206,9 @@ pub struct Config {
     pub pending_upgrades_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
+    /// A spliced leg from which nothing arrived for half of this is pinged by the relay; for
+    /// all of it, its pair is closed 4408 (SPEC §12).
+    pub splice_idle_ms: u64,
     /// An idle keep-alive connection on the HTTP port is closed after this (SPEC §11).
     pub http_idle_ms: u64,
     /// Open connections on the HTTP port at most.
@@ -219,7 +222,8 @@ pub struct Config {
     /// long is retired: no longer polled or placed on (judged once the director has been up
     /// this long).
     pub cell_retire_ms: u64,
-    /// Director: a cell silent this long is forgotten: all its rows are deleted.
+    /// Director: a cell silent this long is forgotten: its rows are deleted, except the
+    /// operator's admit-mode record.
     pub cell_forget_ms: u64,
     pub timings: Timings,
     /// `ORCA_RELAY_TEST_CLOCK_OFFSET_MS`, a test knob: this process's wall clock runs this far
@@ -253,6 +257,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_CONNECTION_CAP",
     "ORCA_RELAY_PENDING_UPGRADES_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
+    "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
     "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
     "ORCA_RELAY_READINESS_JWKS_GRACE_MS",
@@ -406,6 +411,9 @@ impl<'a> Reader<'a> {
 
 /// The most splice workers a process may run (one event loop each).
 pub const MAX_SPLICE_WORKERS: u64 = 256;
+
+/// `ORCA_RELAY_SPLICE_IDLE_MS` when unset: 2 minutes (see the field).
+pub const DEFAULT_SPLICE_IDLE_MS: u64 = 120_000;
 
 /// `ORCA_RELAY_SPLICE_WORKERS` when unset: one event loop per core the process may use.
 pub fn default_splice_workers() -> u64 {
@@ -728,6 +736,15 @@ impl Config {
             1,
             MAX_SPLICE_WORKERS,
         ) as u32;
+        // 2 minutes: the relay pings a leg quiet for 60 s (every endpoint answers a ping), and
+        // endpoints' own keepalives of 30-60 s arrive well within it; a vanished phone frees
+        // its places within it at the latest.
+        let splice_idle_ms = r.int(
+            "ORCA_RELAY_SPLICE_IDLE_MS",
+            DEFAULT_SPLICE_IDLE_MS,
+            100,
+            86_400_000,
+        );
         let hour = 3_600_000;
         let http_idle_ms = r.int("ORCA_RELAY_HTTP_IDLE_MS", 30_000, 100, hour);
         let http_connections_max =
@@ -844,6 +861,7 @@ impl Config {
             connection_cap,
             pending_upgrades_max,
             splice_workers,
+            splice_idle_ms,
             http_idle_ms,
             http_connections_max,
             readiness_jwks_grace_ms,
@@ -922,6 +940,7 @@ impl Config {
             self.pending_upgrades_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
+        out.insert("ORCA_RELAY_SPLICE_IDLE_MS", self.splice_idle_ms.to_string());
         out.insert("ORCA_RELAY_HTTP_IDLE_MS", self.http_idle_ms.to_string());
         out.insert(
             "ORCA_RELAY_HTTP_CONNECTIONS_MAX",

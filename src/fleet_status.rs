@@ -155,10 +155,10 @@ fn fetch(director: &str, tokens: &ServiceTokens) -> Result<Vec<u8>, String> {
     };
     let agent = ureq::AgentBuilder::new().build();
     let answer = tokens
-        .call_http(director, |token| {
+        .call_http(director, left(), |token, time_left| {
             agent
                 .get(&url)
-                .timeout(left())
+                .timeout(time_left)
                 .set("Authorization", &format!("Bearer {token}"))
                 .call()
                 .map_err(Box::new)

@@ -78,6 +78,10 @@ pub const MAX_PHONES_PER_HOST: usize = 8;
 /// Invites: lifetime and attempts.
 pub const INVITE_TTL_MS: u64 = 10 * 60 * 1000;
 pub const INVITE_MAX_ATTEMPTS: u32 = 5;
+/// `invite-create` per control: a burst of this many, then one more every
+/// [`INVITE_CREATE_REFILL_MS`]; past it the answer is `invite-refused` `rate_limited`.
+pub const INVITE_CREATE_BURST: u32 = 8;
+pub const INVITE_CREATE_REFILL_MS: u64 = 1_000;
 
 /// Messages a desktop sends on its control socket.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -114,6 +118,14 @@ pub enum RelayToHost {
         invite_token: String,
         expires_at: u64,
         max_attempts: u32,
+    },
+    /// An `invite-create` the relay did not honour: `rate_limited` (with the wait before the
+    /// next one is allowed) or `unavailable` (no secret could be minted; try later).
+    #[serde(rename_all = "camelCase")]
+    InviteRefused {
+        req_id: serde_json::Value,
+        reason: String,
+        retry_after_ms: u64,
     },
     #[serde(rename_all = "camelCase")]
     ConnOpen {

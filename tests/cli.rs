@@ -42,11 +42,12 @@ fn migrate_is_idempotent_and_a_bad_database_url_names_the_variable() {
     assert!(stderr.contains("DATABASE_URL"), "{stderr}");
 }
 
-/// A running `client host`: its stdout lines arrive on a channel, stderr is kept for failures.
+/// A running `client host`: its stdout lines arrive on a channel, its stderr in a
+/// `ProcessLog` (read its lines with `wait_for`: one may still be in the pipe).
 struct HostPeer {
     child: std::process::Child,
     lines: std::sync::mpsc::Receiver<String>,
-    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+    stderr: std::sync::Arc<ProcessLog>,
 }
 
 impl HostPeer {
@@ -74,16 +75,7 @@ impl HostPeer {
             }
         })
         .unwrap();
-        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let (pipe, sink) = (child.stderr.take().unwrap(), stderr.clone());
-        orca_relay::threads::spawn("test-host-stderr", move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let mut text = sink.lock().unwrap();
-                text.push_str(&line);
-                text.push('\n');
-            }
-        })
-        .unwrap();
+        let stderr = ProcessLog::capture(child.stderr.take().unwrap(), "client-host");
         HostPeer {
             child,
             lines,
@@ -96,13 +88,20 @@ impl HostPeer {
         self.lines.recv_timeout(timeout).unwrap_or_else(|_| {
             panic!(
                 "client host printed no phone command; its stderr:\n{}",
-                self.stderr.lock().unwrap()
+                self.stderr.text()
             )
         })
     }
 
     fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
+        self.stderr.text()
+    }
+
+    /// Waits for a stderr line containing `needle`.
+    fn wait_for_stderr(&self, needle: &str) -> bool {
+        self.stderr
+            .wait_for(needle, Duration::from_secs(10))
+            .is_some()
     }
 }
 
@@ -242,7 +241,7 @@ fn client_host_follows_a_drain_back_to_the_director_and_reconnects() {
         "the host left on the drain frame, not at the end of the 20 s grace"
     );
     assert!(
-        host.stderr().contains("draining"),
+        host.wait_for_stderr("draining"),
         "stderr: {}",
         host.stderr()
     );
@@ -266,12 +265,8 @@ fn client_host_follows_a_drain_back_to_the_director_and_reconnects() {
     let _ = Command::new("kill")
         .args(["-TERM", &host.child.id().to_string()])
         .status();
-    let mut exit = None;
-    assert!(wait_until(Duration::from_secs(10), || {
-        exit = host.child.try_wait().unwrap().map(|s| s.code());
-        exit.is_some()
-    }));
-    assert_eq!(exit, Some(Some(0)), "stderr: {}", host.stderr());
+    let exit = wait_exit_drained(&mut host.child, &[&host.stderr], Duration::from_secs(10));
+    assert_eq!(exit, Some(0), "stderr: {}", host.stderr());
     assert!(wait_until(Duration::from_secs(5), || relay
         .metric("orca_relay_connections{kind=\"control\"}")
         == Some(0.0)));
@@ -318,7 +313,7 @@ fn client_host_follows_a_4503_close_back_to_the_director() {
     );
     let line = host.next_phone_command(Duration::from_secs(20));
     assert_eq!(word_after(&line, "--cell"), format!("ws://{}", relay.ws));
-    assert!(host.stderr().contains("4503"), "{}", host.stderr());
+    assert!(host.wait_for_stderr("4503"), "{}", host.stderr());
     let assigns = director.seen();
     assert_eq!(assigns.len(), 2, "{assigns:?}");
     assert!(!assigns[0].body.contains("reconnect"));

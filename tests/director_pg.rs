@@ -7,11 +7,10 @@
 //! creates its own database. Waiting is always on a condition with a deadline.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -21,6 +20,9 @@ use orca_relay::clock;
 use orca_relay::store::{Store, StoreConfig};
 use orca_relay::threads;
 use serde_json::{json, Value};
+
+mod harness;
+use harness::{wait_exit_drained, ProcessLog};
 
 const SERVICE_TOKEN: &str = "director-test-service-token-0123456789";
 const ISSUER: &str = "https://auth.director.test";
@@ -347,7 +349,7 @@ impl FakeCell {
 
 struct Director {
     child: Child,
-    log: Arc<(Mutex<Vec<String>>, Condvar)>,
+    log: Arc<ProcessLog>,
     http: String,
     _data_dir: TempDir,
 }
@@ -414,19 +416,7 @@ impl Director {
             .stderr(Stdio::piped());
         let mut child = command.spawn().expect("start orca-relay");
         let stderr = child.stderr.take().expect("stderr");
-        let log: Arc<(Mutex<Vec<String>>, Condvar)> = Arc::default();
-        let sink = log.clone();
-        threads::spawn("director-log", move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if std::env::var_os("ORCA_RELAY_TEST_ECHO").is_some() {
-                    eprintln!("[director] {line}");
-                }
-                let (lines, changed) = &*sink;
-                lines.lock().unwrap().push(line);
-                changed.notify_all();
-            }
-        })
-        .expect("log thread");
+        let log = ProcessLog::capture(stderr, "director");
         let mut director = Director {
             child,
             log,
@@ -456,23 +446,11 @@ impl Director {
     }
 
     fn wait_for_log(&self, needle: &str) -> Option<String> {
-        let deadline = clock::instant() + DEADLINE;
-        let (lines, changed) = &*self.log;
-        let mut guard = lines.lock().unwrap();
-        loop {
-            if let Some(line) = guard.iter().find(|line| line.contains(needle)) {
-                return Some(line.clone());
-            }
-            let now = clock::instant();
-            if now >= deadline {
-                return None;
-            }
-            guard = changed.wait_timeout(guard, deadline - now).unwrap().0;
-        }
+        self.log.wait_for(needle, DEADLINE)
     }
 
     fn log_text(&self) -> String {
-        self.log.0.lock().unwrap().join("\n")
+        self.log.text()
     }
 
     fn url(&self, path: &str) -> String {
@@ -552,17 +530,9 @@ impl Director {
         assert!(status.success());
     }
 
+    /// Waits for the process to exit and its log to be drained.
     fn wait_exit(&mut self) -> Option<i32> {
-        let deadline = clock::instant() + DEADLINE;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return status.code();
-            }
-            if clock::instant() >= deadline {
-                return None;
-            }
-            clock::sleep(Duration::from_millis(20));
-        }
+        wait_exit_drained(&mut self.child, &[&self.log], DEADLINE)
     }
 }
 

@@ -1,7 +1,8 @@
 //! Fleet membership on a real PostgreSQL with real `director` and `cell` processes (SPEC §11):
 //! a silent cell is retired (not polled, shown as `retired` by `GET /v1/admin/cells`) and then
-//! forgotten (every row deleted); a director restart retires no one until it has been up
-//! `CELL_RETIRE_MS`; a forgotten cell that comes back registers again with its next heartbeat.
+//! forgotten (every row but the operator's admit-mode record deleted); a director restart
+//! retires no one until it has been up `CELL_RETIRE_MS`; a forgotten cell that comes back
+//! registers again with its next heartbeat, in the mode its operator recorded.
 //! Ages are the database's. Short knobs: retire after 3 s, forget after 5 s.
 //!
 //! Needs `ORCA_RELAY_TEST_DATABASE_URL` (`eval "$(scripts/test-postgres.sh start)"`).
@@ -233,15 +234,27 @@ fn silent_cells_are_retired_then_forgotten_and_a_director_restart_retires_no_one
 }
 
 /// A cell the director forgot while it was stopped (SIGSTOP longer than FORGET_MS) is
-/// registered again by its next heartbeat, internal URL included, and polled again.
+/// registered again by its next heartbeat, internal URL included, and polled again, in the
+/// admit mode its operator recorded (issue 20: forgetting deleted the record, so a reserve cell
+/// back after a long absence was placed as `db`, outside the trip-slot bound and the budget).
 #[test]
-fn a_forgotten_cell_that_comes_back_registers_again_with_its_heartbeat() {
+fn a_forgotten_reserve_cell_that_comes_back_registers_again_in_its_operators_mode() {
     let setup = Setup::new();
     let director = setup.director();
     let cell = setup.cell("c-back", &director);
+    let recorded = ureq::put(&director.http_url("/v1/admin/cell-admit-mode"))
+        .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+        .timeout(Duration::from_secs(10))
+        .send_string(r#"{"cellId":"c-back","admitMode":"reserve"}"#);
+    assert!(
+        matches!(&recorded, Ok(r) if r.status() == 200),
+        "{recorded:?}"
+    );
     wait_for("c-back polled on the live lane", || {
         entry(&listing(&director), "c-back").is_some_and(|cell| cell["feed"]["lane"] == "live")
     });
+    let recorded_at = entry(&listing(&director), "c-back").unwrap()["admitMode"].clone();
+    assert_eq!(recorded_at["mode"], "reserve", "{recorded_at}");
     // Let the director be up RETIRE_MS, so silence is judged.
     wait_for("retirement judged", || {
         listing(&director)["director"]["retirementJudged"] == true
@@ -268,4 +281,9 @@ fn a_forgotten_cell_that_comes_back_registers_again_with_its_heartbeat() {
                     .is_some_and(|url| url.starts_with("http://"))
         })
     });
+    assert_eq!(
+        entry(&listing(&director), "c-back").unwrap()["admitMode"],
+        recorded_at,
+        "the operator's record survived the forgetting"
+    );
 }

@@ -476,7 +476,11 @@ fn hostile_input_against_a_cell_changes_nothing() {
     wait_for("generation 3 applied", || {
         raw_mode(cell) == 0.0 && bookings(cell) == 0.0
     });
-    assert_eq!(cell.count_log("orca_relay_cell_flags_applied"), 2);
+    assert!(
+        cell.wait_for_log_count("orca_relay_cell_flags_applied", 2, DEADLINE),
+        "generation 3 applied once:\n{}",
+        cell.log_text()
+    );
     for (cause, _) in &writes {
         assert_eq!(unreadable(cell, cause), 1, "{cause} said once in all");
     }

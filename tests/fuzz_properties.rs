@@ -57,8 +57,33 @@ fn http_request_head() {
 }
 
 #[test]
+fn upgrade_validation() {
+    campaign("upgrade_validation");
+}
+
+#[test]
 fn budget_fleet() {
     campaign("budget_fleet");
+}
+
+/// The model-based property test of the splice worker (issue 18): random interleavings of
+/// data, fragments, pings, pongs, slow readers, closes and hang-ups on several pairs, through
+/// the real worker and real sockets, against RFC 6455 relaying.
+#[test]
+fn splice_worker_model() {
+    campaign("splice_worker_model");
+}
+
+/// The issue's reproduction, fixed: text and a ping in one write from a slowly reading phone
+/// while its desktop streams to it; every frame must arrive.
+#[test]
+fn splice_worker_model_ping_after_data() {
+    let scenario = fuzz::splice_model::ping_after_data_under_backpressure();
+    for round in 0..2 {
+        if let Err(failure) = fuzz::splice_model::run_scenario(&scenario) {
+            panic!("round {round}: {failure}");
+        }
+    }
 }
 
 #[test]

@@ -365,10 +365,10 @@ fn until_registration_succeeds_only_health_answers_and_ready_1_waits_for_it() {
         try_upgrade(&cell.ws_url("/v1/connect/h-gated-0000001"), None),
         Upgrade::Status(503)
     );
+    // `/metrics` too (SPEC §8: everything but /health answers 503 until registration).
     assert_eq!(
-        cell.metric("orca_relay_handshake_attempts"),
-        Some(1.0),
-        "the attempt in flight shows in /metrics"
+        cell.get("/metrics"),
+        (503, r#"{"error":"starting"}"#.to_string())
     );
     assert!(
         notify.drain().is_empty(),

@@ -49,13 +49,12 @@ fn stalled_clients_do_not_delay_health_and_are_closed() {
     assert_eq!(relay.get("/ready").0, 200);
 }
 
-/// A keep-alive connection that asks every second is answered every time, also after
-/// `tiny_http`'s accept thread has ended (10 s without a new connection) and the workers have
-/// moved to a fresh server: its requests still reach the server that accepted it. This is a
-/// director's feed poller, which reuses one connection per cell: one unanswered poll is a
-/// 2 s timeout, enough to break the cell's contact bound (2 × FEED_POLL_MS).
+/// A keep-alive connection that asks every second for 14 s is answered every time, past the
+/// 10 s head deadline of its first request and without a new connection arriving meanwhile.
+/// This is a director's feed poller, which reuses one connection per cell: one unanswered poll
+/// is a 2 s timeout, enough to break the cell's contact bound (2 × FEED_POLL_MS).
 #[test]
-fn a_keep_alive_connection_is_answered_across_the_accept_restart() {
+fn a_keep_alive_connection_asking_every_second_is_answered_every_time() {
     let relay = Relay::combined(&[]);
     let mut stream = TcpStream::connect(&relay.http).unwrap();
     stream

@@ -167,6 +167,31 @@ fn heartbeats_refused_many_times_are_logged_once_then_once_on_recovery() {
     assert_eq!(relay.count_log("orca_relay_heartbeat_failed"), 1);
 }
 
+/// The harness never hands a test a log before the lines it needs can have arrived: `wait_exit`
+/// returns only once the process's output has been read to its end (issue 20: a start-up error
+/// read from a log whose last line was still in the pipe, on a loaded machine). The script
+/// exits at once after a burst the reader is still behind on, and leaves a child that writes
+/// the last line half a second later through the same pipe: both must be in the log.
+#[test]
+fn wait_exit_returns_only_once_every_line_written_is_in_the_log() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = Arc::new(TempDir::new("drained"));
+    let script = dir.0.join("noisy.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         yes 'burst line' | head -n 100000 >&2\n\
+         (sleep 0.5; echo 'the last line' >&2) &\n\
+         exit 3\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut process = Relay::launch_binary(&script, dir, &[]);
+    assert_eq!(process.wait_exit(Duration::from_secs(60)), Some(3));
+    assert_eq!(process.count_log("burst line"), 100_000);
+    assert_eq!(process.count_log("the last line"), 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // What the packaged env files ship (issue 22): `RUST_LOG=` empty, and a start that fails.
 

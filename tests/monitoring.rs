@@ -142,3 +142,69 @@ fn the_combined_role_publishes_the_handshake_series_at_zero() {
         "{started} vs {now}"
     );
 }
+
+/// The series of a Prometheus text exposition that appear more than once (a family's `# HELP`
+/// or `# TYPE` line, or a sample's name with its labels): Prometheus keeps one of two samples of
+/// a series, so a repeated one is a lost value.
+fn repeated_series(text: &str) -> Vec<String> {
+    let mut seen = BTreeSet::new();
+    let mut repeated = Vec::new();
+    for line in text.lines().filter(|line| !line.trim().is_empty()) {
+        let key = match line.strip_prefix("# ") {
+            Some(comment) => comment.splitn(3, ' ').take(2).collect::<Vec<_>>().join(" "),
+            None => line
+                .rsplit_once(' ')
+                .map_or(line, |(series, _)| series)
+                .to_string(),
+        };
+        if !seen.insert(key.clone()) {
+            repeated.push(key);
+        }
+    }
+    repeated
+}
+
+/// Every role's `/metrics` exports each series once (issue 20: a cell's and the combined role's
+/// `orca_relay_connection_cap` was registered twice).
+#[test]
+fn every_role_exports_each_series_once() {
+    assert_eq!(
+        repeated_series("# HELP a x\n# TYPE a gauge\na 1\na{k=\"v\"} 2\na 3\n"),
+        vec!["a"],
+        "the check itself finds a repeat"
+    );
+    let combined = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&combined);
+    let (_phone, _leg) = splice(&combined, &mut desktop);
+
+    let jwks = jwks_server();
+    let director_stub = accepting_director();
+    let cell = Relay::start_in(
+        std::sync::Arc::new(TempDir::new("series-cell")),
+        &env_refs(&cell_env("series-cell", &jwks, &[&director_stub])),
+    );
+    let jwks_url = format!("{}/jwks.json", jwks.url());
+    let director = Relay::start_in(
+        std::sync::Arc::new(TempDir::new("series-director")),
+        &[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_JWKS_URL", &jwks_url),
+            ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+        ],
+    );
+    for (role, relay) in [
+        ("combined", &combined),
+        ("cell", &cell),
+        ("director", &director),
+    ] {
+        let (status, body) = relay.get("/metrics");
+        assert_eq!(status, 200, "{role}: {body}");
+        assert!(body.contains("# TYPE orca_relay_ready gauge"), "{role}");
+        let repeated = repeated_series(&body);
+        assert!(
+            repeated.is_empty(),
+            "{role} exports these more than once: {repeated:?}\n{body}"
+        );
+    }
+}

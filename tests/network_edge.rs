@@ -107,7 +107,12 @@ fn keep_alive_requests_across_idle_gaps_are_all_answered() {
 /// Sends `first` and then one header line every `every` until the server closes; returns how
 /// long after connecting the connection was closed.
 fn trickle_until_closed(addr: &str, first: &str, every: Duration) -> Duration {
-    let mut conn = Conn::connect(addr);
+    trickle_on_until_closed(Conn::connect(addr), first, every)
+}
+
+/// As [`trickle_until_closed`] on a connection already open (a kept-alive one); returns how
+/// long after `first` was sent the connection was closed.
+fn trickle_on_until_closed(mut conn: Conn, first: &str, every: Duration) -> Duration {
     let started = clock::instant();
     conn.send(first.as_bytes()).unwrap();
     let mut writer = conn.stream.try_clone().unwrap();
@@ -151,6 +156,25 @@ fn http_head_trickled_one_line_every_4_s_is_closed_at_10_s() {
     assert!(
         elapsed >= secs(9.5) && elapsed <= secs(10.5),
         "closed after {elapsed:?}, not at the 10 s head deadline"
+    );
+}
+
+/// The head deadline holds for every request on a kept-alive connection, not only the first
+/// (issue 20: a later request's deadline raised from 10 s to 60 s was caught by nothing). The
+/// idle close is a minute here, so only the head deadline can close the connection in time.
+#[test]
+fn a_later_request_head_on_a_kept_alive_connection_is_closed_at_10_s() {
+    let relay = Relay::combined(&[("ORCA_RELAY_HTTP_IDLE_MS", "60000")]);
+    let mut conn = Conn::connect(&relay.http);
+    for _ in 0..2 {
+        let answer = conn.round_trip("/health", ANSWER_WITHIN).unwrap();
+        assert_eq!(answer.status, 200);
+    }
+    let elapsed =
+        trickle_on_until_closed(conn, "GET /health HTTP/1.1\r\nHost: relay\r\n", secs(4.0));
+    assert!(
+        elapsed >= secs(9.5) && elapsed <= secs(15.0),
+        "a later request's head was closed after {elapsed:?}, not at the 10 s head deadline"
     );
 }
 

@@ -274,9 +274,16 @@ fn a_reserve_process_frozen_past_its_window_keeps_every_socket_and_stays_armed()
 /// A reserve `cell` whose director is a separate process (here: the test's polls). A freeze
 /// longer than the window with the director up trips nothing; the same freeze after the
 /// director has gone trips the cell on resume, within one feed-poll period.
+/// The separate cell's director holds its polls back while the cell is stopped, as a VM pause
+/// drops what a director sends meanwhile, and polls again a moment after the resume: the first
+/// contact after the pause comes after the watchdog has run. Only the resume grace (one
+/// `FEED_POLL_MS`, here 1 s) keeps that freeze from tripping (issue 20: with polls queued in the
+/// kernel while the cell was stopped, a grace of 0 passed unnoticed).
 #[test]
 fn a_cell_frozen_past_its_window_trips_only_if_its_director_really_went_away() {
     const CELL: &str = "c-pause";
+    /// How long after the resume the director polls again: well inside the grace.
+    const POLLS_RESUME_AFTER: Duration = Duration::from_millis(150);
     let jwks = jwks_server();
     let director = accepting_director();
     let dir = Arc::new(TempDir::new("pause-cell"));
@@ -287,7 +294,7 @@ fn a_cell_frozen_past_its_window_trips_only_if_its_director_really_went_away() {
         serde_json::json!({"admitMode":"reserve"}),
     );
     let mut env = cell_env(CELL, &jwks, &[&director]);
-    env.extend(timings(&[]));
+    env.extend(timings(&[("ORCA_RELAY_FEED_POLL_MS", "1000")]));
     let relay = Relay::start_in(dir, &env_refs(&env));
     let mut polls = DirectorPolls::start(&relay);
     wait_for("raw reserve", || {
@@ -304,8 +311,12 @@ fn a_cell_frozen_past_its_window_trips_only_if_its_director_really_went_away() {
         })
         .collect();
 
-    // Director up (polls every 100 ms), freeze longer than the window: nothing trips.
+    // Director up (polls every 100 ms, none while the cell is stopped), freeze longer than the
+    // window: nothing trips.
+    polls.pause();
     relay.freeze_for(Duration::from_millis(WINDOW_MS + 2_500), || {});
+    orca_relay::clock::sleep(POLLS_RESUME_AFTER);
+    polls.resume();
     assert!(relay
         .wait_for_log("orca_relay_dead_man_pause_detected", DEADLINE)
         .is_some());

@@ -1,11 +1,10 @@
 //! Readiness from the outside (SPEC §7, seed `readiness-last-known-good.md`): the real binary
 //! against a real JWKS server that is stopped and restarted on the same port, and against the
-//! real PostgreSQL test server stopped and restarted, with the graces shrunk to seconds.
+//! real PostgreSQL server stopped and restarted, with the graces shrunk to seconds.
 //!
 //! The JWKS case runs the combined role on SQLite with a JWKS; it never touches PostgreSQL.
-//! Every case that stops PostgreSQL lives in the one `#[test]` below that takes
-//! [`PG_SERIAL`]: stopping the server cuts every test of this binary that uses it, and cargo
-//! runs test binaries one at a time, so no other binary can be using it meanwhile.
+//! The SQL outage stops a PostgreSQL server of its own (`common::pg::Cluster`), never the
+//! shared test server, so other test binaries may use that one at the same time.
 
 mod common;
 mod harness;
@@ -16,9 +15,6 @@ use std::time::Duration;
 
 use harness::*;
 use serde_json::{json, Value};
-
-/// Serialises the tests that stop the shared PostgreSQL server.
-static PG_SERIAL: Mutex<()> = Mutex::new(());
 
 /// Both graces, shrunk from 15 and 3 minutes.
 const GRACE_MS: u64 = 3000;
@@ -239,52 +235,30 @@ fn jwks_outage_is_ridden_out_from_the_cached_keys_then_expires_and_recovers() {
         relay.count_log("orca_relay_readiness_grace_left dependency=jwks grace=recovered"),
         1
     );
-    assert_eq!(
-        relay.count_log("orca_relay_readiness_dependency_up dependency=jwks"),
-        2,
-        "cold boot and the return after the expired window"
+    assert!(
+        relay.wait_for_log_count(
+            "orca_relay_readiness_dependency_up dependency=jwks",
+            2,
+            WAIT
+        ),
+        "cold boot and the return after the expired window:\n{}",
+        relay.log_text()
     );
     assert_eq!(relay.count_log("dependency=sql"), 1, "only sql's first up");
     health.finish("jwks outage");
 }
 
-/// Restarts the PostgreSQL test server if a failed assertion left it stopped.
-struct ServerGuard {
-    stopped: bool,
-}
-
-impl ServerGuard {
-    fn stop(&mut self) {
-        common::pg::stop_server();
-        self.stopped = true;
-    }
-
-    fn start(&mut self) {
-        common::pg::start_server();
-        self.stopped = false;
-    }
-}
-
-impl Drop for ServerGuard {
-    fn drop(&mut self) {
-        if self.stopped {
-            common::pg::start_server();
-        }
-    }
-}
-
 #[test]
 fn sql_outage_degrades_then_expires_and_a_process_born_during_it_waits_without_crashing() {
-    let _serial = PG_SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let running_db = common::pg::fresh_database("readiness_sql");
-    let cold_db = common::pg::fresh_database("readiness_cold");
+    let server = common::pg::Cluster::primary();
+    let running_db = server.create_database("readiness_sql");
+    let cold_db = server.create_database("readiness_cold");
 
     let running = Relay::combined(&env_refs(&shrunk(&[("DATABASE_URL", &running_db)])));
     wait_ready(&running, 200, &healthy());
     let mut before = Desktop::connect(&running);
     let health = HealthWatch::start(&running.http);
 
-    let mut server = ServerGuard { stopped: false };
     // The last success came at most one probe period before the stop began (pg_ctl's fast
     // stop itself takes a while), so the window ends no sooner than the grace after this.
     let stopped_at = orca_relay::clock::instant();
@@ -376,4 +350,120 @@ fn sql_outage_degrades_then_expires_and_a_process_born_during_it_waits_without_c
     );
     health.finish("sql outage, running process");
     cold_health.finish("sql outage, process born during it");
+}
+
+/// The combined role's `/ready` says 200 only once its own director would place a desktop on
+/// its cell (issue 20: a 503 `relay_capacity_exhausted` 85 ms after the first 200, the cell's
+/// ready heartbeat not yet in the store). Each run starts a relay, asks `/ready` as fast as a
+/// load balancer could, and places a desktop the moment it says 200.
+#[test]
+fn a_combined_relays_first_ready_200_is_followed_by_a_placement_not_a_503() {
+    for run in 0..10 {
+        let relay = Relay::launch(Arc::new(TempDir::new("first-ready")), &[])
+            .expect_listening("orca_relay_listening");
+        let started = orca_relay::clock::instant();
+        while ready(&relay).0 != 200 {
+            assert!(started.elapsed() < WAIT, "run {run}: never ready");
+            orca_relay::clock::sleep(Duration::from_millis(1));
+        }
+        let host = host_id();
+        let (status, body) = relay.post(
+            "/v1/assign",
+            Some(&token("first-ready", &host)),
+            &json!({"v":1,"relayHostId":host}).to_string(),
+        );
+        assert_eq!(
+            status,
+            200,
+            "run {run}: the first placement after /ready said 200: {body}\n{}",
+            relay.log_text()
+        );
+    }
+}
+
+/// A tmpfs of `bytes` mounted at `path` (the tests run as root), unmounted when dropped.
+struct SmallDisk {
+    path: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(path: &std::path::Path, bytes: u64) -> SmallDisk {
+        std::fs::create_dir_all(path).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}")])
+            .arg("tmpfs")
+            .arg(path)
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mount a {bytes}-byte tmpfs at {} (this test runs as root): {status}",
+            path.display()
+        );
+        SmallDisk {
+            path: path.to_path_buf(),
+        }
+    }
+
+    /// Writes a file until the filesystem refuses (ENOSPC).
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let filler = self.path.join("filler");
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = file.sync_all();
+        filler
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+    }
+}
+
+/// SPEC §12: a SQLite database whose disk is full cannot take writes; the readiness probe says
+/// so (`sql_disk_full`, `SQLITE_FULL` in the line), `/ready` turns degraded, then 503 past the
+/// SQL grace, and ready again once there is room. Before, its probe was `SELECT 1`, which a
+/// full disk answers, and `/ready` stayed 200 while every write failed.
+#[test]
+fn a_full_sqlite_disk_turns_ready_degraded_then_503_and_back() {
+    const GRACE_MS: u64 = 2_000;
+    let base = TempDir::new("full-disk");
+    let disk = SmallDisk::mount(&base.0.join("disk"), 8 * 1024 * 1024);
+    let grace = GRACE_MS.to_string();
+    let relay = Relay::start_in(
+        Arc::new(TempDir(disk.path.clone())),
+        &[
+            ("ORCA_RELAY_READINESS_PROBE_MS", "100"),
+            ("ORCA_RELAY_READINESS_SQL_GRACE_MS", &grace),
+        ],
+    );
+    wait_ready(&relay, 200, &healthy());
+
+    let filler = disk.fill();
+    let filled = orca_relay::clock::instant();
+    wait_ready(&relay, 200, &degraded("sql", "sql_disk_full"));
+    wait_ready(&relay, 503, &unavailable("sql", "sql_disk_full"));
+    assert!(
+        filled.elapsed() >= Duration::from_millis(GRACE_MS - 300),
+        "503 before the grace ran out"
+    );
+    let entered = wait_log(&relay, "orca_relay_readiness_grace_entered dependency=sql");
+    assert!(
+        entered.contains("failure=sql_disk_full sqlite=SQLITE_FULL"),
+        "{entered}"
+    );
+
+    std::fs::remove_file(filler).unwrap();
+    wait_ready(&relay, 200, &healthy());
 }

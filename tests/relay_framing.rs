@@ -399,10 +399,21 @@ fn random_legal_frames_in_random_splits_with_pings_arrive_unchanged_both_ways() 
                     want.1.len()
                 );
             }
-            // Every ping was answered, in order, with its payload, on the sender's own leg.
-            for ping in pings {
+            // Pings are answered on the sender's own leg, in order, with their payloads; the
+            // relay owes at most one pong at a time (the latest ping's, RFC 6455 §5.5.3), so
+            // pings that came together may share one, but the last is always answered.
+            let mut from = 0;
+            while let Some(last) = pings.last() {
+                if from > 0 && &pings[from - 1] == last {
+                    break;
+                }
                 let (first, payload) = sender.read_frame().expect("a pong");
-                assert_eq!((first, payload), (0x8a, ping), "seed {seed}");
+                assert_eq!(first, 0x8a, "seed {seed}");
+                let at = pings[from..]
+                    .iter()
+                    .position(|ping| *ping == payload)
+                    .unwrap_or_else(|| panic!("seed {seed}: a pong for no later ping"));
+                from += at + 1;
             }
         }
     }

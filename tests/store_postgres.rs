@@ -81,7 +81,7 @@ scenarios!(
     admit_modes_and_effective_rows,
     every_statement_is_counted,
     deregistration_removes_only_that_incarnation,
-    silent_cells_are_forgotten_with_all_their_rows,
+    silent_cells_are_forgotten_but_their_operators_admit_mode_stays,
     expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
     a_stale_holder_frees_exactly_one_slot,
@@ -314,4 +314,88 @@ fn eight_cells_racing_get_exactly_two_permits() {
         .unwrap();
     let open = move || Store::open(&config(&url, "orca-relay:test:race")).expect("open");
     cases::eight_cells_racing_get_exactly_two_permits(&open, 30);
+}
+
+/// Ends every session `application_name` holds on `database` (what a restart, a failover or
+/// an administrator's `pg_terminate_backend` does to a pool's idle connections) and waits
+/// until the server has let them go.
+fn terminate_sessions(database: &str, application_name: &str) {
+    let mut admin = pg::admin_client();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = $1 AND application_name = $2",
+            &[&database, &application_name],
+        )
+        .unwrap();
+    wait_until("the sessions to end", || {
+        pg::connections_named(&mut admin, database, application_name) == 0
+    });
+}
+
+/// SPEC §12: work whose pooled connection the server had closed is retried once on a fresh
+/// connection, when nothing it sent may have committed (issue 20: the first admission after a
+/// promote refused for a dead pooled connection). A write that may have committed on its own
+/// (an autocommit statement) is never repeated: it fails instead.
+#[test]
+fn work_on_a_pooled_connection_the_server_closed_is_retried_once_unless_it_may_have_committed() {
+    let url = pg::fresh_database("closed_pooled");
+    let database = pg::database_name(&url);
+    let name = "orca-relay:test:closed-pooled";
+    let store = Store::open(&config(&url, name)).unwrap();
+    store.migrate().unwrap();
+    assert!(store
+        .place_assignment_if_newer("u1", "h1", "c1", 1, 0)
+        .unwrap());
+
+    // A write in a transaction: retried, applied once.
+    terminate_sessions(&database, name);
+    assert!(
+        store
+            .place_assignment_if_newer("u1", "h1", "c2", 2, 0)
+            .expect("retried on a fresh connection"),
+        "the retry placed the row"
+    );
+    let placed = store.assignment("u1", "h1").unwrap().unwrap();
+    assert_eq!((placed.cell_id.as_str(), placed.epoch), ("c2", 2));
+
+    // A read: retried.
+    terminate_sessions(&database, name);
+    assert_eq!(store.list_cells().expect("retried").len(), 0);
+
+    // An autocommit write (a lease deletion) may have committed before the connection broke:
+    // the caller gets the failure, never a second delete.
+    terminate_sessions(&database, name);
+    let error = store.delete_lease("gone").unwrap_err();
+    assert!(error.is_unavailable(), "{error}");
+    // The next call finds a fresh connection.
+    store.delete_lease("gone").expect("a fresh connection");
+}
+
+/// SPEC §12: the readiness probe fails on a server that answers but takes no writes, with
+/// the SQLSTATE in what it reports; a write refused there carries it too.
+#[test]
+fn the_probe_fails_on_a_read_only_server_and_failures_carry_the_sqlstate() {
+    let url = pg::fresh_database("read_only");
+    let store = Store::open(&config(&url, "orca-relay:test:read-only")).unwrap();
+    store.migrate().unwrap();
+    store.probe().expect("a primary takes writes");
+    let database = pg::database_name(&url);
+    pg::admin_client()
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{database}\" SET default_transaction_read_only = on"
+        ))
+        .unwrap();
+    // Sessions opened from now on are read-only; drop the pool's.
+    terminate_sessions(&database, "orca-relay:test:read-only");
+    let error = store.probe().unwrap_err();
+    assert_eq!(error.reason_code(), "sql_read_only", "{error}");
+    assert_eq!(error.code(), Some("25006"));
+    assert_eq!(error.log_fields(), "reason=sql_read_only sqlstate=25006");
+    let refused = store
+        .place_assignment_if_newer("u1", "h1", "c1", 1, 0)
+        .unwrap_err();
+    assert!(refused.is_unavailable(), "{refused}");
+    assert_eq!(refused.code(), Some("25006"), "{refused}");
+    assert_eq!(refused.reason_code(), "sql_read_only");
 }

@@ -52,7 +52,7 @@ scenarios!(
     admit_modes_and_effective_rows,
     every_statement_is_counted,
     deregistration_removes_only_that_incarnation,
-    silent_cells_are_forgotten_with_all_their_rows,
+    silent_cells_are_forgotten_but_their_operators_admit_mode_stays,
     expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
     a_stale_holder_frees_exactly_one_slot,

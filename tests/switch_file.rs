@@ -21,17 +21,36 @@ fn start_relay(env: &[(&str, &str)]) -> Relay {
     }
 }
 
-/// Replaces whatever is at `path` with what `make` creates next to it.
+/// Replaces whatever is at `path` with what `make` creates next to it, atomically: the two
+/// names are exchanged (`renameat2(RENAME_EXCHANGE)`, which also swaps a file with a directory,
+/// where a plain rename fails), so the watcher never sees the path missing in between (that
+/// would be a `cause=missing` line of its own).
 fn replace_with(path: &Path, make: impl FnOnce(&Path)) {
     let tmp = path.with_extension("next");
     let _ = std::fs::remove_dir_all(&tmp);
     let _ = std::fs::remove_file(&tmp);
     make(&tmp);
-    if std::fs::rename(&tmp, path).is_err() {
-        let _ = std::fs::remove_dir_all(path);
-        let _ = std::fs::remove_file(path);
-        std::fs::rename(&tmp, path).unwrap();
-    }
+    let c_tmp = std::ffi::CString::new(tmp.as_os_str().as_encoded_bytes()).unwrap();
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: two valid NUL-terminated paths; renameat2 only renames.
+    let exchanged = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            c_tmp.as_ptr(),
+            libc::AT_FDCWD,
+            c_path.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    assert_eq!(
+        exchanged,
+        0,
+        "exchange {tmp:?} and {path:?}: {}",
+        std::io::Error::last_os_error()
+    );
+    // `tmp` now names what was at `path`.
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&tmp);
 }
 
 fn mkfifo(path: &Path) {
@@ -105,7 +124,12 @@ fn hostile_switch_paths_are_one_line_each_and_the_next_write_applies() {
         );
         assert_eq!(relay.count_log(&needle), 1, "{line}: said once");
     }
-    assert_eq!(relay.count_log("orca_relay_control_flags_unreadable"), 5);
+    assert_eq!(
+        relay.count_log("orca_relay_control_flags_unreadable"),
+        5,
+        "{}",
+        relay.log_text()
+    );
     // `/dev/zero` was never read: the process did not grow (the old reader grew by gigabytes).
     let rss_after = resident_kib(relay.pid());
     assert!(

@@ -294,6 +294,25 @@ impl JwksSource {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The key for a token's `kid` from the cache alone: `None` when [`JwksSource::key_for`]
+    /// would fetch the set (the kid is unknown and a token-triggered fetch is allowed now), so a
+    /// caller that must not wait on the network (the acceptor's pending loop) can hand the
+    /// token to a thread that may.
+    pub fn cached_key_for(&self, kid: Option<&str>) -> Option<Result<Arc<PinnedKey>, AuthError>> {
+        let now_ms = self.clock.now_ms();
+        let state = self.lock();
+        if let Some(key) = state.keys.as_ref().and_then(|keys| keys.find(kid)) {
+            return Some(Ok(key));
+        }
+        if refetch_allowed(state.last_token_fetch_ms, now_ms) {
+            return None;
+        }
+        Some(Err(match state.keys {
+            Some(_) => AuthError::UnknownKey,
+            None => AuthError::KeysUnavailable,
+        }))
+    }
+
     /// The key for a token's `kid`, fetching the set again (rate limited) if it is unknown.
     pub fn key_for(&self, kid: Option<&str>) -> Result<Arc<PinnedKey>, AuthError> {
         let now_ms = self.clock.now_ms();

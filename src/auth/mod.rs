@@ -193,16 +193,41 @@ impl Verifier {
         matches!(self.inner.keys, KeySource::Jwks(_))
     }
 
-    /// Verifies a desktop-control token (the part after `Bearer `).
+    /// Verifies a desktop-control token (the part after `Bearer `). With a JWKS, an unknown
+    /// `kid` may fetch the key set (rate limited, [`JWKS_TIMEOUT`]).
     pub fn verify_host_token(&self, bearer_token: &str) -> Result<HostClaims, AuthError> {
+        self.verify_inner(bearer_token, true)
+            .unwrap_or(Err(AuthError::KeysUnavailable))
+    }
+
+    /// As [`Verifier::verify_host_token`] without ever waiting on the network: `None` when the
+    /// answer needs a JWKS fetch (call [`Verifier::verify_host_token`] where waiting is fine).
+    pub fn verify_host_token_cached(
+        &self,
+        bearer_token: &str,
+    ) -> Option<Result<HostClaims, AuthError>> {
+        self.verify_inner(bearer_token, false)
+    }
+
+    /// `None` only when `may_fetch` is false and the key needs a fetch.
+    fn verify_inner(
+        &self,
+        bearer_token: &str,
+        may_fetch: bool,
+    ) -> Option<Result<HostClaims, AuthError>> {
         let inner = &*self.inner;
-        let parts = jwt::split_token(bearer_token)?;
+        let parts = match jwt::split_token(bearer_token) {
+            Ok(parts) => parts,
+            Err(e) => return Some(Err(e)),
+        };
         let (algorithm, key): (Algorithm, KeyRef<'_>) = match &inner.keys {
             KeySource::SelfHosted(key) => {
                 if parts.alg != jwt::algorithm_name(Algorithm::HS256) {
-                    return Err(AuthError::AlgorithmNotAllowed);
+                    return Some(Err(AuthError::AlgorithmNotAllowed));
                 }
-                let key = key.as_ref().ok_or(AuthError::KeysUnavailable)?;
+                let Some(key) = key.as_ref() else {
+                    return Some(Err(AuthError::KeysUnavailable));
+                };
                 (Algorithm::HS256, KeyRef::Borrowed(key))
             }
             KeySource::Jwks(source) => {
@@ -210,22 +235,37 @@ impl Verifier {
                     .iter()
                     .any(|alg| jwt::algorithm_name(*alg) == parts.alg)
                 {
-                    return Err(AuthError::AlgorithmNotAllowed);
+                    return Some(Err(AuthError::AlgorithmNotAllowed));
                 }
-                let pinned = source.key_for(parts.kid.as_deref())?;
+                let kid = parts.kid.as_deref();
+                let pinned = if may_fetch {
+                    source.key_for(kid)
+                } else {
+                    source.cached_key_for(kid)?
+                };
+                let pinned = match pinned {
+                    Ok(pinned) => pinned,
+                    Err(e) => return Some(Err(e)),
+                };
                 // The key decides the algorithm; the header only has to agree with it.
                 if jwt::algorithm_name(pinned.algorithm) != parts.alg {
-                    return Err(AuthError::AlgorithmNotAllowed);
+                    return Some(Err(AuthError::AlgorithmNotAllowed));
                 }
                 (pinned.algorithm, KeyRef::Pinned(pinned))
             }
         };
-        jwt::check_signature(&parts, key.get(), algorithm)?;
+        if let Err(e) = jwt::check_signature(&parts, key.get(), algorithm) {
+            return Some(Err(e));
+        }
         let rules = jwt::ClaimRules {
             issuer: inner.issuer.as_deref(),
             audience: &inner.audience,
         };
-        jwt::check_claims(parts.payload_b64, rules, inner.clock.now_ms())
+        Some(jwt::check_claims(
+            parts.payload_b64,
+            rules,
+            inner.clock.now_ms(),
+        ))
     }
 
     /// The readiness probe: GET the JWKS ([`JWKS_TIMEOUT`]); a 2xx with at least one usable key

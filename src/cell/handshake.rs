@@ -461,10 +461,10 @@ fn register_once(
         })
     };
     let answer = service_token
-        .call_http(director, |token| {
+        .call_http(director, time_left(), |token, left| {
             agent
                 .post(&url)
-                .timeout(time_left())
+                .timeout(left)
                 .set("Authorization", &format!("Bearer {token}"))
                 .send_json(request)
                 .map_err(Box::new)

@@ -163,9 +163,9 @@ fn record_in_store(store: &Store, beat: &Heartbeat) -> Result<(), String> {
             beat.cell_id
         )),
         Err(e) => Err(format!(
-            "orca_relay_heartbeat_failed cell_id={} director=in-process reason={}",
+            "orca_relay_heartbeat_failed cell_id={} director=in-process {}",
             beat.cell_id,
-            e.reason_code()
+            e.log_fields()
         )),
     }
 }
@@ -192,9 +192,11 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
                 let url = format!("{director}/v1/admin/cells/deregister");
                 match service_token.call_http(
                     director,
-                    |token| {
+                    DEREGISTER_TIMEOUT,
+                    |token, left| {
                         agent
                             .post(&url)
+                            .timeout(left)
                             .set("Authorization", &format!("Bearer {token}"))
                             .send_json(&body).map_err(Box::new)
                     },
@@ -213,8 +215,8 @@ pub fn deregister(sink: &Sink, cell_id: &str, incarnation: i64) {
                 "orca_relay_cell_deregistered cell_id={cell_id} incarnation={incarnation} director=in-process"
             ),
             Err(e) => log::warn!(
-                "orca_relay_cell_deregister_failed cell_id={cell_id} director=in-process reason={}",
-                e.reason_code()
+                "orca_relay_cell_deregister_failed cell_id={cell_id} director=in-process {}",
+                e.log_fields()
             ),
         },
     }
@@ -229,9 +231,10 @@ fn send(
 ) -> Result<(), String> {
     let url = format!("{director}/v1/admin/cell-heartbeat");
     match tokens
-        .call_http(director, |token| {
+        .call_http(director, HEARTBEAT_TIMEOUT, |token, left| {
             agent
                 .post(&url)
+                .timeout(left)
                 .set("Authorization", &format!("Bearer {token}"))
                 .send_json(beat)
                 .map_err(Box::new)

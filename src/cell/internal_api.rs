@@ -158,6 +158,9 @@ pub struct InternalApi {
     metrics: ApiMetrics,
     /// When the last `reserver=1` poll arrived, plus one (0 = none yet).
     last_reserver_poll_plus_one: AtomicU64,
+    /// Refused requests are counted each (`orca_relay_cell_internal_unauthorized_total`) and
+    /// logged through one throttle: the first, then at most one line a minute with a count.
+    refusals: crate::logging::SharedThrottle,
 }
 
 /// A 400 with the reason in the body (every 400 here has this shape).
@@ -174,6 +177,7 @@ impl InternalApi {
             parts,
             metrics: ApiMetrics::new(registry),
             last_reserver_poll_plus_one: AtomicU64::new(0),
+            refusals: crate::logging::SharedThrottle::new(),
         }
     }
 
@@ -185,14 +189,16 @@ impl InternalApi {
         }
         if !self.parts.service_tokens.accepts(request.authorization) {
             self.metrics.unauthorized.inc();
-            log::warn!(
-                "orca_relay_cell_internal_unauthorized path={path} token={}",
-                if request.authorization.is_some() {
-                    "wrong"
-                } else {
-                    "missing"
-                }
-            );
+            if let Some(note) = self.refusals.failure(self.parts.clock.now_ms()) {
+                log::warn!(
+                    "orca_relay_cell_internal_unauthorized path={path} token={}{note}",
+                    if request.authorization.is_some() {
+                        "wrong"
+                    } else {
+                        "missing"
+                    }
+                );
+            }
             return Some(Reply::error(401, "unauthorized"));
         }
         Some(match (path, request.method) {

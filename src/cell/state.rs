@@ -8,14 +8,25 @@
 //!
 //! A *seat* remembers a host that is or was seated here (`seatedHereAt`, SPEC §5.3): its epoch,
 //! its control generation, when it left, whether it was demoted.
+//!
+//! *Invites* belong to a host while it has a control here: at most [`MAX_INVITES_PER_HOST`]
+//! outstanding (a new one replaces the oldest), all dropped when the control leaves (a newer
+//! control of the same host keeps them), each gone at its expiry. Expiry is kept in a queue
+//! ordered by expiry time, so the periodic sweep touches only the invites that expire, never
+//! every outstanding one (it runs under the lock every admission takes).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::clock::SharedClock;
 use crate::protocol::{INVITE_MAX_ATTEMPTS, INVITE_TTL_MS, MAX_PHONES_PER_HOST};
+
+/// Outstanding invites one host may have at once; a new one replaces the oldest. One per phone
+/// place (SPEC §5.2: 8 phones per host) is more than pairing needs: a person pairs one phone at
+/// a time, and an invite lasts 10 minutes.
+pub const MAX_INVITES_PER_HOST: usize = MAX_PHONES_PER_HOST;
 
 /// A connected WebSocket, as the cell model needs to know it.
 pub trait Peer: Send + Sync {
@@ -77,12 +88,17 @@ struct Seat<S> {
     phones: usize,
     left_at_ms: Option<u64>,
     demoted: bool,
+    /// This host's outstanding invites (their tokens), oldest first, at most
+    /// [`MAX_INVITES_PER_HOST`].
+    invites: VecDeque<String>,
 }
 
 struct Invite {
     relay_host_id: String,
     expires_at_ms: u64,
     attempts_left: u32,
+    /// Its key in the expiry queue.
+    expiry: (u64, u64),
 }
 
 /// A phone waiting for its host's data leg.
@@ -97,7 +113,38 @@ pub struct Pending<S: Peer> {
 struct Inner<S: Peer> {
     seats: HashMap<String, Seat<S>>,
     invites: HashMap<String, Invite>,
+    /// Every outstanding invite by (expiry, creation order): the sweep pops what is due.
+    invite_expiry: BTreeMap<(u64, u64), String>,
+    next_invite: u64,
     pending: HashMap<String, Pending<S>>,
+}
+
+impl<S: Peer> Inner<S> {
+    /// Forgets one invite everywhere it is indexed (the host's list is the caller's).
+    fn forget_invite(&mut self, token: &str) -> Option<Invite> {
+        let invite = self.invites.remove(token)?;
+        self.invite_expiry.remove(&invite.expiry);
+        Some(invite)
+    }
+
+    /// Drops every invite of a host (its control left).
+    fn drop_invites_of(&mut self, relay_host_id: &str) {
+        let tokens = self
+            .seats
+            .get_mut(relay_host_id)
+            .map(|seat| std::mem::take(&mut seat.invites))
+            .unwrap_or_default();
+        for token in tokens {
+            self.forget_invite(&token);
+        }
+    }
+}
+
+/// Why an invite was not minted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InviteRefusal {
+    /// The host has no live control here (it left meanwhile).
+    HostOffline,
 }
 
 /// Why a phone was refused (SPEC §5.2 phone endpoint).
@@ -126,6 +173,8 @@ impl<S: Peer> CellState<S> {
             inner: Mutex::new(Inner {
                 seats: HashMap::new(),
                 invites: HashMap::new(),
+                invite_expiry: BTreeMap::new(),
+                next_invite: 0,
                 pending: HashMap::new(),
             }),
             clock,
@@ -191,6 +240,7 @@ impl<S: Peer> CellState<S> {
                 phones: 0,
                 left_at_ms: None,
                 demoted: false,
+                invites: VecDeque::new(),
             });
         seat.generation += 1;
         seat.user_id = control_template.user_id.clone();
@@ -206,8 +256,9 @@ impl<S: Peer> CellState<S> {
         }
     }
 
-    /// A control socket ended. Only the current control of that generation unseats the host;
-    /// the removed control is returned (its lease, if any, is the caller's to delete).
+    /// A control socket ended. Only the current control of that generation unseats the host
+    /// (and drops its invites); the removed control is returned (its lease, if any, is the
+    /// caller's to delete).
     pub fn unseat(&self, relay_host_id: &str, generation: u64) -> Option<Control<S>> {
         let now = self.now_ms();
         let mut inner = self.lock();
@@ -216,7 +267,9 @@ impl<S: Peer> CellState<S> {
             return None;
         }
         seat.left_at_ms = Some(now);
-        seat.control.take()
+        let control = seat.control.take();
+        inner.drop_invites_of(relay_host_id);
+        control
     }
 
     /// After a trip, a memory- or booking-admitted control now holds a database lease.
@@ -247,8 +300,10 @@ impl<S: Peer> CellState<S> {
         }
     }
 
-    /// Forgets seats that left longer than `memory_ms` ago (called periodically).
-    pub fn expire(&self, memory_ms: u64) {
+    /// Forgets seats that left longer than `memory_ms` ago and invites past their expiry
+    /// (called periodically). Returns how many invites expired: the sweep's work on invites is
+    /// that many steps, whatever else is outstanding.
+    pub fn expire(&self, memory_ms: u64) -> usize {
         let now = self.now_ms();
         let mut inner = self.lock();
         inner.seats.retain(|_, seat| {
@@ -258,7 +313,25 @@ impl<S: Peer> CellState<S> {
                     .left_at_ms
                     .is_some_and(|left| now.saturating_sub(left) <= memory_ms)
         });
-        inner.invites.retain(|_, invite| invite.expires_at_ms > now);
+        let mut expired = 0;
+        while let Some(entry) = inner.invite_expiry.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let token = entry.remove();
+            if let Some(invite) = inner.invites.remove(&token) {
+                if let Some(seat) = inner.seats.get_mut(&invite.relay_host_id) {
+                    seat.invites.retain(|held| *held != token);
+                }
+            }
+            expired += 1;
+        }
+        expired
+    }
+
+    /// Invites outstanding in the whole cell.
+    pub fn invite_count(&self) -> usize {
+        self.lock().invites.len()
     }
 
     pub fn control(&self, relay_host_id: &str) -> Option<Control<S>> {
@@ -285,18 +358,39 @@ impl<S: Peer> CellState<S> {
             .count()
     }
 
-    /// Mints an invite for a host that has a live control of this generation.
-    pub fn create_invite(&self, relay_host_id: &str, token: String) -> u64 {
+    /// Records an invite for a host that has a live control here; past
+    /// [`MAX_INVITES_PER_HOST`] its oldest invite is replaced. Returns the expiry time.
+    pub fn create_invite(&self, relay_host_id: &str, token: String) -> Result<u64, InviteRefusal> {
         let expires_at_ms = self.now_ms() + INVITE_TTL_MS;
-        self.lock().invites.insert(
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        let seat = inner
+            .seats
+            .get_mut(relay_host_id)
+            .filter(|seat| seat.control.is_some())
+            .ok_or(InviteRefusal::HostOffline)?;
+        let replaced = if seat.invites.len() >= MAX_INVITES_PER_HOST {
+            seat.invites.pop_front()
+        } else {
+            None
+        };
+        seat.invites.push_back(token.clone());
+        if let Some(oldest) = replaced {
+            inner.forget_invite(&oldest);
+        }
+        let expiry = (expires_at_ms, inner.next_invite);
+        inner.next_invite += 1;
+        inner.invite_expiry.insert(expiry, token.clone());
+        inner.invites.insert(
             token,
             Invite {
                 relay_host_id: relay_host_id.to_string(),
                 expires_at_ms,
                 attempts_left: INVITE_MAX_ATTEMPTS,
+                expiry,
             },
         );
-        expires_at_ms
+        Ok(expires_at_ms)
     }
 
     /// A phone presents an invite: checks host online, credential, phone count, then takes a
@@ -455,15 +549,35 @@ impl Drop for SlotGuard {
     }
 }
 
-/// A random URL-safe secret of 32 bytes (invite tokens, tickets).
-pub fn random_token() -> String {
+/// The OS random source failed: no secret can be minted, and the operation that needed one is
+/// refused (an invite, a phone's ticket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoRandomness;
+
+/// A random URL-safe secret of 32 bytes (invite tokens, tickets). `Err` when the OS random
+/// source fails: never a constant or a partly random value in its place.
+pub fn random_token() -> Result<String, NoRandomness> {
+    token_from(|bytes| getrandom::fill(bytes).map_err(|_| NoRandomness))
+}
+
+/// [`random_token`] over the given source, logged (throttled) when it fails.
+fn token_from(
+    fill: impl FnOnce(&mut [u8]) -> Result<(), NoRandomness>,
+) -> Result<String, NoRandomness> {
     use base64::Engine;
+    static FAILURES: std::sync::OnceLock<crate::logging::SharedThrottle> =
+        std::sync::OnceLock::new();
     let mut bytes = [0u8; 32];
-    // getrandom only fails when the OS has no entropy source at all.
-    if getrandom::fill(&mut bytes).is_err() {
-        log::error!("orca_relay_random_failed");
+    match fill(&mut bytes) {
+        Ok(()) => Ok(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)),
+        Err(error) => {
+            let throttle = FAILURES.get_or_init(crate::logging::SharedThrottle::new);
+            if let Some(note) = throttle.failure(crate::clock::system().now_ms()) {
+                log::error!("orca_relay_random_failed refused=token{note}");
+            }
+            Err(error)
+        }
     }
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
 #[cfg(test)]
@@ -544,11 +658,98 @@ mod tests {
 
     #[test]
     fn tokens_are_random_and_url_safe() {
-        let a = random_token();
+        let a = random_token().unwrap();
         assert_eq!(a.len(), 43);
-        assert_ne!(a, random_token());
+        assert_ne!(a, random_token().unwrap());
         assert!(a
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+    }
+
+    #[test]
+    fn a_failing_random_source_mints_nothing() {
+        // The source fails after writing part of the buffer: no token at all, not a weak one.
+        let failing = |bytes: &mut [u8]| {
+            bytes[..4].copy_from_slice(&[1, 2, 3, 4]);
+            Err(NoRandomness)
+        };
+        assert_eq!(token_from(failing), Err(NoRandomness));
+        assert!(token_from(|_| Ok(())).is_ok());
+    }
+
+    fn seated(state: &CellState<FakePeer>, host: &str) -> u64 {
+        state.seat(control(host, 1, 1)).generation
+    }
+
+    #[test]
+    fn invites_are_bounded_per_host_the_oldest_replaced() {
+        let state = CellState::new(ManualClock::starting_at(0));
+        seated(&state, "h");
+        seated(&state, "other");
+        state.create_invite("other", "o".into()).unwrap();
+        for n in 0..MAX_INVITES_PER_HOST + 3 {
+            state.create_invite("h", format!("t{n}")).unwrap();
+        }
+        assert_eq!(state.invite_count(), MAX_INVITES_PER_HOST + 1);
+        let (tx, _rx) = std::sync::mpsc::sync_channel(1);
+        let admit = |credential: &str| {
+            state
+                .admit_phone(
+                    "h",
+                    credential,
+                    Arc::new(FakePeer(9)),
+                    "k".into(),
+                    tx.clone(),
+                )
+                .map(|_| ())
+        };
+        // The three oldest were replaced; the newest admits.
+        assert_eq!(admit("t0"), Err(PhoneRefusal::BadCredential));
+        assert_eq!(admit("t2"), Err(PhoneRefusal::BadCredential));
+        assert!(admit(&format!("t{}", MAX_INVITES_PER_HOST + 2)).is_ok());
+        assert_eq!(
+            state.create_invite("nobody", "n".into()),
+            Err(InviteRefusal::HostOffline)
+        );
+    }
+
+    #[test]
+    fn invites_go_when_the_control_leaves_not_when_it_is_replaced() {
+        let state = CellState::new(ManualClock::starting_at(0));
+        let first = seated(&state, "h");
+        state.create_invite("h", "a".into()).unwrap();
+        // A newer control of the same host keeps the host's invites.
+        let second = seated(&state, "h");
+        assert!(state.unseat("h", first).is_none());
+        assert_eq!(state.invite_count(), 1);
+        state.unseat("h", second);
+        assert_eq!(state.invite_count(), 0);
+        assert_eq!(state.expire(600_000), 0, "nothing left to expire");
+    }
+
+    #[test]
+    fn the_expiry_sweep_touches_only_what_expires() {
+        let clock = ManualClock::starting_at(0);
+        let state = CellState::new(clock.clone());
+        for host in 0..100 {
+            seated(&state, &format!("h{host}"));
+        }
+        state.create_invite("h0", "early".into()).unwrap();
+        clock.advance(1_000);
+        for host in 0..100 {
+            for n in 0..MAX_INVITES_PER_HOST - 1 {
+                state
+                    .create_invite(&format!("h{host}"), format!("{host}-{n}"))
+                    .unwrap();
+            }
+        }
+        let outstanding = state.invite_count();
+        assert_eq!(outstanding, 100 * (MAX_INVITES_PER_HOST - 1) + 1);
+        clock.advance(INVITE_TTL_MS - 1_000);
+        assert_eq!(state.expire(600_000), 1, "only the early invite is due");
+        assert_eq!(state.invite_count(), outstanding - 1);
+        clock.advance(1_000);
+        assert_eq!(state.expire(600_000), outstanding - 1);
+        assert_eq!(state.invite_count(), 0);
     }
 }

@@ -159,9 +159,9 @@ impl<S: Peer + 'static> Reregistration<S> {
                 }
                 Err(e) => {
                     log::info!(
-                        "orca_relay_reregister_retry host={} reason={}",
+                        "orca_relay_reregister_retry host={} {}",
                         control.relay_host_id,
-                        e.reason_code()
+                        e.log_fields()
                     );
                 }
             }

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::feed_poller::{FeedBoard, FeedStatus};
+use super::feed_poller::{FeedBoard, FeedStatus, Sign};
 use super::membership::{self, Judge, Membership};
 use crate::cell::status_report::{DeadManReport, StatusReport};
 use crate::clock::SharedClock;
@@ -115,6 +115,10 @@ pub struct AdminContext {
     /// holds a trip slot (what the claim counts, `store::claim`).
     trip_slot_stale_ms: u64,
     routes: AdminRoutes,
+    /// Refused requests (no or a wrong service token) are counted per request
+    /// (`orca_relay_director_admin_requests_total{status="401"}`) but logged through one
+    /// throttle: the first, then at most one line a minute with a count.
+    refusals: crate::logging::SharedThrottle,
 }
 
 /// Which admin routes this process serves.
@@ -205,6 +209,7 @@ impl AdminContext {
             membership,
             trip_slot_stale_ms,
             routes: AdminRoutes::All,
+            refusals: crate::logging::SharedThrottle::new(),
         }
     }
 
@@ -256,15 +261,17 @@ impl AdminContext {
 
     fn route(&self, request: &mut Request<'_>) -> Reply {
         if !self.service_tokens.accepts(request.authorization) {
-            log::warn!(
-                "orca_relay_director_admin_unauthorized path={} token={}",
-                request.path,
-                if request.authorization.is_some() {
-                    "wrong"
-                } else {
-                    "missing"
-                }
-            );
+            if let Some(note) = self.refusals.failure(self.clock.now_ms()) {
+                log::warn!(
+                    "orca_relay_director_admin_unauthorized path={} token={}{note}",
+                    request.path,
+                    if request.authorization.is_some() {
+                        "wrong"
+                    } else {
+                        "missing"
+                    }
+                );
+            }
             return Reply::error(401, "unauthorized");
         }
         match (request.path, request.method) {
@@ -294,8 +301,8 @@ impl AdminContext {
 
     fn store_failed(&self, what: &str, error: &StoreError) -> Reply {
         log::warn!(
-            "orca_relay_director_admin_store_failed action={what} reason={}",
-            error.reason_code()
+            "orca_relay_director_admin_store_failed action={what} {}",
+            error.log_fields()
         );
         Reply::error(503, "relay_store_unavailable").with_header("Retry-After", "2")
     }
@@ -349,6 +356,9 @@ impl AdminContext {
                 stale()
             }
             _ => {
+                // A sign of life: a cell the feed poller was backing off is polled at once.
+                self.board
+                    .heard_from(&body.cell_id, Sign::Registration, self.clock.monotonic_ms());
                 log::info!(
                     "orca_relay_director_cell_registered cell_id={} incarnation={} cell_url={} internal_url={} region={}",
                     body.cell_id,
@@ -411,6 +421,10 @@ impl AdminContext {
         });
         match outcome {
             Ok(HeartbeatOutcome::Accepted) => {
+                // A sign of life: the feed poller ends the cell's backoff and polls it within
+                // a period (SPEC §12), whatever its polls did so far.
+                self.board
+                    .heard_from(&body.cell_id, Sign::Heartbeat, self.clock.monotonic_ms());
                 if let Some(report) = body
                     .status
                     .and_then(|status| serde_json::from_value::<StatusReport>(status).ok())

@@ -134,9 +134,10 @@ impl CellClient for HttpCellClient {
         });
         let response = self
             .service_token
-            .call_http(internal_url, |token| {
+            .call_http(internal_url, RESERVE_TIMEOUT, |token, left| {
                 self.agent
                     .post(&url)
+                    .timeout(left)
                     .set("Authorization", &format!("Bearer {token}"))
                     .send_json(body.clone())
                     .map_err(Box::new)
@@ -256,6 +257,32 @@ impl Fleet {
     pub fn with_in_process_cell(mut self, cell: InProcessCell) -> Fleet {
         self.in_process_cell = Some(cell);
         self
+    }
+
+    /// Whether a new desktop could be placed on `cell_id` now: rule 2 of [`placement`] counts
+    /// it a candidate, judged from `cells` (the store's rows) and this director's feed board as
+    /// a placement would judge them. The combined role's `/ready` waits for this at start
+    /// (`roles::ServeGate`), so its first 200 is never followed by a 503
+    /// `relay_capacity_exhausted` for want of a heartbeat or a feed answer not yet recorded.
+    pub fn places_on(
+        &self,
+        cells: &[CellRow],
+        cell_id: &str,
+        now_ms: u64,
+        monotonic_ms: u64,
+    ) -> bool {
+        let params = Params {
+            now_ms,
+            heartbeat_fresh_ms: self.heartbeat_fresh_ms,
+            feed_fresh_ms: self.feed_fresh_ms,
+            retire_after_ms: self.membership.retire_after(monotonic_ms),
+        };
+        let feeds = self.board.snapshot();
+        let cells = placeable_cells(cells.to_vec(), self.in_process_cell.as_ref());
+        let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        placement::candidates(&cells, &feeds, &params, &[], &mut rng)
+            .iter()
+            .any(|candidate| candidate.cell_id == cell_id)
     }
 }
 
@@ -383,8 +410,8 @@ fn answer(request: &mut Request<'_>, context: &AssignContext) -> Reply {
 fn store_unavailable(relay_host_id: &str) -> impl Fn(StoreError) -> Reply + '_ {
     move |e: StoreError| {
         log::warn!(
-            "orca_relay_assign_store_failed host={relay_host_id} reason={}",
-            e.reason_code()
+            "orca_relay_assign_store_failed host={relay_host_id} {}",
+            e.log_fields()
         );
         unavailable("relay_store_unavailable")
     }

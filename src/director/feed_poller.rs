@@ -20,11 +20,33 @@
 //! - the **suspect lane** (`feed-suspect-<n>` workers) carries everything else: cells never
 //!   heard from since this director started (new registrations, and all of them right after a
 //!   director restart), cells whose last poll timed out, and the dead entries autoscaling leaves
-//!   behind. They are polled with a backoff ([`suspect_backoff_ms`], doubling up to 30 s), in
-//!   the order fewest failures first, then most recently heard from (heartbeat or
-//!   registration, on the database's clock) first ([`Queued`]): a new or restarted live cell,
-//!   or one that just blipped, is polled by the next free suspect worker (within one timeout),
-//!   ahead of any long-dead entry, and its first answer moves it to the live lane.
+//!   behind.
+//!
+//! **Contact after a fault** (SPEC §12). On the suspect lane, what the poller knows of a cell's
+//! life decides when it is polled and in which order ([`Pacing`], [`Rank`]):
+//! - a cell that **heartbeats** (a heartbeat within `HEARTBEAT_FRESH_MS`, to this director or,
+//!   through the database, to another) is due every round, whatever its failures: a partition
+//!   of its internal port ends with a poll within one period of the heal. One of the suspect
+//!   workers is kept for such cells ([`SILENT_WORKERS`] is one fewer), so no number of silent
+//!   entries can hold all of them;
+//! - any other **sign of life** after the last failed poll (a registration) ends the backoff:
+//!   the cell is due at once;
+//! - a cell **not heard from** since its last failure waits its backoff ([`suspect_backoff_ms`]:
+//!   doubling from one period, at most 30 s and at most a quarter of the shortest dead-man
+//!   window, so a live cell the director could not see for a moment is never left until its
+//!   window has nearly run out).
+//!
+//! The order of the waiting polls is decided when a worker takes one, from the figures of that
+//! moment ([`FeedBoard::rank`]), never when the poll was queued: heartbeating cells first, then
+//! other cells heard from since their last failure, then the silent ones; within each, a cell
+//! that has answered before ahead of one that never has, then the fewest failures, then the
+//! longest waiting.
+//!
+//! The 2 × `FEED_POLL_MS` bound holds against entries that do not heartbeat, however many. Cells
+//! that heartbeat but never answer (a fleet whose internal port a firewall drops) are due every
+//! round like a partitioned live cell, and share the suspect workers with it: a cell that has
+//! answered before goes first among them, but no fixed set of workers can poll an unbounded
+//! number of such cells every period.
 //!
 //! Retired cells ([`super::membership`]) are not polled at all; cells no longer registered leave
 //! the board. Never one thread per cell per poll, never more than one poll in flight per cell.
@@ -38,8 +60,7 @@
 //! Must never: hold the board's lock across a request, log the service token, or stop (or
 //! delay) polling because the database is down or slow.
 
-use std::cmp::Ordering as CmpOrdering;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -63,7 +84,11 @@ pub const POLL_TIMEOUT: Duration = Duration::from_secs(2);
 pub const LIVE_WORKERS: usize = 4;
 /// Workers of the suspect lane: each silent cell holds one for a whole timeout.
 pub const SUSPECT_WORKERS: usize = 4;
-/// The longest wait between two polls of a suspect cell.
+/// How many suspect workers may poll cells that do not heartbeat at once: one is always left
+/// for a cell that does, so a partitioned live cell never queues behind dead entries' timeouts.
+pub const SILENT_WORKERS: usize = SUSPECT_WORKERS - 1;
+/// The longest wait between two polls of a suspect cell (also bounded by a quarter of the
+/// shortest dead-man window, [`Pacing::new`]).
 pub const SUSPECT_BACKOFF_MAX_MS: u64 = 30_000;
 
 /// Which workers poll a cell.
@@ -92,31 +117,95 @@ pub fn lane_for(responsive: bool) -> Lane {
     }
 }
 
-/// How long a suspect cell waits after its last failure before it is polled again: one period
-/// after the first failure, doubling with each further one, at most
-/// [`SUSPECT_BACKOFF_MAX_MS`]. A cell never polled yet is due at once.
-pub fn suspect_backoff_ms(consecutive_failures: u32, period_ms: u64) -> u64 {
+/// How long a suspect cell not heard from waits after its last failure before it is polled
+/// again: one period after the first failure, doubling with each further one, at most
+/// `backoff_max_ms`. A cell never polled yet is due at once.
+pub fn suspect_backoff_ms(consecutive_failures: u32, period_ms: u64, backoff_max_ms: u64) -> u64 {
     match consecutive_failures {
         0 => 0,
         n => period_ms
             .saturating_mul(1u64 << (n - 1).min(20))
-            .min(SUSPECT_BACKOFF_MAX_MS),
+            .min(backoff_max_ms),
     }
 }
 
-/// One cell's entry on the board.
+/// The figures that pace the suspect lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// `ORCA_RELAY_FEED_POLL_MS`.
+    pub period_ms: u64,
+    /// `ORCA_RELAY_HEARTBEAT_FRESH_MS`: a cell heartbeat within this long heartbeats.
+    pub heartbeat_fresh_ms: u64,
+    /// The longest backoff: 30 s, and at most a quarter of the shortest dead-man window.
+    pub backoff_max_ms: u64,
+}
+
+impl Pacing {
+    /// `shortest_window_ms` is `ORCA_RELAY_DEAD_MAN_BASE_MS` (a window is the base plus a
+    /// spread); a cell that reports a shorter window of its own is paced by that one
+    /// ([`FeedBoard::rank`]).
+    pub fn new(period_ms: u64, heartbeat_fresh_ms: u64, shortest_window_ms: u64) -> Pacing {
+        Pacing {
+            period_ms,
+            heartbeat_fresh_ms,
+            backoff_max_ms: SUSPECT_BACKOFF_MAX_MS.min(shortest_window_ms / 4).max(1),
+        }
+    }
+
+    pub fn from_config(config: &crate::config::Config) -> Pacing {
+        let t = &config.timings;
+        Pacing::new(t.feed_poll_ms, t.heartbeat_fresh_ms, t.dead_man_base_ms)
+    }
+}
+
+/// What the poller knows of a cell's life, best first: the suspect lane serves the smallest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Life {
+    /// A heartbeat within `HEARTBEAT_FRESH_MS`.
+    Heartbeating,
+    /// Another sign of life (a registration, a heartbeat gone stale since) after its last
+    /// failed poll, or no failed poll yet.
+    HeardSinceFailure,
+    /// Nothing since its last failed poll.
+    Silent,
+}
+
+/// The order of a waiting poll, taken when a worker takes one: smaller first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Rank {
+    pub life: Life,
+    /// Never answered (a cell that has answered before is likelier to answer again).
+    pub never_answered: bool,
+    pub consecutive_failures: u32,
+    /// The order in which the polls were queued (first come first).
+    pub queued_seq: u64,
+}
+
+/// A sign of life that is not a poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sign {
+    Heartbeat,
+    Registration,
+}
+
+/// One cell's entry on the board. Times are this director's monotonic ms.
 #[derive(Debug, Clone)]
 struct CellFeed {
     /// `<incarnation>:<seq>` of the last answer; `None` asks for a full snapshot.
     cursor: Option<String>,
     view: Option<FeedView>,
+    /// Queued or being polled.
     in_flight: bool,
     consecutive_failures: u32,
     /// Gave an HTTP answer (any status) since its last timed-out poll.
     responsive: bool,
-    /// The suspect lane polls this cell no earlier than this (monotonic ms).
-    next_attempt_ms: u64,
     lane: Lane,
+    /// The latest failed poll, answered poll, heartbeat and any sign of life (heartbeat or
+    /// registration), as this director learnt of them.
+    failed_at_ms: Option<u64>,
+    answered_at_ms: Option<u64>,
+    heartbeat_at_ms: Option<u64>,
+    heard_at_ms: Option<u64>,
     /// The cell's latest status report, from whichever arrived last: a feed answer or a
     /// heartbeat (`cell::status_report`: a cell this director cannot poll still heartbeats).
     report: Option<ReceivedReport>,
@@ -130,9 +219,57 @@ impl Default for CellFeed {
             in_flight: false,
             consecutive_failures: 0,
             responsive: false,
-            next_attempt_ms: 0,
             lane: Lane::Suspect,
+            failed_at_ms: None,
+            answered_at_ms: None,
+            heartbeat_at_ms: None,
+            heard_at_ms: None,
             report: None,
+        }
+    }
+}
+
+impl CellFeed {
+    fn life(&self, now_ms: u64, pacing: &Pacing) -> Life {
+        let heartbeating = self
+            .heartbeat_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) < pacing.heartbeat_fresh_ms);
+        if heartbeating {
+            return Life::Heartbeating;
+        }
+        let heard_since_failure = match (self.heard_at_ms, self.failed_at_ms) {
+            (_, None) => true,
+            (Some(heard), Some(failed)) => heard > failed,
+            (None, Some(_)) => false,
+        };
+        if heard_since_failure {
+            Life::HeardSinceFailure
+        } else {
+            Life::Silent
+        }
+    }
+
+    /// The longest backoff for this cell: the fleet's, or a quarter of the window it reports.
+    fn backoff_max_ms(&self, pacing: &Pacing) -> u64 {
+        match self.report.as_ref().map(|r| r.report.window_ms) {
+            Some(window_ms) if window_ms > 0 => pacing.backoff_max_ms.min(window_ms / 4).max(1),
+            _ => pacing.backoff_max_ms,
+        }
+    }
+
+    /// Whether a suspect cell may be polled at `now_ms`: a sign of life ends its backoff.
+    fn suspect_due(&self, now_ms: u64, pacing: &Pacing) -> bool {
+        match self.life(now_ms, pacing) {
+            Life::Heartbeating | Life::HeardSinceFailure => true,
+            Life::Silent => {
+                let failed_at = self.failed_at_ms.unwrap_or(0);
+                let wait = suspect_backoff_ms(
+                    self.consecutive_failures,
+                    pacing.period_ms,
+                    self.backoff_max_ms(pacing),
+                );
+                now_ms >= failed_at.saturating_add(wait)
+            }
         }
     }
 }
@@ -183,16 +320,14 @@ pub struct FeedBoard {
     cells: Arc<Mutex<HashMap<String, CellFeed>>>,
 }
 
-/// One poll to make.
+/// One poll to make, built when a worker takes it.
 struct PollJob {
     cell_id: String,
     internal_url: String,
     cursor: Option<String>,
     lane: Lane,
-    /// Failures in a row before this poll, and how long the database has not heard from the
-    /// cell (the suspect lane's order).
-    failures: u32,
-    silent_ms: u64,
+    /// Counted against [`SILENT_WORKERS`] (the cell does not heartbeat).
+    silent: bool,
 }
 
 impl FeedBoard {
@@ -230,20 +365,42 @@ impl FeedBoard {
             .collect()
     }
 
-    /// The lane of `cell_id` now, and the poll to make this round, marked in flight: `None`
-    /// when a poll is already in flight, or a suspect cell's backoff is not over.
-    fn schedule(
-        &self,
-        cell_id: &str,
-        internal_url: &str,
-        silent_ms: u64,
-        now_ms: u64,
-    ) -> (Lane, Option<PollJob>) {
+    /// A sign of life from `cell_id` at `now_ms` (this director's monotonic clock): a heartbeat
+    /// or a registration this director served, or one the database reports (through another
+    /// director). It ends the cell's backoff ([`CellFeed::suspect_due`]).
+    pub fn heard_from(&self, cell_id: &str, sign: Sign, now_ms: u64) {
+        let mut cells = self.lock();
+        let feed = cells.entry(cell_id.to_string()).or_default();
+        feed.heard_at_ms = feed.heard_at_ms.max(Some(now_ms));
+        if sign == Sign::Heartbeat {
+            feed.heartbeat_at_ms = feed.heartbeat_at_ms.max(Some(now_ms));
+        }
+    }
+
+    /// Records what the database says of `cell`'s latest heartbeat and registration (their
+    /// ages, on its clock) as signs of life at `now_ms` minus those ages.
+    fn observe(&self, cell: &CellRow, now_ms: u64) {
+        let at = |age_ms: i64| now_ms.saturating_sub(age_ms.max(0) as u64);
+        let mut cells = self.lock();
+        let feed = cells.entry(cell.cell_id.clone()).or_default();
+        let registered = Some(at(cell.registered_age_ms));
+        feed.heard_at_ms = feed.heard_at_ms.max(registered);
+        if let Some(runtime) = &cell.runtime {
+            let beat = Some(at(runtime.heartbeat_age_ms));
+            feed.heartbeat_at_ms = feed.heartbeat_at_ms.max(beat);
+            feed.heard_at_ms = feed.heard_at_ms.max(beat);
+        }
+    }
+
+    /// The lane of `cell_id` now, and whether it is due this round (then marked in flight):
+    /// not when a poll is already queued or in flight, nor while a silent suspect cell's
+    /// backoff runs.
+    fn schedule(&self, cell_id: &str, now_ms: u64, pacing: &Pacing) -> (Lane, bool) {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
         let lane = lane_for(feed.responsive);
-        if feed.in_flight || (lane == Lane::Suspect && now_ms < feed.next_attempt_ms) {
-            return (lane, None);
+        if feed.in_flight || (lane == Lane::Suspect && !feed.suspect_due(now_ms, pacing)) {
+            return (lane, false);
         }
         if lane != feed.lane {
             log::info!(
@@ -254,15 +411,36 @@ impl FeedBoard {
             feed.lane = lane;
         }
         feed.in_flight = true;
-        let job = PollJob {
-            cell_id: cell_id.to_string(),
-            internal_url: internal_url.to_string(),
-            cursor: feed.cursor.clone(),
+        (lane, true)
+    }
+
+    /// The rank of a waiting poll of `cell_id` at `now_ms`, or `None` when the cell has left the
+    /// board (its poll is dropped).
+    fn rank(&self, cell_id: &str, queued_seq: u64, now_ms: u64, pacing: &Pacing) -> Option<Rank> {
+        let cells = self.lock();
+        // A cell that left the board (and perhaps came back) has no poll queued any more.
+        let feed = cells.get(cell_id).filter(|feed| feed.in_flight)?;
+        Some(Rank {
+            life: feed.life(now_ms, pacing),
+            never_answered: feed.answered_at_ms.is_none(),
+            consecutive_failures: feed.consecutive_failures,
+            queued_seq,
+        })
+    }
+
+    /// The poll of `cell_id` a worker takes now: the cursor as of now.
+    fn job(&self, waiting: &Waiting, lane: Lane, silent: bool) -> PollJob {
+        let cursor = self
+            .lock()
+            .get(&waiting.cell_id)
+            .and_then(|feed| feed.cursor.clone());
+        PollJob {
+            cell_id: waiting.cell_id.clone(),
+            internal_url: waiting.internal_url.clone(),
+            cursor,
             lane,
-            failures: feed.consecutive_failures,
-            silent_ms,
-        };
-        (lane, Some(job))
+            silent,
+        }
     }
 
     /// Keeps the status report a cell's heartbeat carried (received at `now_ms`, this
@@ -287,7 +465,15 @@ impl FeedBoard {
         );
     }
 
-    fn succeed(&self, cell_id: &str, cursor: String, view: FeedView, report: Option<StatusReport>) {
+    /// Records an answered poll at `monotonic_ms`.
+    fn succeed(
+        &self,
+        cell_id: &str,
+        cursor: String,
+        view: FeedView,
+        report: Option<StatusReport>,
+        monotonic_ms: u64,
+    ) {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
         if let Some(report) = report {
@@ -306,15 +492,17 @@ impl FeedBoard {
         feed.in_flight = false;
         feed.consecutive_failures = 0;
         feed.responsive = true;
-        feed.next_attempt_ms = 0;
+        feed.answered_at_ms = Some(monotonic_ms);
+        feed.heard_at_ms = feed.heard_at_ms.max(Some(monotonic_ms));
     }
 
     /// Records a failed poll at `now_ms` (monotonic); returns how many in a row. The cursor is
     /// dropped so the next answer is a full snapshot (a restarted cell may not know the old
-    /// one), and the suspect lane waits its backoff before the next try. A timeout makes the
-    /// cell unresponsive (suspect lane); an HTTP answer, even an error, makes it responsive; a
-    /// refused or reset connection (fast) leaves that as it was.
-    fn fail(&self, cell_id: &str, error: PollError, now_ms: u64, period_ms: u64) -> u32 {
+    /// one), and a silent suspect cell waits its backoff before the next try. A timeout makes
+    /// the cell unresponsive (suspect lane); an HTTP answer, even an error, makes it
+    /// responsive and is a sign of life; a refused or reset connection (fast) leaves that as it
+    /// was.
+    fn fail(&self, cell_id: &str, error: PollError, now_ms: u64) -> u32 {
         let mut cells = self.lock();
         let feed = cells.entry(cell_id.to_string()).or_default();
         feed.cursor = None;
@@ -322,13 +510,13 @@ impl FeedBoard {
         match error {
             PollError::TimedOut => feed.responsive = false,
             PollError::HttpStatus | PollError::BadBody | PollError::WrongCell => {
-                feed.responsive = true
+                feed.responsive = true;
+                feed.answered_at_ms = Some(now_ms);
             }
             PollError::Transport => {}
         }
         feed.consecutive_failures = feed.consecutive_failures.saturating_add(1);
-        feed.next_attempt_ms =
-            now_ms.saturating_add(suspect_backoff_ms(feed.consecutive_failures, period_ms));
+        feed.failed_at_ms = Some(now_ms);
         feed.consecutive_failures
     }
 
@@ -350,49 +538,40 @@ fn keep_latest(slot: &mut Option<ReceivedReport>, received: ReceivedReport) {
     }
 }
 
-/// A queue of polls for one lane's workers: the fewest failures first, then first come.
+/// A cell whose poll is due and waits for a worker of its lane.
+#[derive(Debug, Clone)]
+struct Waiting {
+    cell_id: String,
+    internal_url: String,
+    seq: u64,
+}
+
+/// The polls waiting for one lane's workers. Which one a worker takes is decided when it takes
+/// it, by [`FeedBoard::rank`] at that moment ([`JobQueue::take`]).
 struct JobQueue {
+    lane: Lane,
     state: Mutex<QueueState>,
     ready: Condvar,
+    /// How many of this lane's workers may poll cells that do not heartbeat at once.
+    silent_workers: usize,
 }
 
 #[derive(Default)]
 struct QueueState {
-    jobs: BinaryHeap<Queued>,
+    waiting: Vec<Waiting>,
     next_seq: u64,
+    /// Polls in progress of cells that do not heartbeat.
+    silent_polling: usize,
     closed: bool,
 }
 
-/// A queued poll. The queue serves the fewest failures first, then the cell heard from most
-/// recently (alive by another sign: a heartbeat, a registration), then first come.
-struct Queued {
-    key: (u32, u64, u64),
-    job: PollJob,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, other: &Self) -> bool {
-        self.key == other.key
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, other: &Self) -> Option<CmpOrdering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Queued {
-    fn cmp(&self, other: &Self) -> CmpOrdering {
-        // BinaryHeap pops the greatest: the smallest key is the greatest.
-        other.key.cmp(&self.key)
-    }
-}
-
 impl JobQueue {
-    fn new() -> Arc<JobQueue> {
+    fn new(lane: Lane, silent_workers: usize) -> Arc<JobQueue> {
         Arc::new(JobQueue {
+            lane,
             state: Mutex::new(QueueState::default()),
             ready: Condvar::new(),
+            silent_workers,
         })
     }
 
@@ -400,27 +579,83 @@ impl JobQueue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn push(&self, job: PollJob) {
+    fn push(&self, cell_id: &str, internal_url: &str) {
         let mut state = self.lock();
         let seq = state.next_seq;
         state.next_seq += 1;
-        let key = (job.failures, job.silent_ms, seq);
-        state.jobs.push(Queued { key, job });
+        state.waiting.push(Waiting {
+            cell_id: cell_id.to_string(),
+            internal_url: internal_url.to_string(),
+            seq,
+        });
         drop(state);
         self.ready.notify_one();
     }
 
-    /// The next job; `None` once the queue is closed (jobs still queued are dropped).
-    fn pop(&self) -> Option<PollJob> {
+    /// The best waiting poll by the board's figures at this moment; a cell that does not
+    /// heartbeat only while fewer than `silent_workers` such polls are in progress. Waits for
+    /// one (re-ranking at least every `recheck`, as heartbeats change the figures); `None`
+    /// once the queue is closed (polls still waiting are dropped).
+    fn take(
+        &self,
+        board: &FeedBoard,
+        pacing: &Pacing,
+        clock: &SharedClock,
+        recheck: Duration,
+    ) -> Option<PollJob> {
         let mut state = self.lock();
         loop {
             if state.closed {
                 return None;
             }
-            if let Some(queued) = state.jobs.pop() {
-                return Some(queued.job);
+            let now = clock.monotonic_ms();
+            let silent_allowed = state.silent_polling < self.silent_workers;
+            let mut best: Option<(Rank, usize)> = None;
+            let mut gone = Vec::new();
+            for (index, waiting) in state.waiting.iter().enumerate() {
+                let Some(rank) = board.rank(&waiting.cell_id, waiting.seq, now, pacing) else {
+                    gone.push(index);
+                    continue;
+                };
+                let silent = rank.life != Life::Heartbeating;
+                if silent && !silent_allowed {
+                    continue;
+                }
+                if best.is_none_or(|(held, _)| rank < held) {
+                    best = Some((rank, index));
+                }
             }
-            state = self.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+            if let Some((rank, index)) = best {
+                let waiting = state.waiting.swap_remove(index);
+                let silent = rank.life != Life::Heartbeating;
+                if silent {
+                    state.silent_polling += 1;
+                }
+                // Polls of cells that left the board are dropped (indices after `index` moved;
+                // they are found again next time).
+                return Some(board.job(&waiting, self.lane, silent));
+            }
+            for index in gone.into_iter().rev() {
+                state.waiting.swap_remove(index);
+            }
+            state = if state.waiting.is_empty() {
+                self.ready.wait(state).unwrap_or_else(|e| e.into_inner())
+            } else {
+                self.ready
+                    .wait_timeout(state, recheck)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
+            };
+        }
+    }
+
+    /// A poll taken by [`JobQueue::take`] is over.
+    fn finished(&self, job: &PollJob) {
+        if job.silent {
+            let mut state = self.lock();
+            state.silent_polling = state.silent_polling.saturating_sub(1);
+            drop(state);
+            self.ready.notify_all();
         }
     }
 
@@ -529,7 +764,7 @@ struct Poller {
     service_token: ServiceTokens,
     clock: SharedClock,
     registry: Registry,
-    period_ms: u64,
+    pacing: Pacing,
     /// Throttles the failure lines of each cell (`logging::KeyedThrottle`).
     failures: KeyedThrottle,
 }
@@ -539,9 +774,10 @@ impl Poller {
         let url = feed_url(&job.internal_url, job.cursor.as_deref());
         let answer = self
             .service_token
-            .call_http(&job.internal_url, |token| {
+            .call_http(&job.internal_url, POLL_TIMEOUT, |token, left| {
                 self.agent
                     .get(&url)
+                    .timeout(left)
                     .set("Authorization", &format!("Bearer {token}"))
                     .call()
                     .map_err(Box::new)
@@ -574,7 +810,13 @@ impl Poller {
             .inc();
         match result {
             Ok((cursor, view, report)) => {
-                self.board.succeed(&job.cell_id, cursor, view, report);
+                self.board.succeed(
+                    &job.cell_id,
+                    cursor,
+                    view,
+                    report,
+                    self.clock.monotonic_ms(),
+                );
                 if let Some(note) = self.failures.success(&job.cell_id) {
                     log::info!(
                         "orca_relay_director_feed_poll_recovered cell_id={}{note}",
@@ -583,12 +825,9 @@ impl Poller {
                 }
             }
             Err(error) => {
-                let failures = self.board.fail(
-                    &job.cell_id,
-                    error,
-                    self.clock.monotonic_ms(),
-                    self.period_ms,
-                );
+                let failures = self
+                    .board
+                    .fail(&job.cell_id, error, self.clock.monotonic_ms());
                 // The first failure of a run, then at most once a minute with a count, then
                 // once on recovery: a dead cell polled every second is not a line a second.
                 if let Some(note) = self.failures.failure(&job.cell_id, self.clock.now_ms()) {
@@ -641,7 +880,8 @@ fn run_lister(store: &Store, list: &CellList, period: Duration, stop: Receiver<(
                 let reason = error.reason_code();
                 if store_failing != Some(reason) {
                     log::warn!(
-                        "orca_relay_director_feed_poller_cells_unavailable reason={reason} known_cells={}",
+                        "orca_relay_director_feed_poller_cells_unavailable {} known_cells={}",
+                        error.log_fields(),
                         list.latest().len()
                     );
                 }
@@ -667,8 +907,8 @@ pub struct FeedPollerConfig {
     pub service_token: ServiceTokens,
     pub clock: SharedClock,
     pub registry: Registry,
-    /// `ORCA_RELAY_FEED_POLL_MS`.
-    pub period: Duration,
+    /// `ORCA_RELAY_FEED_POLL_MS` and the rest of the suspect lane's pacing.
+    pub pacing: Pacing,
     /// Which cells are retired (not polled).
     pub membership: Judge,
 }
@@ -684,6 +924,7 @@ struct Rounds {
     board: FeedBoard,
     clock: SharedClock,
     period: Duration,
+    pacing: Pacing,
     membership: Judge,
     live: Arc<JobQueue>,
     suspect: Arc<JobQueue>,
@@ -700,11 +941,12 @@ impl FeedPoller {
             service_token: config.service_token,
             clock: config.clock.clone(),
             registry: config.registry.clone(),
-            period_ms: config.period.as_millis() as u64,
+            pacing: config.pacing,
             failures: KeyedThrottle::new(),
         });
-        let live = JobQueue::new();
-        let suspect = JobQueue::new();
+        let period = Duration::from_millis(config.pacing.period_ms.max(1));
+        let live = JobQueue::new(Lane::Live, LIVE_WORKERS);
+        let suspect = JobQueue::new(Lane::Suspect, SILENT_WORKERS);
         let mut workers = Vec::with_capacity(LIVE_WORKERS + SUSPECT_WORKERS);
         for (lane, queue, count) in [
             ("live", &live, LIVE_WORKERS),
@@ -714,8 +956,13 @@ impl FeedPoller {
                 let poller = poller.clone();
                 let queue = queue.clone();
                 workers.push(threads::spawn(format!("feed-{lane}-{n}"), move || {
-                    while let Some(job) = queue.pop() {
+                    // Heartbeats change the order of waiting polls: a worker with nothing it
+                    // may take looks again every period.
+                    while let Some(job) =
+                        queue.take(&poller.board, &poller.pacing, &poller.clock, period)
+                    {
                         poller.poll(&job);
+                        queue.finished(&job);
                     }
                 })?);
             }
@@ -724,7 +971,7 @@ impl FeedPoller {
         let list = CellList::default();
         let (lister_stop, lister_stop_receiver) = mpsc::channel::<()>();
         let lister = {
-            let (store, list, period) = (config.store, list.clone(), config.period);
+            let (store, list) = (config.store, list.clone());
             threads::spawn("feed-lister", move || {
                 run_lister(&store, &list, period, lister_stop_receiver)
             })?
@@ -732,7 +979,8 @@ impl FeedPoller {
         let rounds = Rounds {
             board: poller.board.clone(),
             clock: config.clock,
-            period: config.period,
+            period,
+            pacing: config.pacing,
             membership: config.membership,
             live: live.clone(),
             suspect: suspect.clone(),
@@ -807,10 +1055,8 @@ impl Rounds {
             let Some(internal_url) = &cell.internal_url else {
                 continue;
             };
-            let silent_ms = cell.silent_ms().max(0) as u64;
-            let (lane, job) = self
-                .board
-                .schedule(&cell.cell_id, internal_url, silent_ms, now);
+            self.board.observe(cell, now);
+            let (lane, due) = self.board.schedule(&cell.cell_id, now, &self.pacing);
             let queue = match lane {
                 Lane::Live => {
                     live += 1;
@@ -821,8 +1067,8 @@ impl Rounds {
                     &self.suspect
                 }
             };
-            if let Some(job) = job {
-                queue.push(job);
+            if due {
+                queue.push(&cell.cell_id, internal_url);
             }
         }
         self.cells_gauge("retired").set(retired);
@@ -897,35 +1143,58 @@ mod tests {
         (cursor, view)
     }
 
+    /// Pacing of the tests: 1 s period, heartbeats fresh for 45 s, a 60 s shortest window.
+    fn pacing() -> Pacing {
+        Pacing::new(1_000, 45_000, 60_000)
+    }
+
+    /// Schedules `cell_id` at `now_ms`: its lane and whether it is due.
+    fn schedule(board: &FeedBoard, cell_id: &str, now_ms: u64) -> (Lane, bool) {
+        board.schedule(cell_id, now_ms, &pacing())
+    }
+
+    fn cursor_of(board: &FeedBoard, cell_id: &str) -> Option<String> {
+        board.lock()[cell_id].cursor.clone()
+    }
+
     #[test]
     fn one_poll_in_flight_per_cell_and_a_failure_asks_for_a_full_snapshot() {
         let board = FeedBoard::new();
-        let (lane, job) = board.schedule("c7", "http://c7", 50, 0);
-        assert_eq!(lane, Lane::Suspect, "not heard from yet");
-        let job = job.expect("due");
-        assert_eq!((job.cursor, job.failures, job.silent_ms), (None, 0, 50));
-        assert!(
-            board.schedule("c7", "http://c7", 0, 0).1.is_none(),
-            "already in flight"
+        assert_eq!(
+            schedule(&board, "c7", 0),
+            (Lane::Suspect, true),
+            "not heard from yet"
         );
+        assert_eq!(cursor_of(&board, "c7"), None);
+        assert!(!schedule(&board, "c7", 0).1, "already in flight");
         let (cursor, view) = answer("c7", 10);
-        board.succeed("c7", cursor, view.clone(), None);
+        board.succeed("c7", cursor, view.clone(), None, 0);
         assert_eq!(board.snapshot().get("c7"), Some(&view));
-        let (lane, job) = board.schedule("c7", "http://c7", 0, 0);
-        assert_eq!(lane, Lane::Live, "answered: the live lane");
-        assert_eq!(job.unwrap().cursor, Some("5:2".to_string()));
-        assert_eq!(board.fail("c7", PollError::HttpStatus, 0, 1_000), 1);
-        let (lane, job) = board.schedule("c7", "http://c7", 0, 0);
-        assert_eq!(lane, Lane::Live, "an error status is still an answer");
-        assert_eq!(job.unwrap().cursor, None, "cursor dropped after a failure");
+        assert_eq!(
+            schedule(&board, "c7", 0),
+            (Lane::Live, true),
+            "answered: the live lane"
+        );
+        assert_eq!(cursor_of(&board, "c7"), Some("5:2".to_string()));
+        assert_eq!(board.fail("c7", PollError::HttpStatus, 0), 1);
+        assert_eq!(
+            schedule(&board, "c7", 0),
+            (Lane::Live, true),
+            "an error status is still an answer"
+        );
+        assert_eq!(
+            cursor_of(&board, "c7"),
+            None,
+            "cursor dropped after a failure"
+        );
         assert_eq!(
             board.snapshot().get("c7"),
             Some(&view),
             "the last good view stays; placement judges its age"
         );
-        assert_eq!(board.fail("c7", PollError::TimedOut, 0, 1_000), 2);
+        assert_eq!(board.fail("c7", PollError::TimedOut, 0), 2);
         assert_eq!(
-            board.schedule("c7", "http://c7", 0, 0).0,
+            schedule(&board, "c7", 0).0,
             Lane::Suspect,
             "a timeout moves it off the live lane at once"
         );
@@ -936,73 +1205,239 @@ mod tests {
         assert_eq!(lane_for(true), Lane::Live);
         assert_eq!(lane_for(false), Lane::Suspect);
         let board = FeedBoard::new();
-        board.schedule("c1", "http://c1", 0, 0);
-        board.fail("c1", PollError::Transport, 0, 1_000);
+        schedule(&board, "c1", 0);
+        board.fail("c1", PollError::Transport, 0);
         assert_eq!(
-            board.schedule("c1", "http://c1", 0, 1_000).0,
+            schedule(&board, "c1", 1_000).0,
             Lane::Suspect,
             "refused, never answered: suspect"
         );
         let (cursor, view) = answer("c1", 0);
-        board.succeed("c1", cursor, view, None);
-        board.fail("c1", PollError::Transport, 0, 1_000);
+        board.succeed("c1", cursor, view, None, 1_000);
+        board.fail("c1", PollError::Transport, 1_000);
         assert_eq!(
-            board.schedule("c1", "http://c1", 0, 0).0,
+            schedule(&board, "c1", 1_000).0,
             Lane::Live,
             "a refused connection costs a worker nothing: it stays"
         );
     }
 
     #[test]
-    fn suspect_cells_back_off_doubling_to_thirty_seconds() {
-        assert_eq!(suspect_backoff_ms(0, 1_000), 0);
-        assert_eq!(suspect_backoff_ms(1, 1_000), 1_000);
-        assert_eq!(suspect_backoff_ms(2, 1_000), 2_000);
-        assert_eq!(suspect_backoff_ms(5, 1_000), 16_000);
-        assert_eq!(suspect_backoff_ms(6, 1_000), 30_000);
-        assert_eq!(suspect_backoff_ms(u32::MAX, 1_000), 30_000);
+    fn silent_cells_back_off_doubling_to_a_quarter_of_the_shortest_window() {
+        assert_eq!(suspect_backoff_ms(0, 1_000, 30_000), 0);
+        assert_eq!(suspect_backoff_ms(1, 1_000, 30_000), 1_000);
+        assert_eq!(suspect_backoff_ms(2, 1_000, 30_000), 2_000);
+        assert_eq!(suspect_backoff_ms(5, 1_000, 30_000), 16_000);
+        assert_eq!(suspect_backoff_ms(6, 1_000, 30_000), 30_000);
+        assert_eq!(suspect_backoff_ms(u32::MAX, 1_000, 30_000), 30_000);
+        // The cap: 30 s, and a quarter of the shortest window (the production 60 s: 15 s).
+        assert_eq!(pacing().backoff_max_ms, 15_000);
+        assert_eq!(Pacing::new(1_000, 45_000, 600_000).backoff_max_ms, 30_000);
+        assert_eq!(Pacing::new(1_000, 45_000, 8_000).backoff_max_ms, 2_000);
 
         let board = FeedBoard::new();
-        let (lane, job) = board.schedule("dead", "http://dead", 900_000, 0);
-        assert_eq!((lane, job.is_some()), (Lane::Suspect, true));
-        board.fail("dead", PollError::TimedOut, 0, 1_000);
-        board.fail("dead", PollError::TimedOut, 0, 1_000);
-        assert!(board
-            .schedule("dead", "http://dead", 900_000, 1_999)
-            .1
-            .is_none());
-        assert!(board
-            .schedule("dead", "http://dead", 900_000, 2_000)
-            .1
-            .is_some());
+        schedule(&board, "dead", 0);
+        for _ in 0..9 {
+            board.fail("dead", PollError::TimedOut, 0);
+        }
+        assert!(!schedule(&board, "dead", 14_999).1, "backing off");
+        assert!(schedule(&board, "dead", 15_000).1, "never past 60 s / 4");
+
+        // A cell that reports a shorter window of its own is paced by it.
+        let board = FeedBoard::new();
+        schedule(&board, "short", 0);
+        board.record_report(
+            "short",
+            1,
+            StatusReport {
+                window_ms: 4_000,
+                ..StatusReport::default()
+            },
+            0,
+        );
+        for _ in 0..9 {
+            board.fail("short", PollError::TimedOut, 0);
+        }
+        assert!(!schedule(&board, "short", 999).1);
+        assert!(schedule(&board, "short", 1_000).1, "a quarter of its 4 s");
     }
 
     #[test]
-    fn the_suspect_queue_serves_the_fewest_failures_first() {
-        let queue = JobQueue::new();
-        for (cell, failures, silent_ms) in [
-            ("old-dead", 9, 3_600_000),
-            ("blip", 1, 3_000),
-            ("registered-dead", 0, 900_000),
-            ("new-live", 0, 200),
-            ("dead", 9, 3_600_000),
-        ] {
-            queue.push(PollJob {
-                cell_id: cell.into(),
-                internal_url: String::new(),
-                cursor: None,
-                lane: Lane::Suspect,
-                failures,
-                silent_ms,
-            });
+    fn any_sign_of_life_ends_the_backoff() {
+        let board = FeedBoard::new();
+        let silent_cell = |board: &FeedBoard, cell: &str| {
+            schedule(board, cell, 0);
+            for _ in 0..5 {
+                board.fail(cell, PollError::TimedOut, 10_000);
+            }
+            assert!(!schedule(board, cell, 10_001).1, "{cell}: backing off");
+        };
+        // A heartbeat this director served.
+        silent_cell(&board, "beat");
+        board.heard_from("beat", Sign::Heartbeat, 10_500);
+        assert!(schedule(&board, "beat", 10_600).1, "a heartbeat ends it");
+        // A registration.
+        silent_cell(&board, "registered");
+        board.heard_from("registered", Sign::Registration, 10_500);
+        assert!(schedule(&board, "registered", 10_600).1);
+        // A heartbeat another director recorded, seen in the database's ages.
+        silent_cell(&board, "elsewhere");
+        let mut row = cell_row("elsewhere", 60_000);
+        row.runtime = Some(crate::store::CellRuntime {
+            cell_incarnation: 1,
+            started_at: 0,
+            ready: true,
+            connections: 0,
+            last_heartbeat_at: 0,
+            heartbeat_age_ms: 300,
+        });
+        board.observe(&row, 11_000);
+        assert!(schedule(&board, "elsewhere", 11_000).1);
+        // A registration older than the failures is not news.
+        silent_cell(&board, "old");
+        board.observe(&cell_row("old", 5_000), 11_000);
+        assert!(!schedule(&board, "old", 11_000).1);
+    }
+
+    #[test]
+    fn a_cell_that_heartbeats_is_due_every_round_whatever_its_polls_did() {
+        let board = FeedBoard::new();
+        schedule(&board, "partitioned", 0);
+        let (cursor, view) = answer("partitioned", 0);
+        board.succeed("partitioned", cursor, view, None, 0);
+        let mut now: u64 = 1_000;
+        for _ in 0..40 {
+            board.heard_from("partitioned", Sign::Heartbeat, now.saturating_sub(500));
+            assert!(schedule(&board, "partitioned", now).1, "due at {now}");
+            now += 2_000;
+            board.fail("partitioned", PollError::TimedOut, now);
+            now += 1_000;
         }
-        let order: Vec<String> = (0..5).map(|_| queue.pop().unwrap().cell_id).collect();
-        assert_eq!(
-            order,
-            vec!["new-live", "registered-dead", "blip", "old-dead", "dead"]
-        );
+        // Its heartbeats stop: past HEARTBEAT_FRESH_MS it backs off like any silent cell.
+        now += 45_000;
+        assert!(schedule(&board, "partitioned", now).1);
+        board.fail("partitioned", PollError::TimedOut, now);
+        assert!(!schedule(&board, "partitioned", now + 1).1);
+    }
+
+    fn cell_row(cell_id: &str, registered_age_ms: i64) -> CellRow {
+        CellRow {
+            cell_id: cell_id.into(),
+            cell_url: String::new(),
+            internal_url: Some(format!("http://{cell_id}")),
+            region: String::new(),
+            incarnation: 1,
+            registered_at: 0,
+            registered_age_ms,
+            runtime: None,
+            admit_mode: "reserve".into(),
+            admit_mode_updated_at: None,
+            effective: None,
+        }
+    }
+
+    fn taken(queue: &JobQueue, board: &FeedBoard, clock: &SharedClock) -> PollJob {
+        queue
+            .take(board, &pacing(), clock, Duration::from_millis(1))
+            .expect("a poll")
+    }
+
+    /// Issue 20: a live cell registered a moment before 150 silent ones waited behind all of
+    /// them, because a queued poll kept the rank it had when it was queued. The rank is taken
+    /// when a worker takes a poll: the live cell's heartbeat, which came after all of them were
+    /// queued, puts it first.
+    #[test]
+    fn the_order_of_waiting_polls_is_decided_when_a_worker_takes_one() {
+        let manual = crate::clock::ManualClock::starting_at(100_000);
+        let clock: SharedClock = manual.clone();
+        let board = FeedBoard::new();
+        let queue = JobQueue::new(Lane::Suspect, SILENT_WORKERS);
+        board.observe(&cell_row("live", 900), 100_000);
+        assert!(schedule(&board, "live", 100_000).1);
+        queue.push("live", "http://live");
+        for n in 0..150 {
+            let cell = format!("silent-{n:03}");
+            board.observe(&cell_row(&cell, 0), 100_000);
+            assert!(schedule(&board, &cell, 100_000).1);
+            queue.push(&cell, "http://silent");
+        }
+        board.heard_from("live", Sign::Heartbeat, 100_050);
+        manual.advance(100);
+        assert_eq!(taken(&queue, &board, &clock).cell_id, "live");
+
+        // A cell that answered before goes ahead of one that never did, then fewer failures.
+        let board = FeedBoard::new();
+        let queue = JobQueue::new(Lane::Suspect, SUSPECT_WORKERS);
+        for (cell, answered, failures) in
+            [("never", false, 0), ("blip", true, 2), ("flaky", true, 1)]
+        {
+            schedule(&board, cell, 0);
+            if answered {
+                let (cursor, view) = answer(cell, 0);
+                board.succeed(cell, cursor, view, None, 0);
+            }
+            for _ in 0..failures {
+                schedule(&board, cell, 0);
+                board.fail(cell, PollError::TimedOut, 0);
+            }
+            board.heard_from(cell, Sign::Registration, 1);
+            assert!(schedule(&board, cell, 2).1 || board.lock()[cell].in_flight);
+            queue.push(cell, "http://x");
+        }
+        let order: Vec<String> = (0..3)
+            .map(|_| taken(&queue, &board, &clock).cell_id)
+            .collect();
+        assert_eq!(order, vec!["flaky", "blip", "never"]);
         queue.close();
-        assert!(queue.pop().is_none());
+        assert!(queue
+            .take(&board, &pacing(), &clock, Duration::from_millis(1))
+            .is_none());
+    }
+
+    #[test]
+    fn one_suspect_worker_is_always_left_for_a_cell_that_heartbeats() {
+        let clock: SharedClock = crate::clock::ManualClock::starting_at(0);
+        let board = FeedBoard::new();
+        let queue = JobQueue::new(Lane::Suspect, 1);
+        for cell in ["dead-1", "dead-2"] {
+            schedule(&board, cell, 0);
+            board.fail(cell, PollError::TimedOut, 0);
+            board.heard_from(cell, Sign::Registration, 1);
+            assert!(schedule(&board, cell, 5).1);
+            queue.push(cell, "http://dead");
+        }
+        let first = taken(&queue, &board, &clock);
+        assert!(first.silent);
+        // The one silent worker is busy: a heartbeating cell queued later is taken, the other
+        // dead entry waits.
+        schedule(&board, "beating", 5);
+        board.heard_from("beating", Sign::Heartbeat, 5);
+        queue.push("beating", "http://beating");
+        let second = taken(&queue, &board, &clock);
+        assert_eq!((second.cell_id.as_str(), second.silent), ("beating", false));
+        assert_eq!(queue.lock().waiting.len(), 1);
+        queue.finished(&first);
+        assert_eq!(taken(&queue, &board, &clock).cell_id, "dead-2");
+    }
+
+    #[test]
+    fn a_poll_of_a_cell_that_left_the_board_is_dropped() {
+        let clock: SharedClock = crate::clock::ManualClock::starting_at(0);
+        let board = FeedBoard::new();
+        let queue = JobQueue::new(Lane::Suspect, SUSPECT_WORKERS);
+        for cell in ["gone", "here"] {
+            schedule(&board, cell, 0);
+            queue.push(cell, "http://x");
+        }
+        board.retain(&HashSet::from(["here"]));
+        assert_eq!(taken(&queue, &board, &clock).cell_id, "here");
+        // "gone" registers again: its old queued poll is not a second one in flight.
+        board.heard_from("gone", Sign::Registration, 1);
+        queue.close();
+        assert!(queue
+            .take(&board, &pacing(), &clock, Duration::from_millis(1))
+            .is_none());
+        assert!(!board.lock()["gone"].in_flight);
     }
 
     #[test]
@@ -1021,7 +1456,7 @@ mod tests {
         let (cursor, view, parsed) = parse_answer("c7", &body("armed"), 1_000).unwrap();
         assert_eq!(parsed.as_ref().map(|r| r.window_ms), Some(9));
         let board = FeedBoard::new();
-        board.succeed("c7", cursor, view, parsed);
+        board.succeed("c7", cursor, view, parsed, 0);
         let status = |board: &FeedBoard| board.status()["c7"].report.clone().unwrap();
         assert_eq!(status(&board).source, ReportSource::Feed);
         assert_eq!(status(&board).incarnation, 5);
@@ -1047,8 +1482,8 @@ mod tests {
     #[test]
     fn cells_no_longer_registered_leave_the_board() {
         let board = FeedBoard::new();
-        board.schedule("a", "http://a", 0, 0);
-        board.schedule("b", "http://b", 0, 0);
+        schedule(&board, "a", 0);
+        schedule(&board, "b", 0);
         board.retain(&HashSet::from(["b"]));
         assert_eq!(board.status().keys().collect::<Vec<_>>(), vec!["b"]);
     }

@@ -9,8 +9,9 @@
 //!   director has itself been up `RETIRE_MS`: cells heartbeat through the director, so after a
 //!   director outage every heartbeat is old, and a restart must not retire the whole fleet.
 //! - **Forgotten**: silent for longer than `ORCA_RELAY_CELL_FORGET_MS`: every row of the cell
-//!   is deleted by the `fleet-sweeper` thread ([`run_sweeper`]), with the same uptime rule. A
-//!   forgotten cell that comes back registers again with its next heartbeat.
+//!   but the operator's admit-mode record is deleted by the `fleet-sweeper` thread
+//!   ([`run_sweeper`]), with the same uptime rule. A forgotten cell that comes back registers
+//!   again with its next heartbeat, in the mode its operator recorded (SPEC §12).
 //!
 //! The judgements are pure functions of a [`CellRow`] (whose ages the database computed) and
 //! this director's uptime; only [`run_sweeper`] does I/O. Must never: judge a cell by this
@@ -167,7 +168,7 @@ pub fn run_sweeper(store: Store, rules: Rules, clock: SharedClock, stop: Receive
             Err(error) => {
                 let reason = error.reason_code();
                 if failing != Some(reason) {
-                    log::warn!("orca_relay_director_sweep_failed reason={reason}");
+                    log::warn!("orca_relay_director_sweep_failed {}", error.log_fields());
                 }
                 failing = Some(reason);
             }

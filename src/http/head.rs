@@ -68,19 +68,48 @@ impl Head {
         })
     }
 
-    /// The path of the target without the query: `/a/b` for `/a/b?x=1` and for
-    /// `http://host/a/b?x=1`.
-    pub fn path_and_query(&self) -> (&str, &str) {
-        let target = self.target.as_str();
-        let origin = match target.find("://") {
-            Some(scheme_end) => match target[scheme_end + 3..].find('/') {
-                Some(slash) => &target[scheme_end + 3 + slash..],
-                None => "/",
-            },
-            None => target,
-        };
-        origin.split_once('?').unwrap_or((origin, ""))
+    /// The path and query of the request target ([`split_target`]); `None` when the target is
+    /// neither origin form nor absolute form (400).
+    pub fn path_and_query(&self) -> Option<(&str, &str)> {
+        split_target(&self.target)
     }
+
+    /// RFC 9112 §3.2: an HTTP/1.1 request carries exactly one `Host` header (an HTTP/1.0 one
+    /// may carry none, never two). `Err` is the answer's reason: `missing_host`,
+    /// `repeated_host`.
+    pub fn host_rule(&self) -> Result<(), &'static str> {
+        match (self.header_values("host").count(), self.minor_version) {
+            (0, 0) | (1, _) => Ok(()),
+            (0, _) => Err("missing_host"),
+            _ => Err("repeated_host"),
+        }
+    }
+}
+
+/// The path and query of a request target (RFC 9112 §3.2). A target that starts with `/` is in
+/// origin form: the path is everything up to the first `?`, whatever follows (a `://` in the
+/// query is only a query). Any other target must be in absolute form, parsed as RFC 3986 says:
+/// a scheme (a letter, then letters, digits, `+`, `-`, `.`), `://`, a non-empty authority up to
+/// the first `/` or `?`, then the path (`/` when empty) up to the first `?`. Anything else
+/// (authority form, asterisk form, a relative path) is `None`.
+pub fn split_target(target: &str) -> Option<(&str, &str)> {
+    if target.starts_with('/') {
+        return Some(target.split_once('?').unwrap_or((target, "")));
+    }
+    let (scheme, rest) = target.split_once("://")?;
+    let mut scheme_chars = scheme.chars();
+    let scheme_ok = scheme_chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && scheme_chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if !scheme_ok {
+        return None;
+    }
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    if authority_end == 0 {
+        return None;
+    }
+    let after = &rest[authority_end..];
+    let (path, query) = after.split_once('?').unwrap_or((after, ""));
+    Some((if path.is_empty() { "/" } else { path }, query))
 }
 
 /// Why no head came.
@@ -92,8 +121,20 @@ pub enum HeadError {
     Closed,
     /// Not an HTTP/1.x request head.
     Malformed,
-    /// Larger than [`MAX_HEAD_BYTES`] or more than [`MAX_HEADERS`] headers.
+    /// Larger than [`MAX_HEAD_BYTES`] or more than [`MAX_HEADERS`] headers (431).
     TooLarge,
+    /// The request line alone is longer than [`MAX_HEAD_BYTES`] (414, RFC 9112 §3).
+    LineTooLong,
+}
+
+/// Why `received`, [`MAX_HEAD_BYTES`] or more without a complete head, is refused: the request
+/// line alone is too long (no line end yet) or the header block is.
+pub fn oversized(received: &[u8]) -> HeadError {
+    if received.contains(&b'\n') {
+        HeadError::TooLarge
+    } else {
+        HeadError::LineTooLong
+    }
 }
 
 /// How one read under a deadline ended without data.
@@ -215,7 +256,7 @@ impl HeadReader {
                 return Ok(head);
             }
             if self.end - self.start >= MAX_HEAD_BYTES {
-                return Err(HeadError::TooLarge);
+                return Err(oversized(self.buffered()));
             }
             let partial = self.start < self.end;
             self.fill(stream, deadline).map_err(|e| match e {
@@ -368,7 +409,7 @@ mod tests {
         let mut reader = HeadReader::new();
         let head = reader.read_head(&server, soon()).unwrap();
         assert_eq!(head.method, "POST");
-        assert_eq!(head.path_and_query(), ("/a/b", "x=1"));
+        assert_eq!(head.path_and_query(), Some(("/a/b", "x=1")));
         assert_eq!(head.minor_version, 1);
         assert_eq!(head.header("content-length"), Some("3"));
         assert!(head.has_token("connection", "upgrade"));
@@ -410,15 +451,63 @@ mod tests {
             minor_version: 1,
             headers: Vec::new(),
         };
-        assert_eq!(head("http://h:1/x?y").path_and_query(), ("/x", "y"));
-        assert_eq!(head("http://h:1").path_and_query(), ("/", ""));
-        assert_eq!(head("/only").path_and_query(), ("/only", ""));
+        assert_eq!(head("http://h:1/x?y").path_and_query(), Some(("/x", "y")));
+        assert_eq!(head("http://h:1").path_and_query(), Some(("/", "")));
+        assert_eq!(head("https://h?q").path_and_query(), Some(("/", "q")));
+        assert_eq!(head("/only").path_and_query(), Some(("/only", "")));
+    }
+
+    #[test]
+    fn an_origin_form_target_is_never_read_as_absolute_form() {
+        // (target, path and query) — origin form is everything that starts with `/`.
+        let cases: [(&str, Option<(&str, &str)>); 10] = [
+            (
+                "/v1/assign?u=://x/metrics",
+                Some(("/v1/assign", "u=://x/metrics")),
+            ),
+            ("/a://b/metrics", Some(("/a://b/metrics", ""))),
+            ("//x/metrics", Some(("//x/metrics", ""))),
+            (
+                "/health?x=http://x/metrics",
+                Some(("/health", "x=http://x/metrics")),
+            ),
+            ("http://relay/metrics?x=1", Some(("/metrics", "x=1"))),
+            ("health", None),
+            ("x://", None),
+            ("://x/metrics", None),
+            ("1http://x/metrics", None),
+            ("*", None),
+        ];
+        for (target, expected) in cases {
+            assert_eq!(split_target(target), expected, "{target}");
+        }
+    }
+
+    #[test]
+    fn host_is_required_once_on_http_1_1() {
+        let head = |minor_version: u8, hosts: usize| Head {
+            method: "GET".into(),
+            target: "/".into(),
+            minor_version,
+            headers: (0..hosts)
+                .map(|n| ("Host".to_string(), format!("h{n}").into_bytes()))
+                .collect(),
+        };
+        assert_eq!(head(1, 1).host_rule(), Ok(()));
+        assert_eq!(head(1, 0).host_rule(), Err("missing_host"));
+        assert_eq!(head(1, 2).host_rule(), Err("repeated_host"));
+        assert_eq!(head(0, 0).host_rule(), Ok(()));
+        assert_eq!(head(0, 1).host_rule(), Ok(()));
+        assert_eq!(head(0, 2).host_rule(), Err("repeated_host"));
     }
 
     #[test]
     fn oversized_malformed_and_closed_heads_are_told_apart() {
-        let cases: [(&[u8], HeadError); 4] = [
-            (&[b'a'; MAX_HEAD_BYTES + 10], HeadError::TooLarge),
+        let mut long_header = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        long_header.extend_from_slice(&[b'a'; MAX_HEAD_BYTES]);
+        let cases: [(&[u8], HeadError); 5] = [
+            (&[b'a'; MAX_HEAD_BYTES + 10], HeadError::LineTooLong),
+            (&long_header, HeadError::TooLarge),
             (b"NOT A REQUEST\r\n\r\n", HeadError::Malformed),
             (b"GET / HTTP/1.1\r\nHost: h\r\n", HeadError::Closed),
             (b"", HeadError::Closed),

@@ -141,11 +141,9 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Compares a bearer token with the expected secret in constant time.
+/// Compares a bearer token (scheme in any case) with the expected secret in constant time.
 pub fn bearer_matches(authorization: Option<&str>, expected: &str) -> bool {
-    let presented = authorization
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let presented = crate::service_token::bearer_credentials(authorization).unwrap_or("");
     constant_time_eq(presented.as_bytes(), expected.as_bytes())
 }
 
@@ -156,6 +154,7 @@ mod tests {
     #[test]
     fn bearer_compare() {
         assert!(bearer_matches(Some("Bearer s3cret"), "s3cret"));
+        assert!(bearer_matches(Some("bearer s3cret"), "s3cret"));
         assert!(!bearer_matches(Some("Bearer s3cre"), "s3cret"));
         assert!(!bearer_matches(Some("s3cret"), "s3cret"));
         assert!(!bearer_matches(None, "s3cret"));

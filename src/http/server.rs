@@ -20,16 +20,23 @@
 //!   that cannot be spawned is a counted refusal too.
 //! - **Head.** The whole head within [`HEAD_DEADLINE`] (10 s, SPEC §5.4) from the connection's
 //!   acceptance or, on a kept-alive connection, from the first byte of that request; not per
-//!   read. A partial head at the deadline gets 408, an oversized one 431, a malformed one 400.
+//!   read. A partial head at the deadline gets 408, a request line over [`head::MAX_HEAD_BYTES`]
+//!   414, an oversized head 431, a malformed one 400. RFC 9112 §3.2: an HTTP/1.1 request
+//!   without exactly one `Host` is 400; a target that starts with `/` is origin form (the path
+//!   runs to the first `?`, whatever the query holds), any other is parsed as absolute form
+//!   (scheme, authority, path) or refused with 400 (`head::split_target`).
 //! - **Body.** `Content-Length` only, read by the handler through [`Request::body`] under its
-//!   limit (a longer declared body is 413 without reading it) within [`BODY_DEADLINE`].
-//!   `Transfer-Encoding` is refused with 411 and the connection closed: every caller of this
-//!   API (directors, cells, `client host`) sends a length, and a chunked decoder is more input
-//!   surface for nothing. `Expect: 100-continue` is honoured when the handler reads the body.
-//! - **Keep-alive.** HTTP/1.1 keeps the connection unless `Connection: close`; HTTP/1.0 only
-//!   with `Connection: keep-alive`. Between requests the connection waits (and can be shed) up
-//!   to `ORCA_RELAY_HTTP_IDLE_MS`, then closes quietly. Pipelined requests are answered in
-//!   order. `HEAD` is answered as `GET` without the body.
+//!   limit (a longer declared body is 413 without reading it) within [`BODY_DEADLINE`]. While
+//!   body bytes are awaited the connection *waits* in the table, so a client that withholds its
+//!   body can be shed like a stalled head. `Transfer-Encoding` is refused with 411 and the
+//!   connection closed: every caller of this API (directors, cells, `client host`) sends a
+//!   length, and a chunked decoder is more input surface for nothing. `Expect: 100-continue` is
+//!   honoured on HTTP/1.1 when the handler reads the body, and ignored on HTTP/1.0.
+//! - **Unread body.** The answer is written first (RFC 9112 §9.3 lets a server answer before the
+//!   body; waiting for it would let a client that withholds it hold the answer and the entry);
+//!   then at most [`DISCARD_MAX`] unread bytes are read and dropped within [`DISCARD_DEADLINE`]
+//!   (1 s), waiting and sheddable, to keep the connection; a larger body, one still owed a
+//!   `100 Continue`, or one that does not arrive in time closes it.
 //! - **Answer.** Every request that arrives on a live connection is answered (a panicking
 //!   handler is a 500) or its connection closed; a write has [`WRITE_DEADLINE`].
 //!
@@ -60,9 +67,13 @@ pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 /// After an answer that closes the connection, what the client still sends is read and dropped
 /// for at most this long, so the close does not become a reset that hides the answer.
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
-/// An unread body up to this size is read and dropped to keep the connection; a larger one
-/// closes it.
+/// An unread body up to this size is read and dropped, after the answer, to keep the
+/// connection; a larger one closes it.
 const DISCARD_MAX: usize = 64 * 1024;
+/// How long the rest of an unread body has to arrive after the answer before the connection is
+/// closed instead: short, because the client already has its answer and the connection is only
+/// worth keeping if the body is on its way.
+const DISCARD_DEADLINE: Duration = Duration::from_secs(1);
 /// Connection threads run the handlers (JWT checks, SQL, booking calls over HTTPS). Only the
 /// pages a thread touches are resident.
 const CONNECTION_STACK_BYTES: usize = 512 * 1024;
@@ -127,6 +138,7 @@ struct HttpMetrics {
     close_malformed: Counter,
     close_body_framing: Counter,
     close_body: Counter,
+    close_body_withheld: Counter,
 }
 
 impl HttpMetrics {
@@ -184,6 +196,7 @@ impl HttpMetrics {
             close_malformed: closed("malformed"),
             close_body_framing: closed("body_framing"),
             close_body: closed("body_unreadable"),
+            close_body_withheld: closed("body_withheld"),
         }
     }
 }
@@ -506,7 +519,7 @@ fn serve_connection(shared: &Shared, stream: &TcpStream, ticket: &Ticket, accept
             // Shed while its head arrived: the socket is already shut down.
             return;
         }
-        match serve_request(shared, stream, &mut reader, head) {
+        match serve_request(shared, stream, ticket, &mut reader, head) {
             Outcome::KeepAlive => {}
             Outcome::Close => return linger_close(stream),
             Outcome::Gone => return,
@@ -554,6 +567,10 @@ fn close_without_request(shared: &Shared, stream: &TcpStream, error: HeadError) 
             m.close_head_too_large.inc();
             Reply::error(431, "request_head_too_large")
         }
+        HeadError::LineTooLong => {
+            m.close_head_too_large.inc();
+            Reply::error(414, "request_line_too_long")
+        }
         HeadError::Malformed => {
             m.close_malformed.inc();
             Reply::error(400, "malformed_request")
@@ -597,11 +614,14 @@ fn body_length(head: &Head) -> Result<usize, Reply> {
 struct ConnectionBody<'s> {
     reader: &'s mut HeadReader,
     stream: &'s TcpStream,
+    /// The connection's entry: it *waits* (sheddable, like a stalled head) while body bytes are
+    /// awaited, and is held again once they are in.
+    ticket: &'s Ticket,
     remaining: usize,
     deadline: Instant,
-    /// `Expect: 100-continue` was sent and no interim answer yet.
+    /// `Expect: 100-continue` was sent (on HTTP/1.1) and no interim answer yet.
     continue_owed: bool,
-    /// A read failed part-way: the connection cannot be reused.
+    /// A read failed part-way (or the connection was shed while waiting): it cannot be reused.
     broken: bool,
     /// Refused as too large: it is never read, so the connection closes after the answer.
     refused: bool,
@@ -626,25 +646,41 @@ impl BodySource for ConnectionBody<'_> {
             }
         }
         let mut body = Vec::with_capacity(self.remaining);
-        match self
-            .reader
-            .read_body(self.stream, self.remaining, self.deadline, &mut body)
-        {
-            Ok(()) => {
-                self.remaining = 0;
-                Ok(body)
-            }
-            Err(_) => {
-                self.broken = true;
-                Err(BodyError::Unreadable)
-            }
+        // A client that withholds its body must not hold an entry the table cannot shed: while
+        // the bytes are awaited the connection waits like a stalled head.
+        let waiting = self.remaining > self.reader.buffered().len();
+        if waiting && !self.ticket.wait() {
+            self.broken = true;
+            return Err(BodyError::Unreadable);
         }
+        let read = self
+            .reader
+            .read_body(self.stream, self.remaining, self.deadline, &mut body);
+        if read.is_err() || (waiting && !self.ticket.hold()) {
+            self.broken = true;
+            return Err(BodyError::Unreadable);
+        }
+        self.remaining = 0;
+        Ok(body)
+    }
+}
+
+/// Answers a request the server refuses before any handler sees it, and closes.
+fn refuse_request(stream: &TcpStream, reply: Reply) -> Outcome {
+    match head::write_all_by(
+        stream,
+        &render(&reply, false, Connection::Close),
+        clock::instant() + WRITE_DEADLINE,
+    ) {
+        Ok(()) => Outcome::Close,
+        Err(_) => Outcome::Gone,
     }
 }
 
 fn serve_request(
     shared: &Shared,
     stream: &TcpStream,
+    ticket: &Ticket,
     reader: &mut HeadReader,
     head: Head,
 ) -> Outcome {
@@ -654,18 +690,20 @@ fn serve_request(
         head.has_token("connection", "keep-alive")
     };
     let http10_keep_alive = head.minor_version == 0 && keep_alive;
+    // RFC 9112 §3.2: exactly one Host on HTTP/1.1; a target in origin or absolute form.
+    if let Err(reason) = head.host_rule() {
+        shared.metrics.close_malformed.inc();
+        return refuse_request(stream, Reply::error(400, reason));
+    }
+    let Some((path, query)) = head.path_and_query() else {
+        shared.metrics.close_malformed.inc();
+        return refuse_request(stream, Reply::error(400, "bad_request_target"));
+    };
     let length = match body_length(&head) {
         Ok(length) => length,
         Err(reply) => {
             shared.metrics.close_body_framing.inc();
-            return match head::write_all_by(
-                stream,
-                &render(&reply, false, Connection::Close),
-                clock::instant() + WRITE_DEADLINE,
-            ) {
-                Ok(()) => Outcome::Close,
-                Err(_) => Outcome::Gone,
-            };
+            return refuse_request(stream, reply);
         }
     };
     let head_only = head.method == "HEAD";
@@ -674,14 +712,17 @@ fn serve_request(
     } else {
         head.method.as_str()
     };
-    let (path, query) = head.path_and_query();
     let authorization = head.header("authorization");
     let mut body = ConnectionBody {
         reader,
         stream,
+        ticket,
         remaining: length,
         deadline: clock::instant() + BODY_DEADLINE,
+        // `Expect` is an HTTP/1.1 field: an HTTP/1.0 client gets no interim answer (RFC 9110
+        // §10.1.1).
         continue_owed: length > 0
+            && head.minor_version >= 1
             && head
                 .header("expect")
                 .is_some_and(|v| v.eq_ignore_ascii_case("100-continue")),
@@ -697,23 +738,15 @@ fn serve_request(
             Reply::error(500, "internal_error")
         })
     };
-    // A body the handler did not read: dropped if it is small and on its way, else the
-    // connection closes after the answer.
+    // A body the handler did not read is dropped after the answer (never before it: a client
+    // that withholds it would otherwise hold the answer and the entry), and only if it is small
+    // and the client is not waiting for a 100 first; else the connection closes.
+    let unread = body.remaining;
     if body.broken {
         shared.metrics.close_body.inc();
         keep_alive = false;
-    } else if body.refused {
+    } else if body.refused || (unread > 0 && (body.continue_owed || unread > DISCARD_MAX)) {
         keep_alive = false;
-    } else if body.remaining > 0 {
-        let discarded = !body.continue_owed
-            && body.remaining <= DISCARD_MAX
-            && body
-                .reader
-                .discard_body(stream, body.remaining, body.deadline)
-                .is_ok();
-        if !discarded {
-            keep_alive = false;
-        }
     }
     if shared.stopping.load(Ordering::Acquire) {
         keep_alive = false;
@@ -723,15 +756,32 @@ fn serve_request(
         (true, true) => Connection::KeepAlive,
         (true, false) => Connection::Default,
     };
-    match head::write_all_by(
+    if head::write_all_by(
         stream,
         &render(&reply, head_only, connection),
         clock::instant() + WRITE_DEADLINE,
-    ) {
-        Err(_) => Outcome::Gone,
-        Ok(()) if keep_alive => Outcome::KeepAlive,
-        Ok(()) => Outcome::Close,
+    )
+    .is_err()
+    {
+        return Outcome::Gone;
     }
+    if !keep_alive {
+        return Outcome::Close;
+    }
+    if unread > 0 {
+        // The rest of the body gets a short while, waiting (sheddable) like an idle connection.
+        if !ticket.wait() {
+            return Outcome::Gone;
+        }
+        let discarded =
+            body.reader
+                .discard_body(stream, unread, clock::instant() + DISCARD_DEADLINE);
+        if discarded.is_err() {
+            shared.metrics.close_body_withheld.inc();
+            return Outcome::Close;
+        }
+    }
+    Outcome::KeepAlive
 }
 
 /// Closes after an answer: our side first (FIN after the answer), then reads and drops what the
@@ -772,6 +822,7 @@ fn reason_phrase(status: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
+        414 => "URI Too Long",
         409 => "Conflict",
         411 => "Length Required",
         413 => "Content Too Large",
@@ -831,11 +882,13 @@ mod tests {
     use std::net::SocketAddr;
 
     /// A server on 127.0.0.1:0 with a handler that echoes what it saw, reads bodies under
-    /// 16 bytes on `/small`, panics on `/panic`, and ignores the body elsewhere.
+    /// 16 bytes on `/small`, panics on `/panic`, holds `/gate` until the fixture's gate opens,
+    /// and ignores the body elsewhere.
     struct Fixture {
         addr: SocketAddr,
         server: Option<HttpServer>,
         registry: Registry,
+        gate: Arc<(Mutex<bool>, Condvar)>,
     }
 
     impl Fixture {
@@ -843,8 +896,18 @@ mod tests {
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = listener.local_addr().unwrap();
             let registry = Registry::new();
-            let handler: Handler = Arc::new(|request: &mut Request<'_>| match request.path {
+            let gate: Arc<(Mutex<bool>, Condvar)> = Arc::default();
+            let handler_gate = gate.clone();
+            let handler: Handler = Arc::new(move |request: &mut Request<'_>| match request.path {
                 "/panic" => panic!("handler panic on purpose"),
+                "/gate" => {
+                    let (open, changed) = &*handler_gate;
+                    let mut open = open.lock().unwrap();
+                    while !*open {
+                        open = changed.wait(open).unwrap();
+                    }
+                    Reply::text(200, "through")
+                }
                 "/small" => match request.body(16) {
                     Ok(body) => Reply::text(200, String::from_utf8_lossy(&body).into_owned()),
                     Err(BodyError::TooLarge) => Reply::error(413, "body_too_large"),
@@ -867,7 +930,34 @@ mod tests {
                 addr,
                 server: Some(server),
                 registry,
+                gate,
             }
+        }
+
+        fn open_gate(&self) {
+            *self.gate.0.lock().unwrap() = true;
+            self.gate.1.notify_all();
+        }
+
+        /// Waits until the table holds `waiting` waiting entries.
+        fn wait_for_waiting(&self, waiting: usize) -> bool {
+            let table = &self.server.as_ref().unwrap().shared.table;
+            let until = crate::clock::instant() + Duration::from_secs(5);
+            while table.waiting() != waiting && crate::clock::instant() < until {
+                crate::clock::sleep(Duration::from_millis(5));
+            }
+            table.waiting() == waiting
+        }
+
+        /// Waits until the table holds `len` connections: a client sees its answer's close a
+        /// moment before the server's thread gives the connection's entry back.
+        fn wait_for_len(&self, len: usize) -> bool {
+            let table = &self.server.as_ref().unwrap().shared.table;
+            let until = crate::clock::instant() + Duration::from_secs(5);
+            while table.len() != len && crate::clock::instant() < until {
+                crate::clock::sleep(Duration::from_millis(5));
+            }
+            table.len() == len
         }
 
         fn connect(&self) -> TcpStream {
@@ -889,6 +979,7 @@ mod tests {
 
     impl Drop for Fixture {
         fn drop(&mut self) {
+            self.open_gate();
             if let Some(server) = self.server.take() {
                 server.stop();
             }
@@ -954,23 +1045,23 @@ mod tests {
         // Read by the handler; an unread small body is dropped and the connection kept.
         let text = exchange(
             &fixture,
-            b"POST /small HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello\
-              POST /other HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc\
-              GET /last HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"POST /small HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello\
+              POST /other HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\nabc\
+              GET /last HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
         );
         assert_eq!(text.matches("HTTP/1.1 200").count(), 3, "{text}");
         assert!(text.contains("\r\n\r\nhello"));
         // Over the handler's limit: 413 without reading, then the connection closes.
         let text = exchange(
             &fixture,
-            b"POST /small HTTP/1.1\r\nContent-Length: 17\r\n\r\n01234567890123456",
+            b"POST /small HTTP/1.1\r\nHost: h\r\nContent-Length: 17\r\n\r\n01234567890123456",
         );
         assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
         assert!(text.contains("Connection: close"));
         // Transfer-Encoding is refused with 411 and the connection closed.
         let text = exchange(
             &fixture,
-            b"POST /small HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            b"POST /small HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
         );
         assert!(text.starts_with("HTTP/1.1 411 "), "{text}");
         assert_eq!(text.matches("HTTP/1.1").count(), 1);
@@ -981,14 +1072,14 @@ mod tests {
         ] {
             let text = exchange(
                 &fixture,
-                format!("POST /small HTTP/1.1\r\n{bad}\r\nab").as_bytes(),
+                format!("POST /small HTTP/1.1\r\nHost: h\r\n{bad}\r\nab").as_bytes(),
             );
             assert!(text.starts_with("HTTP/1.1 400 "), "{bad}: {text}");
         }
         // Malformed and oversized heads.
         let text = exchange(&fixture, b"BLAH\r\n\r\n");
         assert!(text.starts_with("HTTP/1.1 400 "), "{text}");
-        let mut huge = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        let mut huge = b"GET / HTTP/1.1\r\nHost: h\r\nX: ".to_vec();
         huge.extend(std::iter::repeat_n(b'a', head::MAX_HEAD_BYTES));
         let text = exchange(&fixture, &huge);
         assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
@@ -1003,7 +1094,7 @@ mod tests {
         let fixture = Fixture::start(HttpSettings::default());
         let mut stream = fixture.connect();
         stream
-            .write_all(b"POST /small HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            .write_all(b"POST /small HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
             .unwrap();
         let mut interim = [0u8; 25];
         stream.read_exact(&mut interim).unwrap();
@@ -1019,7 +1110,7 @@ mod tests {
         let fixture = Fixture::start(HttpSettings::default());
         let text = exchange(
             &fixture,
-            b"GET /panic HTTP/1.1\r\n\r\nGET /fine HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"GET /panic HTTP/1.1\r\nHost: h\r\n\r\nGET /fine HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
         );
         assert!(text.starts_with("HTTP/1.1 500 "), "{text}");
         assert!(text.contains("GET /fine"), "{text}");
@@ -1036,39 +1127,148 @@ mod tests {
         let mut stalled: Vec<TcpStream> = (0..2)
             .map(|_| {
                 let mut stream = fixture.connect();
-                stream.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+                stream.write_all(b"GET / HTTP/1.1\r\nHost: h\r\n").unwrap();
                 stream
             })
             .collect();
-        let text = exchange(&fixture, b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n");
+        let text = exchange(
+            &fixture,
+            b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        );
         assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
         assert_eq!(read_to_close(&mut stalled[0]), "", "the oldest was shed");
         assert_eq!(fixture.counter("orca_relay_http_connections_shed_total"), 1);
-        // Two connections busy in a request (bodies still to come) cannot be shed: refused.
+        assert!(
+            fixture.wait_for_len(1),
+            "only the second stalled head is left"
+        );
+        // A connection that withholds its body waits like a stalled head: it is shed too.
+        let mut withholding = fixture.connect();
+        withholding
+            .write_all(b"POST /small HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\n\r\nab")
+            .unwrap();
+        assert!(fixture.wait_for_waiting(2));
+        let text = exchange(
+            &fixture,
+            b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        );
+        assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+        assert_eq!(fixture.counter("orca_relay_http_connections_shed_total"), 2);
+        assert!(
+            fixture.wait_for_len(1),
+            "only the withholding connection is left"
+        );
+        // Two connections busy in a handler cannot be shed: the next one is refused.
         let mut busy: Vec<TcpStream> = (0..2)
             .map(|_| {
                 let mut stream = fixture.connect();
                 stream
-                    .write_all(b"POST /small HTTP/1.1\r\nContent-Length: 4\r\n\r\n")
+                    .write_all(b"GET /gate HTTP/1.1\r\nHost: h\r\n\r\n")
                     .unwrap();
                 stream
             })
             .collect();
-        let ready = crate::clock::instant() + Duration::from_secs(5);
-        while fixture.server.as_ref().unwrap().shared.table.waiting() > 0
-            && crate::clock::instant() < ready
-        {
-            crate::clock::sleep(Duration::from_millis(5));
-        }
-        let text = exchange(&fixture, b"GET /x HTTP/1.1\r\n\r\n");
+        assert!(fixture.wait_for_waiting(0));
+        let text = exchange(&fixture, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n");
         assert!(text.starts_with("HTTP/1.1 503 "), "{text}");
         assert_eq!(
             fixture.counter("orca_relay_http_connections_refused_total{reason=\"full\"}"),
             1
         );
+        fixture.open_gate();
         for stream in &mut busy {
-            stream.write_all(b"body").unwrap();
+            let mut answer = [0u8; 12];
+            stream.read_exact(&mut answer).unwrap();
+            assert_eq!(&answer, b"HTTP/1.1 200");
         }
+        let _ = read_to_close(&mut withholding);
+    }
+
+    #[test]
+    fn the_answer_comes_before_an_unread_body_which_gets_a_short_while() {
+        let fixture = Fixture::start(HttpSettings::default());
+        // 3 of 10 declared bytes: answered at once, closed once the short wait is over.
+        let mut stream = fixture.connect();
+        let started = crate::clock::instant();
+        stream
+            .write_all(b"GET /x HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\nabc")
+            .unwrap();
+        let mut answer = [0u8; 12];
+        stream.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 200");
+        assert!(
+            started.elapsed() < DISCARD_DEADLINE,
+            "{:?}",
+            started.elapsed()
+        );
+        let rest = read_to_close(&mut stream);
+        assert!(!rest.contains("Connection: close"), "{rest}");
+        assert!(started.elapsed() >= DISCARD_DEADLINE);
+        assert_eq!(
+            fixture.counter("orca_relay_http_closes_total{reason=\"body_withheld\"}"),
+            1
+        );
+        // More than the discard bound: answered, and closed at once (the answer says so).
+        let text = exchange(
+            &fixture,
+            b"GET /x HTTP/1.1\r\nHost: h\r\nContent-Length: 1000000\r\n\r\n",
+        );
+        assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+        assert!(text.contains("Connection: close"), "{text}");
+    }
+
+    #[test]
+    fn host_target_line_and_expect_rules() {
+        let fixture = Fixture::start(HttpSettings::default());
+        let status = |bytes: &[u8]| {
+            let text = exchange(&fixture, bytes);
+            text.split(' ').nth(1).unwrap_or("").to_string()
+        };
+        assert_eq!(status(b"GET /x HTTP/1.1\r\n\r\n"), "400");
+        assert_eq!(
+            status(b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"),
+            "400"
+        );
+        assert_eq!(status(b"GET /x HTTP/1.0\r\n\r\n"), "200");
+        assert_eq!(status(b"GET x HTTP/1.1\r\nHost: h\r\n\r\n"), "400");
+        let rerouted = exchange(
+            &fixture,
+            b"GET /v1/assign?u=://x/panic HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        );
+        assert!(
+            rerouted.ends_with("GET /v1/assign u=://x/panic -"),
+            "{rerouted}"
+        );
+        let absolute = exchange(
+            &fixture,
+            b"GET http://h/y?z HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        );
+        assert!(absolute.ends_with("GET /y z -"), "{absolute}");
+        let mut long_line = b"GET /".to_vec();
+        long_line.extend(std::iter::repeat_n(b'a', head::MAX_HEAD_BYTES));
+        assert_eq!(status(&long_line), "414");
+        // HTTP/1.0 with Expect: no interim answer; the body is read when it comes.
+        let mut stream = fixture.connect();
+        stream
+            .write_all(b"POST /small HTTP/1.0\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            .unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut early = [0u8; 8];
+        assert!(
+            stream.read(&mut early).is_err(),
+            "an interim answer on HTTP/1.0"
+        );
+        stream.write_all(b"ok").unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let text = read_to_close(&mut stream);
+        assert!(
+            text.starts_with("HTTP/1.1 200 ") && text.ends_with("ok"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -1083,7 +1283,10 @@ mod tests {
             shared.spares.lock().idle == 1
         };
         for n in 0..3 {
-            let text = exchange(&fixture, b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n");
+            let text = exchange(
+                &fixture,
+                b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+            );
             assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
             assert!(spare_waiting(), "connection {n}");
             assert_eq!(
@@ -1102,7 +1305,8 @@ mod tests {
     fn stop_closes_idle_connections_and_joins() {
         let mut fixture = Fixture::start(HttpSettings::default());
         let mut idle = fixture.connect();
-        idle.write_all(b"GET /a HTTP/1.1\r\n\r\n").unwrap();
+        idle.write_all(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n")
+            .unwrap();
         let mut first = [0u8; 12];
         idle.read_exact(&mut first).unwrap();
         let started = crate::clock::instant();

@@ -1,12 +1,11 @@
-//! The open connections of one listener, bounded, with the ones still waiting for a request
-//! head kept in arrival order so that the oldest can be shed to make room.
+//! The open connections of the HTTP listener, bounded, with the ones waiting for their client
+//! kept in the order they started waiting so that the oldest can be shed to make room.
 //!
-//! Both listeners use it. On the HTTP port every open connection has an entry (the bound is
-//! `ORCA_RELAY_HTTP_CONNECTIONS_MAX`); a connection *waits* while it reads a request head or
-//! idles between keep-alive requests, and is *held* while its request is served. On the
-//! WebSocket port the table holds the pre-authentication sockets (the bound is
-//! `ORCA_RELAY_PENDING_UPGRADES_MAX`, apart from the connection cap): a socket waits while its
-//! upgrade head arrives and is held while it is authenticated and routed.
+//! Every open connection has an entry (the bound is `ORCA_RELAY_HTTP_CONNECTIONS_MAX`); a
+//! connection *waits* while it reads a request head, idles between keep-alive requests, or
+//! waits for body bytes (a handler reading the body, or an unread body discarded after the
+//! answer), and is *held* while a handler runs. (The WebSocket port keeps its pending
+//! connections in the acceptor's own loop, `relay/pending.rs`.)
 //!
 //! When the table is full, [`ConnectionTable::admit`] sheds the connection that has been
 //! waiting longest (its socket is shut down, so the thread reading it wakes at once and ends)

@@ -27,17 +27,70 @@ use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::metrics::Registry;
 
-/// One probe: `Ok` when the dependency answered, else a short reason code from [`reason`].
-/// It must bound its own time (JWKS: 2 s HTTP timeout; SQL: a statement timeout), since the
-/// prober waits for it.
-pub type Probe = Box<dyn Fn() -> Result<(), &'static str> + Send>;
+/// One probe: `Ok` when the dependency answered, else a short reason code from [`reason`]
+/// and what the dependency said, if anything. It must bound its own time (JWKS: 2 s HTTP
+/// timeout; SQL: a statement timeout), since the prober waits for it.
+pub type Probe = Box<dyn Fn() -> Result<(), ProbeFailure> + Send>;
+
+/// Why a probe failed: the short reason `/ready` reports, and the fields the failure line adds
+/// (`sqlstate=25006`, `sqlite=SQLITE_FULL`: what the database said; never raw error text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeFailure {
+    pub reason: &'static str,
+    pub detail: Option<String>,
+}
+
+impl From<&'static str> for ProbeFailure {
+    fn from(reason: &'static str) -> Self {
+        ProbeFailure {
+            reason,
+            detail: None,
+        }
+    }
+}
+
+impl From<&crate::store::StoreError> for ProbeFailure {
+    fn from(error: &crate::store::StoreError) -> Self {
+        let fields = error.log_fields();
+        // `reason=… sqlstate=…`: the reason is reported on its own, the rest is the detail.
+        let detail = fields
+            .split_once(' ')
+            .map(|(_, code)| code.to_string())
+            .filter(|code| !code.is_empty());
+        ProbeFailure {
+            reason: error.reason_code(),
+            detail,
+        }
+    }
+}
 
 /// The probes the prober runs on every poll.
 pub struct Probes {
     /// `GET` the JWKS URL and require 2xx; `None` when no JWKS is configured.
     pub jwks: Option<Probe>,
-    /// `SELECT 1` under a timeout.
+    /// The store's probe under a timeout: it answers and takes writes (`Store::probe`).
     pub sql: Probe,
+}
+
+/// A readiness event as the prober logs it: a failure carries what the dependency said
+/// (`orca_relay_readiness_grace_entered dependency=sql failure=sql_read_only sqlstate=25006`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbedEvent {
+    pub event: ReadinessEvent,
+    pub detail: Option<String>,
+}
+
+impl std::fmt::Display for ProbedEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.event)?;
+        match (&self.detail, &self.event) {
+            (
+                Some(detail),
+                ReadinessEvent::GraceEntered { .. } | ReadinessEvent::DependencyDown { .. },
+            ) => write!(f, " {detail}"),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The state behind the lock: what the prober recorded, the phase, and the status of each
@@ -155,7 +208,7 @@ impl Readiness {
     /// lock released; then records both at `now_ms` and returns the crossings, JWKS first.
     /// A probe that panics counts as a failure instead of killing the prober, which would
     /// otherwise leave the last "healthy" in place forever.
-    pub fn probe_once(&self, probes: &Probes, now_ms: u64) -> Vec<ReadinessEvent> {
+    pub fn probe_once(&self, probes: &Probes, now_ms: u64) -> Vec<ProbedEvent> {
         let jwks = match (&probes.jwks, self.jwks_configured) {
             (Some(probe), true) => Some(run_probe(probe, reason::JWKS_PROBE_PANICKED)),
             // Configured but no probe given: JWKS stays `not_probed`, visible in `/ready`.
@@ -164,10 +217,20 @@ impl Readiness {
         let sql = run_probe(&probes.sql, reason::SQL_PROBE_PANICKED);
 
         let mut inner = self.lock();
-        let jwks_event = jwks.and_then(|result| inner.record(Dependency::Jwks, result, now_ms));
-        let sql_event = inner.record(Dependency::Sql, sql, now_ms);
+        let mut events = Vec::new();
+        for (dependency, result) in [(Dependency::Jwks, jwks), (Dependency::Sql, Some(sql))] {
+            let Some(result) = result else { continue };
+            let detail = result
+                .as_ref()
+                .err()
+                .and_then(|failure| failure.detail.clone());
+            let recorded = result.map_err(|failure| failure.reason);
+            if let Some(event) = inner.record(dependency, recorded, now_ms) {
+                events.push(ProbedEvent { event, detail });
+            }
+        }
         drop(inner);
-        jwks_event.into_iter().chain(sql_event).collect()
+        events
     }
 
     /// Registers `orca_relay_readiness_up`, `…_in_grace` and `…_last_success_age_seconds`, each
@@ -234,13 +297,13 @@ impl Readiness {
     }
 }
 
-fn run_probe(probe: &Probe, panicked: &'static str) -> Result<(), &'static str> {
-    catch_unwind(AssertUnwindSafe(probe)).unwrap_or(Err(panicked))
+fn run_probe(probe: &Probe, panicked: &'static str) -> Result<(), ProbeFailure> {
+    catch_unwind(AssertUnwindSafe(probe)).unwrap_or(Err(panicked.into()))
 }
 
 /// Logs one readiness event at its level (`info` for recoveries, `warn` for failures).
-pub fn log_event(event: &ReadinessEvent) {
-    log::log!(event.level(), "{event}");
+pub fn log_event(event: &ProbedEvent) {
+    log::log!(event.event.level(), "{event}");
 }
 
 /// The body of the `readiness` thread: polls both dependencies every `period` until a message
@@ -312,7 +375,7 @@ mod tests {
             let fake = self.clone();
             Box::new(move || {
                 fake.calls.fetch_add(1, Ordering::SeqCst);
-                *fake.answer.lock().unwrap()
+                fake.answer.lock().unwrap().map_err(ProbeFailure::from)
             })
         }
     }
@@ -566,7 +629,11 @@ mod tests {
             jwks: Some(jwks.probe()),
             sql: sql.probe(),
         };
-        let events = readiness.probe_once(&probes, T0);
+        let events: Vec<ReadinessEvent> = readiness
+            .probe_once(&probes, T0)
+            .into_iter()
+            .map(|probed| probed.event)
+            .collect();
         assert_eq!(
             events,
             vec![ReadinessEvent::DependencyUp {
@@ -690,7 +757,7 @@ mod tests {
         let probes = Probes {
             jwks: Some(Box::new(move || {
                 let _ = jwks_called.send("jwks");
-                Err(JWKS_TIMED_OUT)
+                Err(JWKS_TIMED_OUT.into())
             })),
             sql: Box::new(move || {
                 let _ = called.send("sql");

@@ -18,7 +18,10 @@ use crate::auth::HostClaims;
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};
-use crate::protocol::{self, CloseCode, HostToRelay, RelayToHost, INVITE_MAX_ATTEMPTS};
+use crate::protocol::{
+    self, CloseCode, HostToRelay, RelayToHost, INVITE_CREATE_BURST, INVITE_CREATE_REFILL_MS,
+    INVITE_MAX_ATTEMPTS,
+};
 use crate::store::LeaseOutcome;
 
 /// Serves one control socket until it closes.
@@ -93,9 +96,9 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                     // reconnect storm is one line, then one a minute with a count.
                     if let Some(note) = context.admission_failures.failure(now) {
                         log::warn!(
-                            "orca_relay_admission_failed host={} reason={}{note}",
+                            "orca_relay_admission_failed host={} {}{note}",
                             claims.relay_host_id,
-                            e.reason_code()
+                            e.log_fields()
                         );
                     }
                     return context.close(&socket, CloseCode::LimitExceeded, "try again");
@@ -149,10 +152,11 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
     let _ = socket
         .stream()
         .set_read_timeout(Some(Duration::from_millis(context.timings.silence_ms)));
+    let mut invites = InviteRate::new(context.clock.now_ms());
     loop {
         match reader.read() {
             ReadEvent::Message(Message::Text(text)) => {
-                handle_message(context, &socket, &claims, text.as_str())
+                handle_message(context, &socket, &claims, text.as_str(), &mut invites)
             }
             ReadEvent::Message(Message::Binary(_)) => {
                 log::info!(
@@ -187,6 +191,9 @@ fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u
     let Some(control) = context.cell.unseat(&claims.relay_host_id, generation) else {
         return;
     };
+    // No newer control took its place: the desktop has left this cell, and its spliced pairs
+    // are closed 4408 (they would otherwise outlive it, holding its phones' places).
+    context.splice.close_host(&claims.relay_host_id);
     context.seats.record(SeatChange {
         kind: ChangeKind::Leave,
         user_id: claims.user_id.clone(),
@@ -199,27 +206,90 @@ fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u
         if let Err(e) = context.store.delete_lease(lease_id) {
             // The lease expires on its own within its TTL.
             log::info!(
-                "orca_relay_lease_delete_failed host={} reason={}",
+                "orca_relay_lease_delete_failed host={} {}",
                 claims.relay_host_id,
-                e.reason_code()
+                e.log_fields()
             );
         }
     }
 }
 
-fn handle_message(context: &RelayContext, socket: &Arc<Socket>, claims: &HostClaims, text: &str) {
+/// The rate of one control's `invite-create`: a token bucket of [`INVITE_CREATE_BURST`],
+/// refilled by one every [`INVITE_CREATE_REFILL_MS`]. Pure (times are passed in); it lives on
+/// the control's own thread, so it needs no lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InviteRate {
+    available: u32,
+    /// When the bucket was last refilled up to.
+    refilled_at_ms: u64,
+}
+
+impl InviteRate {
+    pub fn new(now_ms: u64) -> InviteRate {
+        InviteRate {
+            available: INVITE_CREATE_BURST,
+            refilled_at_ms: now_ms,
+        }
+    }
+
+    /// Takes one creation at `now_ms`: `Ok`, or `Err(ms)` to wait before the next is allowed.
+    pub fn take(&mut self, now_ms: u64) -> Result<(), u64> {
+        let elapsed = now_ms.saturating_sub(self.refilled_at_ms);
+        let refills = elapsed / INVITE_CREATE_REFILL_MS;
+        if refills > 0 {
+            let refills = u32::try_from(refills).unwrap_or(u32::MAX);
+            self.available = self
+                .available
+                .saturating_add(refills)
+                .min(INVITE_CREATE_BURST);
+            self.refilled_at_ms += u64::from(refills) * INVITE_CREATE_REFILL_MS;
+        }
+        if self.available == INVITE_CREATE_BURST {
+            // A full bucket does not bank time for later.
+            self.refilled_at_ms = now_ms;
+        }
+        if self.available == 0 {
+            return Err(
+                INVITE_CREATE_REFILL_MS.saturating_sub(now_ms.saturating_sub(self.refilled_at_ms))
+            );
+        }
+        self.available -= 1;
+        Ok(())
+    }
+}
+
+fn handle_message(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    claims: &HostClaims,
+    text: &str,
+    invites: &mut InviteRate,
+) {
     match serde_json::from_str::<HostToRelay>(text) {
         Ok(HostToRelay::Pong { .. }) => {}
         Ok(HostToRelay::InviteCreate { req_id }) => {
-            let token = random_token();
-            let expires_at = context
-                .cell
-                .create_invite(&claims.relay_host_id, token.clone());
-            let reply = RelayToHost::InviteCreated {
-                req_id,
-                invite_token: token,
-                expires_at,
-                max_attempts: INVITE_MAX_ATTEMPTS,
+            let refused = |reason: &str, retry_after_ms: u64| RelayToHost::InviteRefused {
+                req_id: req_id.clone(),
+                reason: reason.to_string(),
+                retry_after_ms,
+            };
+            let reply = match invites.take(context.clock.now_ms()) {
+                Err(wait_ms) => refused("rate_limited", wait_ms),
+                Ok(()) => match random_token() {
+                    Err(_) => refused("unavailable", INVITE_CREATE_REFILL_MS),
+                    Ok(token) => match context
+                        .cell
+                        .create_invite(&claims.relay_host_id, token.clone())
+                    {
+                        Ok(expires_at) => RelayToHost::InviteCreated {
+                            req_id: req_id.clone(),
+                            invite_token: token,
+                            expires_at,
+                            max_attempts: INVITE_MAX_ATTEMPTS,
+                        },
+                        Err(_) => refused("host_offline", INVITE_CREATE_REFILL_MS),
+                    },
+                },
             };
             let _ = socket.send(Message::text(protocol::to_json(&reply)));
         }
@@ -302,13 +372,43 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
                     // the database is down every control fails: one line, then one a minute.
                     if let Some(note) = renew_failures.failure(context.clock.now_ms()) {
                         log::warn!(
-                            "orca_relay_lease_renew_failed host={} reason={}{note}",
+                            "orca_relay_lease_renew_failed host={} {}{note}",
                             control.relay_host_id,
-                            e.reason_code()
+                            e.log_fields()
                         );
                     }
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invite_creation_is_a_burst_then_one_a_refill_period() {
+        let mut rate = InviteRate::new(1_000);
+        for n in 0..INVITE_CREATE_BURST {
+            assert_eq!(rate.take(1_000), Ok(()), "burst {n}");
+        }
+        assert_eq!(rate.take(1_000), Err(INVITE_CREATE_REFILL_MS));
+        assert_eq!(rate.take(1_400), Err(INVITE_CREATE_REFILL_MS - 400));
+        assert_eq!(rate.take(1_000 + INVITE_CREATE_REFILL_MS), Ok(()));
+        assert!(rate.take(1_000 + INVITE_CREATE_REFILL_MS).is_err());
+        // 10,000 requests within the first second take the burst; the second's first, one more.
+        let mut rate = InviteRate::new(0);
+        let allowed = (0..10_000u64).filter(|n| rate.take(n / 10).is_ok()).count();
+        assert_eq!(allowed, INVITE_CREATE_BURST as usize);
+        assert_eq!(rate.take(INVITE_CREATE_REFILL_MS), Ok(()));
+        // A long quiet spell refills the burst, never more.
+        let mut rate = InviteRate::new(0);
+        for _ in 0..INVITE_CREATE_BURST {
+            rate.take(0).unwrap();
+        }
+        let later = 100 * INVITE_CREATE_REFILL_MS;
+        let allowed = (0..100).filter(|_| rate.take(later).is_ok()).count();
+        assert_eq!(allowed, INVITE_CREATE_BURST as usize);
     }
 }

@@ -1,74 +1,66 @@
-//! The host data leg `GET /v1/host/data/<connId>` (SPEC §5.2), on its relay thread until it
-//! attaches.
+//! The host data leg `GET /v1/host/data/<connId>` (SPEC §5.2).
 //!
-//! The leg authenticates with the ticket of a pending phone; then the phone hears
-//! `relay-hello`, and this thread hands its socket, what its reader took off the wire past the
-//! first frame, and its connection unit to the phone's thread (the pending entry's channel),
-//! which hands the pair to a splice worker (`relay/splice/`). This thread then ends.
+//! Its credential is its first frame, `host-data-auth` with the ticket of a waiting phone, read
+//! by the acceptor's pending loop; [`authenticate`] checks it there (the ticket and generation
+//! must match the pending phone and the host's live control) and only then does the leg take a
+//! unit of the connection cap. It needs no thread of its own: its socket, what its reader read
+//! past the first frame and its unit go to the phone's thread through the pending entry's
+//! channel, and from there with the pair to a splice worker (`relay/splice/`).
 
-use std::sync::Arc;
-
-use tungstenite::Message;
-
+use super::pending::{close_pending, close_pending_socket, PendingLeg};
 use super::socket::Socket;
 use super::splice::LegHandOff;
-use super::splice_reader::SpliceReader;
-use super::{read_first_splice_text, ConnectionHold, RelayContext, Served};
-use crate::protocol::{self, CloseCode, DataLegFirst};
+use super::{ConnectionHold, RelayContext};
+use crate::protocol::{CloseCode, DataLegFirst};
 
-pub fn serve(
-    context: &RelayContext,
-    socket: Arc<Socket>,
-    mut reader: SpliceReader,
-    conn_id: &str,
-    hold: &mut Option<ConnectionHold>,
-) -> Served {
-    let text = match read_first_splice_text(context, &mut reader) {
-        Ok(text) => text,
-        Err(code) => {
-            context.close(&socket, code, "first frame");
-            return Served::Ended;
-        }
-    };
-    let (ticket, generation) = match serde_json::from_str::<DataLegFirst>(&text) {
+/// Checks a data leg's first frame on the acceptor's thread and, if it authenticates, passes
+/// the leg to its phone's thread; otherwise closes it with its code.
+pub(super) fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text: &str) {
+    let PendingLeg { id, stream, reader } = leg;
+    let (ticket, generation) = match serde_json::from_str::<DataLegFirst>(text) {
         Ok(DataLegFirst::HostDataAuth {
             v: 1,
             conn_ticket,
             generation,
         }) => (conn_ticket, generation),
         _ => {
-            context.close(&socket, CloseCode::BadOuterCredential, "bad host-data-auth");
-            return Served::Ended;
+            return close_pending(
+                context,
+                stream,
+                CloseCode::BadOuterCredential,
+                "bad host-data-auth",
+            )
         }
     };
-    let Some(pending) = context.cell.take_pending(conn_id, &ticket, generation) else {
-        context.close(&socket, CloseCode::BadOuterCredential, "unknown connection");
-        return Served::Ended;
+    // The unit first, so a full cap refuses the leg without using up the phone's entry.
+    let Some(unit) = context.slots.try_take() else {
+        return close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
     };
-    let phone = pending.phone;
-    // The phone hears relay-hello before any spliced frame: it is sent before the hand-off.
-    if phone
-        .send(Message::text(protocol::relay_hello_json()))
-        .is_err()
-    {
-        context.close(&socket, CloseCode::PeerDropped, "phone left");
-        return Served::Ended;
-    }
+    let Some(pending) = context.cell.take_pending(conn_id, &ticket, generation) else {
+        return close_pending(
+            context,
+            stream,
+            CloseCode::BadOuterCredential,
+            "unknown connection",
+        );
+    };
     let (buffered, parser) = reader.into_parts();
+    let hold = ConnectionHold::new(unit, context.metrics.connections("data"));
     let leg = LegHandOff {
-        socket: socket.clone(),
+        socket: Socket::new_splice(id, stream),
         buffered,
         parser,
-        release: hold
-            .take()
-            .map(|hold| Box::new(hold) as super::splice::Release)
-            .into_iter()
-            .collect(),
+        release: vec![Box::new(hold)],
     };
-    if pending.attach.send(leg).is_err() {
-        // The phone's thread gave up; the hand-off (and the unit in it) was dropped.
-        context.close(&socket, CloseCode::PeerDropped, "phone left");
-        return Served::Ended;
+    if let Err(refused) = pending.attach.try_send(leg) {
+        // The phone's thread gave up: the leg (and the unit in it) goes.
+        let (std::sync::mpsc::TrySendError::Full(leg)
+        | std::sync::mpsc::TrySendError::Disconnected(leg)) = refused;
+        close_pending_socket(
+            context,
+            leg.socket.clone(),
+            CloseCode::PeerDropped,
+            "phone left",
+        );
     }
-    Served::HandedOff
 }

@@ -7,9 +7,9 @@
 //! frame needs, or a [`Violation`] with its close code. The caller keeps the unconsumed bytes
 //! (at most one partial frame) and calls again when more arrive, however the stream was split.
 //! The parser's own state is a few words: the fragmented message in progress (its opcode and
-//! length so far) and a violation once one was found. The blocking reader of today's relay
-//! threads (`relay/splice_reader.rs`) is a thin shell over it; an event-loop worker can own
-//! one read buffer and keep only each leg's partial frame.
+//! length so far) and a violation once one was found. The first-frame reader of the
+//! acceptor's pending loop (`relay/splice_reader.rs`) is a thin shell over it; an event-loop
+//! worker owns one read buffer and keeps only each leg's partial frame.
 //!
 //! Rules, each checked as soon as the bytes that decide it have arrived (so an oversized frame
 //! is refused from its header, before its payload is read):
@@ -192,11 +192,49 @@ impl FrameParser {
         }
     }
 
-    fn parse_frame(&mut self, input: &mut [u8]) -> Result<Parsed, Violation> {
-        let incomplete = |needed| Ok(Parsed::Incomplete { needed });
+    /// For a data frame whose header is complete but whose payload is not all in `input` (the
+    /// caller saw [`Parsed::Incomplete`] with `needed` past the header): takes the frame as
+    /// consumed (its fragmentation state committed) and returns its header, so that the caller
+    /// forwards the payload as it arrives instead of holding the whole frame. `None` for
+    /// anything else (a control frame is never this large; the stream is then untouched).
+    pub fn begin_stream(&mut self, input: &[u8]) -> Option<StreamStart> {
+        if self.failed.is_some() {
+            return None;
+        }
+        let Ok(Ok(head)) = self.head(input) else {
+            return None;
+        };
+        let FrameKind::Data(data) = head.kind else {
+            return None;
+        };
+        if input.len() >= head.header_len + head.length {
+            return None;
+        }
+        self.commit_data(data, head.fin, head.message_before + head.length);
+        Some(StreamStart {
+            first: u8::from(tungstenite::protocol::frame::coding::OpCode::Data(data))
+                | if head.fin { 0x80 } else { 0 },
+            header_len: head.header_len,
+            payload_len: head.length,
+            mask: head.mask,
+        })
+    }
+
+    /// The fragmentation state after a data frame: a message stays open until its FIN.
+    fn commit_data(&mut self, data: Data, fin: bool, message_so_far: usize) {
+        let message_data = match (data, self.open) {
+            (Data::Continue, Some((open, _))) => open,
+            _ => data,
+        };
+        self.open = (!fin).then_some((message_data, message_so_far));
+    }
+
+    /// The frame header at the front of `input`, checked; `Ok(Err(needed))` when it is not all
+    /// there yet.
+    fn head(&self, input: &[u8]) -> Result<Result<Head, usize>, Violation> {
         let (first, second) = match input {
             [first, second, ..] => (*first, *second),
-            _ => return incomplete(2),
+            _ => return Ok(Err(2)),
         };
         if first & 0x70 != 0 {
             return Err(Violation::ReservedBits);
@@ -237,7 +275,7 @@ impl FrameParser {
         let (extended, length) = match short_length {
             126 => match input.get(2..4) {
                 Some(bytes) => (2, u64::from(u16::from_be_bytes([bytes[0], bytes[1]]))),
-                None => return incomplete(4),
+                None => return Ok(Err(4)),
             },
             127 => match input.get(2..10) {
                 Some(bytes) => {
@@ -249,7 +287,7 @@ impl FrameParser {
                     }
                     (8, length)
                 }
-                None => return incomplete(10),
+                None => return Ok(Err(10)),
             },
             short => (0, u64::from(short)),
         };
@@ -268,35 +306,83 @@ impl FrameParser {
             return Err(Violation::MessageTooLarge);
         }
         let header_len = 2 + extended + 4;
-        let total = header_len + length;
-        if input.len() < total {
-            return incomplete(total);
-        }
         let mut mask = [0u8; 4];
-        mask.copy_from_slice(&input[header_len - 4..header_len]);
-        let payload = &mut input[header_len..total];
-        unmask(payload, mask);
-        let kind = match kind {
+        match input.get(header_len - 4..header_len) {
+            Some(bytes) => mask.copy_from_slice(bytes),
+            // The whole frame is needed, as soon as its length is known (so a caller can size
+            // its buffer once).
+            None => return Ok(Err(header_len + length)),
+        }
+        Ok(Ok(Head {
+            kind,
+            fin,
+            header_len,
+            length,
+            message_before,
+            mask,
+        }))
+    }
+
+    fn parse_frame(&mut self, input: &mut [u8]) -> Result<Parsed, Violation> {
+        let head = match self.head(input)? {
+            Ok(head) => head,
+            Err(needed) => return Ok(Parsed::Incomplete { needed }),
+        };
+        let total = head.header_len + head.length;
+        if input.len() < total {
+            return Ok(Parsed::Incomplete { needed: total });
+        }
+        let payload = &mut input[head.header_len..total];
+        unmask(payload, head.mask);
+        let kind = match head.kind {
             FrameKind::Close { .. } => FrameKind::Close {
                 code: close_code(payload)?,
             },
             FrameKind::Data(data) => {
-                let message_data = match (data, self.open) {
-                    (Data::Continue, Some((open, _))) => open,
-                    _ => data,
-                };
-                self.open = (!fin).then_some((message_data, message_before + length));
-                kind
+                self.commit_data(data, head.fin, head.message_before + head.length);
+                head.kind
             }
             other => other,
         };
         Ok(Parsed::Frame(Frame {
             kind,
-            fin,
-            header_len,
-            payload_len: length,
+            fin: head.fin,
+            header_len: head.header_len,
+            payload_len: head.length,
         }))
     }
+}
+
+/// A checked frame header.
+struct Head {
+    kind: FrameKind,
+    fin: bool,
+    header_len: usize,
+    length: usize,
+    message_before: usize,
+    mask: [u8; 4],
+}
+
+/// The header of a data frame forwarded as its payload arrives ([`FrameParser::begin_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamStart {
+    /// The first header byte the relay sends: FIN and opcode.
+    pub first: u8,
+    /// The client header's length (mask included): the payload starts there.
+    pub header_len: usize,
+    pub payload_len: usize,
+    pub mask: [u8; 4],
+}
+
+/// Unmasks `payload`, whose first byte is byte `offset` of its frame's payload.
+pub fn unmask_at(payload: &mut [u8], mask: [u8; 4], offset: usize) {
+    let rotated = [
+        mask[offset % 4],
+        mask[(offset + 1) % 4],
+        mask[(offset + 2) % 4],
+        mask[(offset + 3) % 4],
+    ];
+    unmask(payload, rotated);
 }
 
 /// The code of a close frame's (unmasked) payload: none, or a valid code and a UTF-8 reason.

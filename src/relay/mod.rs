@@ -1,18 +1,15 @@
-//! The data plane: the `acceptor` thread and one `relay-<id>` thread per WebSocket connection.
+//! The data plane: the `acceptor` thread (the pending plane), one `relay-<id>` thread per
+//! authenticated control and phone until its pair is spliced, and the splice workers.
 //!
-//! The acceptor only accepts: it admits each connection into the table of **pending upgrades**
-//! (`ORCA_RELAY_PENDING_UPGRADES_MAX`, apart from the connection cap) and hands it to a new relay
-//! thread. The upgrade happens on that thread: the head within 5 s of acceptance, the phase,
-//! the route, the token, pool pressure, and only then a unit of the **connection cap**, so the
-//! cap counts admitted sockets only. Every refusal (404, 426, 401, 503) goes through
-//! [`refuse_upgrade`]: counted, answered, handed to the reaper, and everything the connection
-//! held is released as the thread returns.
-//!
-//! When the pending table is full, the socket that has waited longest for its head is shed (closed
-//! without an answer, counted) to admit the new one: whoever holds pending entries without
-//! finishing a head cannot lock desktops out, and answering needs the head, which is the very
-//! thing the shed socket has not sent. When every pending socket is past its head (being
-//! authenticated), the newcomer is dropped at once, counted; desktops retry with backoff.
+//! Every connection is **pending** from its accept until its credential is checked, whatever
+//! its path (SPEC §12): it lives in the acceptor's table (`pending.rs`,
+//! `ORCA_RELAY_PENDING_UPGRADES_MAX`, the oldest shed first when full) with one absolute
+//! deadline, and holds no unit of the **connection cap**, no relay thread and no phone place. A
+//! desktop's credential is its token (in the head); a phone's and a data leg's is their first
+//! frame (an invite, a ticket), read by the acceptor too. Only an authenticated connection takes
+//! a unit (and, for a control or a phone, a thread permit and its relay thread), so the cap
+//! counts admitted sockets only and nobody without a credential can hold a desktop's place.
+//! Every refusal is counted and answered: an HTTP status before the upgrade, a close code after.
 //!
 //! A panic in a relay thread is caught at the top of the thread: it costs that connection a
 //! close (4429), never the process.
@@ -20,6 +17,7 @@
 pub mod control;
 pub mod data;
 pub mod frames;
+pub mod pending;
 pub mod phone;
 pub mod socket;
 pub mod splice;
@@ -28,25 +26,22 @@ pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::auth::Verifier;
+use crate::auth::{HostClaims, Verifier};
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
 use crate::cell::state::{CellState, ConnectionSlots, Peer, SlotGuard};
 use crate::clock::SharedClock;
 use crate::config::Timings;
-use crate::http::table::{Admission, ConnectionTable, Ticket};
 use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
-use crate::threads::Permits;
+use crate::threads::{Permit, Permits};
 use socket::{Reaper, Socket};
-use splice_reader::{SpliceEvent, SpliceReader};
-use upgrade::Route;
 
 impl Peer for Socket {
     type Attached = splice::LegHandOff;
@@ -244,8 +239,10 @@ pub struct RelayContext {
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
     pub mode: Arc<CellMode>,
-    /// Sockets between accept and admission (or refusal).
-    pub pending: Arc<ConnectionTable>,
+    /// Sockets between accept and their credential (or refusal), now, and at most
+    /// (`ORCA_RELAY_PENDING_UPGRADES_MAX`): the acceptor's table (`pending.rs`).
+    pub pending_now: Arc<AtomicUsize>,
+    pub pending_upgrades_max: usize,
     /// The event-loop workers attached pairs are handed to.
     pub splice: Arc<splice::SplicePlane>,
     /// Relay threads at most at once: the process's threaded capacity.
@@ -330,23 +327,32 @@ impl RelayContext {
         }
         registry.counter(
             "orca_relay_ws_pending_upgrades_shed_total",
-            "Pending upgrades (head not yet complete) closed to admit a newer connection.",
+            "Pending connections (no credential checked yet) closed to admit a newer one.",
             &[],
         );
-        let pending = ConnectionTable::new(pending_upgrades_max as usize);
+        let pending_now = Arc::new(AtomicUsize::new(0));
         {
-            let pending = pending.clone();
+            let pending = pending_now.clone();
             registry.sampled_gauge(
                 "orca_relay_ws_pending_upgrades",
-                "WebSocket connections accepted and not yet admitted or refused.",
-                move || vec![(Vec::new(), pending.len() as f64)],
+                "WebSocket connections accepted whose credential is not checked yet.",
+                move || vec![(Vec::new(), pending.load(Ordering::Acquire) as f64)],
+            );
+        }
+        let cell = Arc::new(CellState::new(clock.clone()));
+        {
+            let cell = cell.clone();
+            registry.sampled_gauge(
+                "orca_relay_invites_outstanding",
+                "Invites minted and not yet used up, expired or dropped (at most 8 per desktop).",
+                move || vec![(Vec::new(), cell.invite_count() as f64)],
             );
         }
         RelayContext {
             cell_id: cell_id.into(),
             incarnation,
             timings: Arc::new(timings),
-            cell: Arc::new(CellState::new(clock.clone())),
+            cell,
             verifier,
             store,
             clock,
@@ -357,7 +363,8 @@ impl RelayContext {
             slots,
             phase,
             metrics: RelayMetrics::new(registry),
-            pending,
+            pending_now,
+            pending_upgrades_max: pending_upgrades_max as usize,
             splice,
             thread_permits,
             admission_failures: Arc::default(),
@@ -371,313 +378,77 @@ impl RelayContext {
             self.metrics.close(code);
         }
     }
+
+    /// A new connection id (the `relay-<id>` thread's name, the socket's id).
+    pub fn next_connection_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
-/// The `acceptor` thread body: accepts until `stop` is set (the listener is unblocked by a
-/// connection from the shutdown path). It never reads from a connection.
+/// The `acceptor` thread body: the pending plane (`pending.rs`) until `stop` is set (the
+/// listener is woken by a connection from the shutdown path).
 pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
-    let _ = crate::http::server::raise_backlog(&listener);
-    // One descriptor kept in reserve: when the process is out of descriptors (EMFILE, ENFILE)
-    // it is given up for a moment so that the waiting connection can be accepted, answered
-    // 503 and closed, instead of staying in the backlog until the client gives up.
-    let mut spare = open_spare();
-    // Resource exhaustion is logged once per run of failures.
-    let mut accept_failing = false;
-    let mut spawn_failing = false;
-    loop {
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
-            Err(e) => {
-                if stop.load(Ordering::Acquire) {
-                    break;
-                }
-                if !accept_failing {
-                    log::warn!("orca_relay_accept_failed error={e}");
-                    accept_failing = true;
-                }
-                if out_of_descriptors(&e) && spare.take().is_some() {
-                    if let Ok((stream, _)) = listener.accept() {
-                        refuse_at_accept(&context, stream, "descriptors");
-                    }
-                    spare = open_spare();
-                    continue;
-                }
-                // Anything else: back off briefly instead of spinning.
-                crate::clock::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
-        if accept_failing {
-            log::info!("orca_relay_accept_recovered");
-            accept_failing = false;
-        }
-        if spare.is_none() {
-            spare = open_spare();
-        }
-        let accepted = crate::clock::instant();
-        let _ = stream.set_nodelay(true);
-        // A relay thread only with a permit: the thread capacity is never reached by a spawn.
-        let Some(permit) = context.thread_permits.try_take() else {
-            refuse_at_accept(&context, stream, "threads");
-            continue;
-        };
-        let stream = Arc::new(stream);
-        let ticket = match context.pending.admit(&stream) {
-            Admission::Admitted { ticket, shed } => {
-                if shed {
-                    context.metrics.pending_shed();
-                }
-                ticket
-            }
-            Admission::Full => {
-                context.metrics.dropped_at_accept("pending_upgrades_full");
-                continue;
-            }
-        };
-        let id = context.next_id.fetch_add(1, Ordering::Relaxed);
-        let thread_context = context.clone();
-        let spawned = crate::threads::spawn_with_stack(
-            format!("relay-{id}"),
-            crate::threads::RELAY_STACK_BYTES,
-            move || {
-                let _permit = permit;
-                serve_connection(thread_context, stream, ticket, id, accepted)
-            },
-        );
-        match spawned {
-            Ok(_) => spawn_failing = false,
-            Err(e) => {
-                // The stream and its pending entry were moved into the closure and dropped.
-                context.metrics.dropped_at_accept("thread_spawn");
-                if !spawn_failing {
-                    log::warn!("orca_relay_thread_spawn_failed error={e}");
-                    spawn_failing = true;
-                }
-            }
-        }
-    }
+    pending::run(listener, context, stop)
 }
 
-fn open_spare() -> Option<std::fs::File> {
-    std::fs::File::open("/dev/null").ok()
-}
-
-fn out_of_descriptors(error: &std::io::Error) -> bool {
-    matches!(
-        error.raw_os_error(),
-        Some(libc::EMFILE) | Some(libc::ENFILE)
-    )
-}
-
-/// Refuses a connection on the acceptor itself, before any head is read: a thread or a
-/// descriptor could not be had. 503 with `Retry-After: 2`, counted; the answer fits the empty
-/// socket buffer of a new connection, so the write does not wait.
-fn refuse_at_accept(context: &RelayContext, stream: TcpStream, reason: &str) {
-    context.metrics.upgrade_refused(503, reason);
-    let stream = Arc::new(stream);
-    let _ = stream.set_nonblocking(true);
-    let _ = std::io::Write::write(
-        &mut &*stream,
-        upgrade::refusal(503, reason, Some(2)).as_bytes(),
-    );
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    context
-        .reaper
-        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
-}
-
-/// One way an upgrade is refused: the status, the reason counted in
-/// `orca_relay_upgrades_refused_total`, the `error` of the answer, and `Retry-After`.
-struct Refusal<'a> {
-    status: u16,
-    reason: &'a str,
-    answer: &'a str,
-    retry_after_s: Option<u32>,
-}
-
-impl<'a> Refusal<'a> {
-    /// 503 with `Retry-After: 2`, the reason as the answer.
-    fn unavailable(reason: &'a str) -> Self {
-        Refusal {
-            status: 503,
-            reason,
-            answer: reason,
-            retry_after_s: Some(2),
-        }
-    }
-}
-
-/// Refuses an upgrade: counted, answered, our side closed, and the socket handed to the reaper,
-/// which drops it [`upgrade::REFUSAL_LINGER`] later whatever the client sends. The caller
-/// returns at once, releasing its pending entry (and any unit). Every refusal of the WebSocket
-/// port after accept goes through here.
-fn refuse_upgrade(context: &RelayContext, stream: Arc<TcpStream>, refusal: Refusal<'_>) {
-    context
-        .metrics
-        .upgrade_refused(refusal.status, refusal.reason);
-    upgrade::refuse(
-        &stream,
-        refusal.status,
-        refusal.answer,
-        refusal.retry_after_s,
-    );
-    context
-        .reaper
-        .schedule_stream(stream, upgrade::REFUSAL_LINGER);
-}
-
-/// One connection, from upgrade to close. The pending entry is released once the connection is
-/// admitted or refused; the connection unit, taken only at admission, when this returns.
-fn serve_connection(
-    context: RelayContext,
-    stream: Arc<TcpStream>,
-    pending: Ticket,
+/// Starts the relay thread of an authenticated desktop control (its 101 is written): it reads
+/// the hello, is admitted (SPEC §5.3) and serves the control until it closes. The unit and the
+/// permit are released as the thread ends.
+fn spawn_control(
+    context: &RelayContext,
     id: u64,
-    accepted: Instant,
+    stream: TcpStream,
+    tail: Vec<u8>,
+    claims: HostClaims,
+    unit: SlotGuard,
+    permit: Permit,
+) -> std::io::Result<()> {
+    let context = context.clone();
+    crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
+            // Control sockets read small JSON through tungstenite.
+            let (socket, reader) = Socket::new_control(id, stream, tail);
+            let hold = ConnectionHold::new(unit, context.metrics.connections("control"));
+            run_guarded(&context, &socket, "control", Some(hold), |_| {
+                control::serve(&context, socket.clone(), reader, claims);
+                Served::Ended
+            });
+        },
+    )
+    .map(|_| ())
+}
+
+/// Runs a relay thread's body under `catch_unwind`: a panic costs the connection a 4429 and is
+/// logged. Unless the body handed the socket on, the socket is closed before its unit (in
+/// `hold`) is returned.
+fn run_guarded(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    kind: &str,
+    hold: Option<ConnectionHold>,
+    body: impl FnOnce(&mut Option<ConnectionHold>) -> Served,
 ) {
-    let request = match upgrade::read_head(&stream, accepted + upgrade::UPGRADE_DEADLINE) {
-        Ok(request) => request,
-        Err(_) => return,
-    };
-    if !pending.hold() {
-        // Shed while its head arrived: already shut down.
-        return;
-    }
-    match context.phase.get() {
-        Phase::SERVING => {}
-        Phase::STARTING => {
-            return refuse_upgrade(&context, stream, Refusal::unavailable("starting"))
-        }
-        _ => return refuse_upgrade(&context, stream, Refusal::unavailable("draining")),
-    }
-    let Some(route) = upgrade::route(&request.path) else {
-        let refusal = Refusal {
-            status: 404,
-            reason: "unknown_path",
-            answer: "not_found",
-            retry_after_s: None,
-        };
-        return refuse_upgrade(&context, stream, refusal);
-    };
-    let Some(key) = request.key.clone().filter(|_| request.is_websocket) else {
-        let refusal = Refusal {
-            status: 426,
-            reason: "not_websocket",
-            answer: "websocket_upgrade_required",
-            retry_after_s: None,
-        };
-        return refuse_upgrade(&context, stream, refusal);
-    };
-    // The desktop's token is checked before the upgrade: a bad token never gets a socket.
-    let claims = if route == Route::Control {
-        let verified = crate::auth::parse_bearer(request.authorization.as_deref())
-            .and_then(|token| context.verifier.verify_host_token(token));
-        match verified {
-            Ok(claims) => Some(claims),
-            Err(e) => {
-                let refusal = Refusal {
-                    status: 401,
-                    reason: e.reason_code(),
-                    answer: "bad_outer_credential",
-                    retry_after_s: None,
-                };
-                return refuse_upgrade(&context, stream, refusal);
-            }
-        }
-    } else {
-        None
-    };
-    if let Some(claims) = &claims {
-        // Under pool pressure, a hello the cell cannot admit without the database (memory or
-        // a booking) is shed rather than queued behind the pool (SPEC §5.3).
-        let shed = shed_under_pool_pressure(
-            context.store.has_waiters(),
-            context.mode.raw_is_reserve(),
-            || {
-                context.cell.remembers(&claims.relay_host_id)
-                    || context.bookings.holds(
-                        &claims.user_id,
-                        &claims.relay_host_id,
-                        context.clock.now_ms(),
-                    )
-            },
-        );
-        if shed {
-            return refuse_upgrade(&context, stream, Refusal::unavailable("pool_pressure"));
-        }
-    }
-    // Admitted: the connection cap counts from here on.
-    let Some(slot) = context.slots.try_take() else {
-        return refuse_upgrade(&context, stream, Refusal::unavailable("connection_cap"));
-    };
-    drop(pending);
-    let Ok(stream) = Arc::try_unwrap(stream) else {
-        // Only a shed entry keeps a second handle, and a shed socket never gets this far.
-        return;
-    };
-    if upgrade::accept(&stream, &key).is_err() {
-        return;
-    }
-    let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-    // Control sockets read small JSON through tungstenite; splice legs forward frames as they
-    // are through their own reader (relay/splice_reader.rs over relay/frames.rs).
-    let (socket, leg) = match &route {
-        Route::Control => {
-            let (socket, reader) = Socket::new_control(id, stream, request.tail);
-            (socket, Leg::Control(reader))
-        }
-        _ => {
-            let socket = Socket::new_splice(id, stream);
-            let reader = SpliceReader::new(
-                socket.clone(),
-                request.tail,
-                crate::protocol::SPLICE_MAX_FRAME_BYTES,
-            );
-            (socket, Leg::Splice(reader))
-        }
-    };
-    let gauge = context.metrics.connections(route.kind());
-    gauge.inc();
-    // The unit and the gauge travel with a splice leg to its worker; a control keeps them here.
-    let mut hold = Some(ConnectionHold { _slot: slot, gauge });
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match (route.clone(), leg) {
-        (Route::Control, Leg::Control(reader)) => {
-            let Some(claims) = claims else {
-                context.close(&socket, CloseCode::LimitExceeded, "internal error");
-                return Served::Ended;
-            };
-            control::serve(&context, socket.clone(), reader, claims);
-            Served::Ended
-        }
-        (Route::Phone { relay_host_id }, Leg::Splice(reader)) => {
-            phone::serve(&context, socket.clone(), reader, &relay_host_id, &mut hold)
-        }
-        (Route::DataLeg { conn_id }, Leg::Splice(reader)) => {
-            data::serve(&context, socket.clone(), reader, &conn_id, &mut hold)
-        }
-        _ => {
-            context.close(&socket, CloseCode::LimitExceeded, "internal error");
-            Served::Ended
-        }
-    }));
+    let mut hold = hold;
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(&mut hold)));
     match outcome {
         Ok(Served::HandedOff) => return,
         Ok(Served::Ended) => {}
         Err(_) => {
             log::error!(
-                "orca_relay_connection_panicked conn={id} kind={}",
-                route.kind()
+                "orca_relay_connection_panicked conn={} kind={kind}",
+                socket.id
             );
-            context.close(&socket, CloseCode::LimitExceeded, "internal error");
+            context.close(socket, CloseCode::LimitExceeded, "internal error");
         }
     }
     // Make sure the peer is gone before the unit is returned.
     if !socket.is_closing() {
-        context.close(&socket, CloseCode::Normal, "");
+        context.close(socket, CloseCode::Normal, "");
     }
     drop(hold);
 }
@@ -695,6 +466,14 @@ pub enum Served {
 pub struct ConnectionHold {
     _slot: SlotGuard,
     gauge: Gauge,
+}
+
+impl ConnectionHold {
+    /// Counts the connection in `gauge` until dropped.
+    pub fn new(slot: SlotGuard, gauge: Gauge) -> ConnectionHold {
+        gauge.inc();
+        ConnectionHold { _slot: slot, gauge }
+    }
 }
 
 impl Drop for ConnectionHold {
@@ -716,41 +495,17 @@ pub fn shed_under_pool_pressure(
     pool_has_waiters && !(raw_reserve && admissible_without_sql())
 }
 
-/// The reader a connection gets, by endpoint.
-enum Leg {
-    Control(socket::Reader),
-    Splice(SpliceReader),
-}
-
-/// Reads the first frame of a splice leg within the first-frame deadline: it must be one
-/// whole text frame.
-pub(crate) fn read_first_splice_text(
-    context: &RelayContext,
-    reader: &mut SpliceReader,
-) -> Result<String, CloseCode> {
-    reader.set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
-    match reader.read() {
-        SpliceEvent::Frame {
-            data: tungstenite::protocol::frame::coding::Data::Text,
-            fin: true,
-            payload,
-        } => String::from_utf8(payload.to_vec()).map_err(|_| CloseCode::BadOuterCredential),
-        SpliceEvent::Violation(violation) => Err(splice_reader::violation_close_code(violation)),
-        _ => Err(CloseCode::BadOuterCredential),
-    }
-}
-
-/// Reads the first frame of a control socket within the first-frame deadline: it must be a
-/// text frame.
+/// Reads the first frame of a control socket by the first-frame deadline (one instant from
+/// the upgrade, whatever arrives before it): it must be a text frame.
 pub(crate) fn read_first_text(
     context: &RelayContext,
     reader: &mut socket::Reader,
 ) -> Result<String, CloseCode> {
-    let _ = reader
-        .socket()
-        .stream()
-        .set_read_timeout(Some(Duration::from_millis(context.timings.first_frame_ms)));
-    match reader.read() {
+    let deadline = crate::clock::instant() + Duration::from_millis(context.timings.first_frame_ms);
+    reader.set_deadline(Some(deadline));
+    let event = reader.read();
+    reader.set_deadline(None);
+    match event {
         socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
         socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
         socket::ReadEvent::Protocol => Err(CloseCode::ProtocolError),

@@ -1,23 +1,26 @@
-//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2), on its relay thread until the
-//! pair is spliced.
+//! The phone leg `GET /v1/connect/<relayHostId>` (SPEC §5.2).
 //!
-//! The phone authenticates with an invite; the cell tells the host (`conn-open`) and waits up
-//! to the attach deadline for the host's data leg, which announces itself through the pending
-//! entry's channel with its socket and what its reader had read. Then this thread hands the
-//! pair to a splice worker (`relay/splice/`) and ends: the phone's place and both connection
-//! units travel with the pair and are released when its legs end.
+//! Its credential is its first frame, `relay-auth` with an invite, read by the acceptor's
+//! pending loop; [`authenticate`] checks it there (the host online, the invite live, fewer than
+//! 8 phones: all in memory, under the cell's lock) and only then does the phone take a unit of
+//! the connection cap, a relay-thread permit and one of the host's phone places. Its relay
+//! thread ([`serve`]) tells the host (`conn-open`), waits up to the attach deadline for the
+//! host's data leg (which `data.rs` passes through the pending entry's channel), sends the
+//! phone `relay-hello`, hands the pair to a splice worker (`relay/splice/`) and ends: the
+//! phone's place and both connection units travel with the pair and are released when its legs
+//! end.
 
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tungstenite::Message;
 
+use super::pending::{close_pending, close_pending_socket, PendingLeg};
 use super::socket::Socket;
 use super::splice::{LegHandOff, Pair, Release};
-use super::splice_reader::SpliceReader;
-use super::{read_first_splice_text, ConnectionHold, RelayContext, Served};
-use crate::cell::state::{random_token, CellState, PhoneRefusal};
+use super::{run_guarded, ConnectionHold, RelayContext, Served};
+use crate::cell::state::{random_token, CellState, Control, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 
 /// One of the host's phone places (at most 8, SPEC §5.2), returned when dropped.
@@ -32,28 +35,57 @@ impl Drop for PhonePlace {
     }
 }
 
-pub fn serve(
+/// An authenticated phone, as its relay thread takes it over.
+struct Admitted {
+    conn_id: String,
+    control: Control<Socket>,
+    ticket: String,
+    attach: Receiver<LegHandOff>,
+    /// What the first-frame reader read past `relay-auth`, and its parser.
+    buffered: Vec<u8>,
+    parser: super::frames::FrameParser,
+    place: PhonePlace,
+}
+
+/// Checks a phone's first frame on the acceptor's thread and, if it authenticates, starts its
+/// relay thread. `None` when it was refused (closed with its code); otherwise the spawn's
+/// result.
+pub(super) fn authenticate(
     context: &RelayContext,
-    socket: Arc<Socket>,
-    mut reader: SpliceReader,
+    leg: PendingLeg,
     relay_host_id: &str,
-    hold: &mut Option<ConnectionHold>,
-) -> Served {
-    let text = match read_first_splice_text(context, &mut reader) {
-        Ok(text) => text,
-        Err(code) => {
-            context.close(&socket, code, "first frame");
-            return Served::Ended;
-        }
-    };
-    let credential = match serde_json::from_str::<PhoneFirst>(&text) {
+    text: &str,
+) -> Option<std::io::Result<()>> {
+    let PendingLeg { id, stream, reader } = leg;
+    let credential = match serde_json::from_str::<PhoneFirst>(text) {
         Ok(PhoneFirst::RelayAuth { v: 1, credential }) => credential,
         _ => {
-            context.close(&socket, CloseCode::BadOuterCredential, "bad relay-auth");
-            return Served::Ended;
+            close_pending(
+                context,
+                stream,
+                CloseCode::BadOuterCredential,
+                "bad relay-auth",
+            );
+            return None;
         }
     };
-    let ticket = random_token();
+    // The cap unit and the thread permit are taken just before the invite is checked (in
+    // memory, on this loop; both go back at once on a refusal), so that once `admit_phone` has
+    // registered the phone with its host nothing can refuse it any more. At a full cap a phone
+    // is therefore refused 4429 before its invite is looked at.
+    let Some(unit) = context.slots.try_take() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
+        return None;
+    };
+    let Some(permit) = context.thread_permits.try_take() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "no thread");
+        return None;
+    };
+    let Ok(ticket) = random_token() else {
+        close_pending(context, stream, CloseCode::LimitExceeded, "try again");
+        return None;
+    };
+    let socket = Socket::new_splice(id, stream);
     let (attach_tx, attach_rx) = sync_channel::<LegHandOff>(1);
     let admitted = context.cell.admit_phone(
         relay_host_id,
@@ -70,8 +102,8 @@ pub fn serve(
                 PhoneRefusal::BadCredential => CloseCode::BadOuterCredential,
                 PhoneRefusal::TooManyPhones => CloseCode::LimitExceeded,
             };
-            context.close(&socket, code, "phone refused");
-            return Served::Ended;
+            close_pending_socket(context, socket, code, "phone refused");
+            return None;
         }
     };
     // From here on this phone holds one of the host's phone places.
@@ -79,7 +111,61 @@ pub fn serve(
         cell: context.cell.clone(),
         relay_host_id: relay_host_id.to_string(),
     };
+    let hold = ConnectionHold::new(unit, context.metrics.connections("phone"));
+    let (buffered, parser) = reader.into_parts();
+    let admitted = Admitted {
+        conn_id: conn_id.clone(),
+        control,
+        ticket,
+        attach: attach_rx,
+        buffered,
+        parser,
+        place,
+    };
+    let thread_context = context.clone();
+    let thread_socket = socket.clone();
+    let spawned = crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            let context = thread_context;
+            let socket = thread_socket;
+            run_guarded(&context, &socket.clone(), "phone", Some(hold), |hold| {
+                serve(&context, socket, admitted, hold)
+            });
+        },
+    );
+    if spawned.is_err() {
+        // The closure (place, unit, permit) is gone; the host's pending entry goes too.
+        context.cell.abandon_pending(&conn_id);
+        close_pending_socket(context, socket, CloseCode::LimitExceeded, "try again");
+    }
+    Some(spawned.map(|_| ()))
+}
 
+/// The phone's relay thread: `conn-open` to the host, the wait for its data leg, `relay-hello`,
+/// the hand-off to a splice worker.
+fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    admitted: Admitted,
+    hold: &mut Option<ConnectionHold>,
+) -> Served {
+    let Admitted {
+        conn_id,
+        control,
+        ticket,
+        attach,
+        buffered,
+        parser,
+        place,
+    } = admitted;
+    // The pending loop read it without blocking; this thread writes with the wedge window.
+    let _ = socket.stream().set_nonblocking(false);
+    let _ = socket
+        .stream()
+        .set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
     let attach_deadline_ms = context.timings.attach_deadline_ms;
     let open = RelayToHost::ConnOpen {
         conn_id: conn_id.clone(),
@@ -95,7 +181,7 @@ pub fn serve(
         context.close(&socket, CloseCode::HostOffline, "host unavailable");
         return Served::Ended;
     }
-    let host = match attach_rx.recv_timeout(Duration::from_millis(attach_deadline_ms)) {
+    let host = match attach.recv_timeout(Duration::from_millis(attach_deadline_ms)) {
         Ok(host) => host,
         Err(_) => {
             if context.cell.abandon_pending(&conn_id) {
@@ -103,7 +189,7 @@ pub fn serve(
                 return Served::Ended;
             }
             // A data leg took the entry as the deadline passed; its hand-off is on its way.
-            match attach_rx.recv_timeout(Duration::from_secs(1)) {
+            match attach.recv_timeout(Duration::from_secs(1)) {
                 Ok(host) => host,
                 Err(_) => {
                     context.close(&socket, CloseCode::HostOffline, "host did not attach");
@@ -112,7 +198,14 @@ pub fn serve(
             }
         }
     };
-    let (buffered, parser) = reader.into_parts();
+    // The phone hears relay-hello before any spliced frame: it is sent before the hand-off.
+    if socket
+        .send(Message::text(protocol::relay_hello_json()))
+        .is_err()
+    {
+        context.close(&host.socket, CloseCode::PeerDropped, "phone left");
+        return Served::Ended;
+    }
     let mut release: Vec<Release> = vec![Box::new(place)];
     if let Some(hold) = hold.take() {
         release.push(Box::new(hold));
@@ -123,7 +216,15 @@ pub fn serve(
         parser,
         release,
     };
-    match context.splice.hand_off(Pair { phone, host }) {
+    let cell = context.cell.clone();
+    let host_id = control.relay_host_id.clone();
+    let pair = Pair {
+        phone,
+        host,
+        relay_host_id: control.relay_host_id.as_str().into(),
+        host_present: Box::new(move || cell.control(&host_id).is_some()),
+    };
+    match context.splice.hand_off(pair) {
         Ok(()) => Served::HandedOff,
         Err(pair) => {
             // No worker can take it (the cell is stopping): a transient failure, retry.

@@ -11,12 +11,20 @@
 //!   tungstenite's out buffer; control and close frames go through the writer context.
 //!
 //! The reader's automatic replies (pong, close) are written through the same mutex by
-//! [`ReadHalf`]'s `Write` impl. A writer blocked longer than the socket's send timeout (the
-//! wedge window) marks the socket broken; the caller then closes the pair with 4429. A stalled
-//! writer only ever blocks threads of its own pair: the pinger uses [`Socket::try_send`].
+//! [`ReadHalf`]'s `Write` impl. [`Socket::send`] has one deadline for the whole call (the
+//! wedge window from its start, checked before each write, never a fresh timeout per write); a
+//! writer that misses it marks the socket broken.
 //!
-//! Closing: [`Socket::close`] sends the close frame once and hands the socket to the
-//! [`Reaper`], which shuts the TCP connection down one second later if the peer never answered.
+//! Cell-wide threads (the pinger, the lease renewer, the drain) never wait on one socket:
+//! [`Socket::try_send`] skips a socket another thread is writing, and otherwise writes the
+//! frame without blocking (`MSG_DONTWAIT`): a frame that does not fit whole in the socket's
+//! buffer shuts the connection down (nothing may follow half a frame, and a desktop that has
+//! let its buffer fill is not reading).
+//!
+//! Closing: [`Socket::close`] never waits either: the close frame goes out without blocking
+//! when the writer is free and it fits, and the connection is shut down at once when another
+//! thread is writing or it does not fit; then the [`Reaper`] shuts the TCP connection down one
+//! second later if the peer never answered.
 
 use std::collections::BinaryHeap;
 use std::io::{self, IoSlice, Read, Write};
@@ -27,9 +35,9 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use tungstenite::error::ProtocolError;
-use tungstenite::protocol::frame::coding::{CloseCode as WsCloseCode, Data, OpCode};
+use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::FrameHeader;
-use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
+use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
 use crate::clock;
@@ -60,6 +68,9 @@ pub struct Socket {
     writer: Mutex<Writer>,
     closing: AtomicBool,
     bytes_out: AtomicU64,
+    /// The send timeout the socket was given (the wedge window): the deadline of one whole
+    /// [`Socket::send`].
+    send_timeout: Option<Duration>,
 }
 
 fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
@@ -91,13 +102,14 @@ impl Socket {
     fn wrap(id: u64, stream: TcpStream) -> Arc<Socket> {
         Arc::new(Socket {
             id,
-            stream,
             writer: Mutex::new(Writer {
                 context: WebSocketContext::new(Role::Server, Some(writer_config())),
                 broken: false,
             }),
             closing: AtomicBool::new(false),
             bytes_out: AtomicU64::new(0),
+            send_timeout: stream.write_timeout().ok().flatten(),
+            stream,
         })
     }
 
@@ -111,7 +123,7 @@ impl Socket {
         );
         let reader = Reader {
             context,
-            half: ReadHalf(socket.clone()),
+            half: ReadHalf(socket.clone(), None),
         };
         (socket, reader)
     }
@@ -126,31 +138,6 @@ impl Socket {
         &self.stream
     }
 
-    /// Sends one data frame as it came from the other leg (opcode, FIN bit and payload kept).
-    pub fn send_frame(&self, data: Data, fin: bool, payload: &[u8]) -> Result<(), SendError> {
-        if self.is_closing() {
-            return Err(SendError::Closed);
-        }
-        let mut writer = lock_writer(&self.writer);
-        if writer.broken {
-            return Err(SendError::Wedged);
-        }
-        if self.is_closing() {
-            return Err(SendError::Closed);
-        }
-        match write_data_frame(&self.stream, data, fin, payload) {
-            Ok(()) => {
-                self.bytes_out
-                    .fetch_add(payload.len() as u64, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(()) => {
-                writer.broken = true;
-                Err(SendError::Wedged)
-            }
-        }
-    }
-
     /// The peer sent a close frame: answer it (once) and stop sending.
     pub fn acknowledge_close(&self) {
         if self.closing.swap(true, Ordering::AcqRel) {
@@ -158,8 +145,8 @@ impl Socket {
         }
         let mut writer = lock_writer(&self.writer);
         if !writer.broken {
-            let mut stream = Retrying(&self.stream);
             let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
+            let mut stream = Retrying(&self.stream, Deadline::after(Some(CLOSE_LINGER)));
             let _ = writer
                 .context
                 .close(&mut stream, None)
@@ -175,7 +162,8 @@ impl Socket {
         self.bytes_out.load(Ordering::Relaxed)
     }
 
-    /// Sends one message, blocking at most the socket's send timeout.
+    /// Sends one message within one deadline for the whole call: the socket's send timeout
+    /// (the wedge window), counted from the start of the call.
     pub fn send(&self, message: Message) -> Result<(), SendError> {
         if self.is_closing() {
             return Err(SendError::Closed);
@@ -184,8 +172,11 @@ impl Socket {
         self.send_locked(&mut writer, message)
     }
 
-    /// Sends one message only if no other thread is writing right now (the pinger must never
-    /// queue behind a wedged peer).
+    /// Sends one text message without ever waiting, for the cell-wide threads (pinger, lease
+    /// renewer, drain): `Ok(false)` when another thread is writing this socket (skipped); the
+    /// frame is written with `MSG_DONTWAIT`, and one that does not fit whole in the socket's
+    /// buffer shuts the connection down (`Err(Wedged)`): its reader sees the end and the
+    /// control leaves as any lost connection does.
     pub fn try_send(&self, message: Message) -> Result<bool, SendError> {
         if self.is_closing() {
             return Err(SendError::Closed);
@@ -195,7 +186,28 @@ impl Socket {
             Err(TryLockError::WouldBlock) => return Ok(false),
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
         };
-        self.send_locked(&mut writer, message).map(|()| true)
+        if writer.broken {
+            return Err(SendError::Wedged);
+        }
+        if self.is_closing() {
+            return Err(SendError::Closed);
+        }
+        let frame = match &message {
+            Message::Text(text) => server_frame(0x81, text.as_bytes()),
+            Message::Binary(payload) => server_frame(0x82, payload),
+            // Only text goes through here; anything else takes the ordinary path.
+            _ => return self.send_locked(&mut writer, message).map(|()| true),
+        };
+        if send_without_waiting(&self.stream, &frame) {
+            self.bytes_out
+                .fetch_add(message.len() as u64, Ordering::Relaxed);
+            Ok(true)
+        } else {
+            writer.broken = true;
+            drop(writer);
+            self.shutdown();
+            Err(SendError::Wedged)
+        }
     }
 
     fn send_locked(&self, writer: &mut Writer, message: Message) -> Result<(), SendError> {
@@ -208,15 +220,18 @@ impl Socket {
             return Err(SendError::Closed);
         }
         let len = message.len() as u64;
-        let mut stream = Retrying(&self.stream);
+        let deadline = Deadline::after(self.send_timeout);
+        let mut stream = Retrying(&self.stream, deadline);
         let result = match &message {
             // Data frames go out as header + payload in one vectored write, straight from the
             // message: tungstenite would first copy the payload into its out buffer, one more
             // pass over every spliced byte. Server frames are unmasked, so the payload is sent
             // as it is.
-            Message::Binary(payload) => write_data_frame(&self.stream, Data::Binary, true, payload),
+            Message::Binary(payload) => {
+                write_data_frame(&self.stream, deadline, Data::Binary, true, payload)
+            }
             Message::Text(text) => {
-                write_data_frame(&self.stream, Data::Text, true, text.as_bytes())
+                write_data_frame(&self.stream, deadline, Data::Text, true, text.as_bytes())
             }
             _ => writer
                 .context
@@ -238,30 +253,35 @@ impl Socket {
 
     /// Sends the close frame once (later calls do nothing) and schedules the TCP connection to
     /// be dropped after [`CLOSE_LINGER`]. Returns whether this call was the one that closed.
+    /// Never waits: with another thread mid-write (its frame cannot be interrupted), or a close
+    /// frame that does not fit in the socket's buffer now, the connection is shut down at once
+    /// instead (which also ends that other writer's wait).
     pub fn close(self: &Arc<Self>, code: CloseCode, reason: &str, reaper: &Reaper) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
         }
-        {
-            let mut writer = lock_writer(&self.writer);
-            if !writer.broken {
-                let frame = CloseFrame {
-                    code: WsCloseCode::from(code.code()),
-                    reason: reason.to_string().into(),
+        let sent = match self.writer.try_lock() {
+            Ok(mut writer) => {
+                let sent = !writer.broken && {
+                    let frame = close_frame_bytes(code.code(), reason);
+                    send_without_waiting(&self.stream, &frame)
                 };
-                let mut stream = Retrying(&self.stream);
-                // A short send timeout: a peer that does not read cannot hold the closer.
-                let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
-                let sent = writer
-                    .context
-                    .close(&mut stream, Some(frame))
-                    .and_then(|()| writer.context.flush(&mut stream));
-                if sent.is_err() {
+                if !sent {
                     writer.broken = true;
                 }
+                sent
             }
+            Err(TryLockError::Poisoned(poisoned)) => {
+                poisoned.into_inner().broken = true;
+                false
+            }
+            Err(TryLockError::WouldBlock) => false,
+        };
+        if sent {
+            reaper.schedule(self.clone(), CLOSE_LINGER);
+        } else {
+            self.shutdown();
         }
-        reaper.schedule(self.clone(), CLOSE_LINGER);
         true
     }
 
@@ -272,10 +292,92 @@ impl Socket {
     }
 }
 
+/// An unmasked server frame (RFC 6455 §5.2): `first` (FIN and opcode), the shortest length,
+/// the payload.
+fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
+    let mut head = [0u8; 10];
+    let head_len = crate::relay::splice::leg::server_header(first, payload.len(), &mut head);
+    let mut frame = Vec::with_capacity(head_len + payload.len());
+    frame.extend_from_slice(&head[..head_len]);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// A close frame with `code` and `reason` (cut to the 125-byte control limit).
+fn close_frame_bytes(code: u16, reason: &str) -> Vec<u8> {
+    crate::relay::splice::leg::close_frame(Some(code), reason)
+}
+
+/// Writes `frame` whole without blocking (`MSG_DONTWAIT`, `MSG_NOSIGNAL`); `EINTR` is retried.
+/// `false` when it did not all fit (then part of it may be on the wire: the caller must not
+/// write anything after it) or the connection failed.
+fn send_without_waiting(stream: &TcpStream, frame: &[u8]) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    let mut sent = 0;
+    while sent < frame.len() {
+        let rest = &frame[sent..];
+        // SAFETY: send reads at most `rest.len()` bytes from a live slice; the descriptor is
+        // owned by `stream` for the duration of the call.
+        let n = unsafe {
+            libc::send(
+                fd,
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n > 0 {
+            sent += n as usize;
+            continue;
+        }
+        let error = io::Error::last_os_error();
+        if n < 0 && error.kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        return false;
+    }
+    true
+}
+
+/// One deadline for a whole write call: the socket's send timeout, counted from the start of
+/// the call. Before each write the socket's timeout is set to what is left, so a
+/// peer that takes a byte now and then cannot stretch the call past it.
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Option<std::time::Instant>,
+}
+
+impl Deadline {
+    fn after(timeout: Option<Duration>) -> Deadline {
+        Deadline {
+            at: timeout.map(|timeout| clock::instant() + timeout),
+        }
+    }
+
+    /// Sets the socket's send timeout to what is left; `Err(TimedOut)` when nothing is.
+    fn arm(&self, stream: &TcpStream) -> io::Result<()> {
+        let Some(at) = self.at else {
+            return Ok(());
+        };
+        let left = at.saturating_duration_since(clock::instant());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "write deadline"));
+        }
+        stream.set_write_timeout(Some(left))
+    }
+}
+
 /// Writes one unmasked data frame (RFC 6455 §5.2) with the header and the payload in
-/// one vectored write, finishing partial writes. Any error (the send timeout included) leaves
-/// the stream mid-frame: the caller marks the writer broken.
-fn write_data_frame(stream: &TcpStream, data: Data, fin: bool, payload: &[u8]) -> Result<(), ()> {
+/// one vectored write, finishing partial writes, all within `deadline`. Any error (the
+/// deadline included) leaves the stream mid-frame: the caller marks the writer broken.
+fn write_data_frame(
+    stream: &TcpStream,
+    deadline: Deadline,
+    data: Data,
+    fin: bool,
+    payload: &[u8],
+) -> Result<(), ()> {
     let header = FrameHeader {
         is_final: fin,
         opcode: OpCode::Data(data),
@@ -292,8 +394,10 @@ fn write_data_frame(stream: &TcpStream, data: Data, fin: bool, payload: &[u8]) -
     };
     let total = head_len + payload.len();
     let mut written = 0;
+    let socket = stream;
     let mut stream = stream;
     while written < total {
+        deadline.arm(socket).map_err(|_| ())?;
         let result = if written < head_len {
             stream.write_vectored(&[
                 IoSlice::new(&head[written..head_len]),
@@ -313,10 +417,11 @@ fn write_data_frame(stream: &TcpStream, data: Data, fin: bool, payload: &[u8]) -
 }
 
 /// `&TcpStream` as tungstenite's writer context sees it: an interrupted call (`EINTR`) is
-/// retried, never reported. Linux fails a `send` on a socket with a send timeout with `EINTR`
-/// after the process is stopped and continued (signal(7), "Interruption of system calls and
-/// library functions by stop signals"); a close or pong frame must not be lost to that.
-struct Retrying<'a>(&'a TcpStream);
+/// retried, never reported, and every write is within the one deadline of the call. Linux
+/// fails a `send` on a socket with a send timeout with `EINTR` after the process is stopped
+/// and continued (signal(7), "Interruption of system calls and library functions by stop
+/// signals"); a close or pong frame must not be lost to that.
+struct Retrying<'a>(&'a TcpStream, Deadline);
 
 impl Read for Retrying<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -327,6 +432,7 @@ impl Read for Retrying<'_> {
 impl Write for Retrying<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         loop {
+            self.1.arm(self.0)?;
             match (&*self.0).write(buf) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 result => return result,
@@ -355,11 +461,20 @@ fn read_retrying(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
 
 /// The reader's view of the stream: reads go straight to the socket (interrupted reads are
 /// retried here, so tungstenite never sees `EINTR`), writes (tungstenite's automatic pong and
-/// close replies) go through the writer mutex as whole buffers.
-pub struct ReadHalf(Arc<Socket>);
+/// close replies) go through the writer mutex as whole buffers. With a deadline (the control's
+/// first frame), each read waits only for what is left of it, so a client that trickles its
+/// frame cannot stretch it (tungstenite reads a frame in as many reads as it takes).
+pub struct ReadHalf(Arc<Socket>, Option<std::time::Instant>);
 
 impl Read for ReadHalf {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(deadline) = self.1 {
+            let left = deadline.saturating_duration_since(clock::instant());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            self.0.stream.set_read_timeout(Some(left))?;
+        }
         read_retrying(&self.0.stream, buf)
     }
 }
@@ -370,7 +485,7 @@ impl Write for ReadHalf {
         if writer.broken {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "socket wedged"));
         }
-        (&self.0.stream).write_all(buf)?;
+        Retrying(&self.0.stream, Deadline::after(self.0.send_timeout)).write_all(buf)?;
         drop(writer);
         Ok(buf.len())
     }
@@ -441,6 +556,11 @@ impl Reader {
 
     pub fn socket(&self) -> &Arc<Socket> {
         &self.half.0
+    }
+
+    /// Every read from now on ends by `deadline` (`None`: the socket's own read timeout).
+    pub fn set_deadline(&mut self, deadline: Option<std::time::Instant>) {
+        self.half.1 = deadline;
     }
 
     /// After closing on an oversized frame, discards what the peer is still sending (for at

@@ -115,10 +115,11 @@ impl CellRuntime {
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
-            SpliceTimings {
-                wedge_ms: config.timings.wedge_ms,
-                linger_ms: relay::socket::CLOSE_LINGER.as_millis() as u64,
-            },
+            SpliceTimings::new(
+                config.timings.wedge_ms,
+                relay::socket::CLOSE_LINGER.as_millis() as u64,
+                config.splice_idle_ms,
+            ),
             clock.clone(),
             relay::RelayMetrics::new(&setup.registry),
         )
@@ -439,21 +440,31 @@ fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
     log::info!("orca_relay_capacity {}", plan.summary());
     if let Some(resource) = plan.lowered_by {
         log::warn!(
-            "orca_relay_connection_cap_lowered configured={configured} cap={} limited_by={resource} raise=\"{}\"",
+            "orca_relay_connection_cap_lowered configured={configured} cap={} limited_by={resource} rss_at_cap={} memory={} raise=\"{}\"",
             plan.cap,
+            plan.rss_at_cap,
+            plan.memory_bytes.map_or_else(|| "unknown".to_string(), |m| m.to_string()),
             resource.how_to_raise()
         );
     }
-    let (ceiling, cap) = (plan.ceiling, plan.cap);
+    let ceiling = plan.ceiling;
+    let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
+    registry.sampled_gauge(
+        "orca_relay_capacity_rss_at_cap_bytes",
+        "The RSS the process can reach at its connection cap (every connection at its memory bound).",
+        move || vec![(Vec::new(), rss_at_cap as f64)],
+    );
+    if let Some(memory) = memory {
+        registry.sampled_gauge(
+            "orca_relay_capacity_memory_bytes",
+            "The memory the process may use: the cgroup's memory.max, else MemTotal.",
+            move || vec![(Vec::new(), memory as f64)],
+        );
+    }
     registry.sampled_gauge(
         "orca_relay_capacity_connections",
         "Connections the process's limits allow (descriptors; a spliced leg holds no thread).",
         move || vec![(Vec::new(), ceiling as f64)],
-    );
-    registry.sampled_gauge(
-        "orca_relay_connection_cap",
-        "The connection cap in force (ORCA_RELAY_CONNECTION_CAP, lowered to the capacity).",
-        move || vec![(Vec::new(), cap as f64)],
     );
     let cap = u32::try_from(plan.cap).unwrap_or(configured);
     let permits = usize::try_from(plan.relay_threads).unwrap_or(usize::MAX);
@@ -468,6 +479,31 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
         pending_upgrades_max: config.pending_upgrades_max as u64,
         http_connections_max: config.http_connections_max as u64,
         configured_cap: config.connection_cap as u64,
+        memory: memory_bounds(config),
+    }
+}
+
+/// A control connection's most memory: its thread's stack, and tungstenite's read buffer and
+/// message for a frame of at most 1 MiB (SPEC §5.2), plus its state.
+pub const CONTROL_MEMORY_BOUND_BYTES: u64 = threads::RELAY_STACK_BYTES as u64
+    + 2 * crate::protocol::CONTROL_MAX_FRAME_BYTES as u64
+    + 16 * 1024;
+
+/// The process's memory beyond its connections: 64 MiB for the binary, allocator arenas, the
+/// database pool and caches; each splice worker's read buffer and events; each pending upgrade
+/// and HTTP connection (a thread's stack and a bounded head and body).
+pub const BASE_MEMORY_BYTES: u64 = 64 * 1024 * 1024;
+
+/// What the process can hold in memory per connection and besides (`capacity::MemoryBounds`):
+/// a connection is a spliced leg or a control, whichever bound is larger.
+pub fn memory_bounds(config: &Config) -> crate::capacity::MemoryBounds {
+    let per_thread_connection = threads::RELAY_STACK_BYTES as u64 + 32 * 1024;
+    crate::capacity::MemoryBounds {
+        per_connection: relay::splice::LEG_MEMORY_BOUND_BYTES.max(CONTROL_MEMORY_BOUND_BYTES),
+        base: BASE_MEMORY_BYTES
+            + config.splice_workers as u64 * (relay::splice::READ_BUFFER_BYTES as u64 + 64 * 1024)
+            + (config.pending_upgrades_max as u64 + config.http_connections_max as u64)
+                * per_thread_connection,
     }
 }
 
@@ -668,10 +704,12 @@ pub fn register_cell_metrics(registry: &Registry, store: &Store, context: &Relay
             vec![(vec![], slots.map_or(-1.0, f64::from))]
         },
     );
+    // Registered here only (once per process): the cap in force, ORCA_RELAY_CONNECTION_CAP
+    // lowered to what the process's limits allow (`plan_capacity`).
     let slots = context.slots.clone();
     registry.sampled_gauge(
         "orca_relay_connection_cap",
-        "ORCA_RELAY_CONNECTION_CAP: connection units this cell holds at most.",
+        "The connection cap in force (ORCA_RELAY_CONNECTION_CAP, lowered to the capacity): connection units this cell holds at most.",
         move || vec![(vec![], f64::from(slots.cap()))],
     );
     // The startup handshake's series exist in every cell process: the `cell` role counts its
@@ -733,13 +771,17 @@ pub fn run(config: Config) -> Result<(), RunError> {
         },
     })?);
     let handler = {
-        let registry = registry.clone();
-        let readiness = readiness.clone();
+        let process = super::ProcessRoutes {
+            registry: registry.clone(),
+            readiness: readiness.clone(),
+            clock: clock.clone(),
+            metrics_wait_for_start: true,
+            ready_gate: None,
+        };
         let cell = cell.clone();
-        let clock = clock.clone();
         Arc::new(move |request: &mut Request<'_>| {
             cell.route(request)
-                .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .or_else(|| process.route(request))
                 .unwrap_or_else(|| Reply::error(404, "not_found"))
         })
     };

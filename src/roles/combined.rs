@@ -45,7 +45,7 @@ use crate::director::admin::AdminContext;
 use crate::director::assign::{
     self, AssignContext, Fleet, HttpCellClient, InProcessCell, Placement,
 };
-use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig, Pacing};
 use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
@@ -60,9 +60,10 @@ use super::{
     RunError,
 };
 
-/// How long start-up waits for the cell's first ready heartbeat to reach the store, so that
-/// `/v1/assign` can place desktops as soon as the started line is logged. Past it the process
-/// starts anyway and becomes placeable with the heartbeat that says ready.
+/// How long start-up waits for the in-process director to be able to place desktops on the
+/// cell (its ready heartbeat in the store, in reserve mode a feed answer), so that `/v1/assign`
+/// places desktops as soon as the started line is logged. Past it the process starts anyway;
+/// `/ready` keeps answering 503 `starting` until it is placeable (`wait_until_placeable`).
 const PLACEABLE_WAIT: Duration = Duration::from_secs(5);
 
 pub fn run(mut config: Config) -> Result<(), RunError> {
@@ -154,15 +155,24 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         config.timings.trip_slot_stale_ms,
     )
     .listing_only(token_configured);
+    // `/ready` says 200 only once the in-process director would place a desktop on this cell
+    // (its ready heartbeat and, in reserve mode, a feed answer are recorded): see
+    // `wait_until_placeable`.
+    let placeable = super::ServeGate::default();
     let handler = {
-        let registry = registry.clone();
-        let readiness = readiness.clone();
+        let process = super::ProcessRoutes {
+            registry: registry.clone(),
+            readiness: readiness.clone(),
+            clock: clock.clone(),
+            metrics_wait_for_start: true,
+            ready_gate: Some(placeable.clone()),
+        };
         let cell = cell.clone();
-        let clock = clock.clone();
+        let assign_context = assign_context.clone();
         Arc::new(move |request: &mut Request<'_>| {
             if let Some(reply) = cell
                 .route(request)
-                .or_else(|| super::process_route(request, &registry, &readiness, &clock))
+                .or_else(|| process.route(request))
                 .or_else(|| admin.handle(request))
             {
                 return reply;
@@ -183,6 +193,10 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         &registry,
     )
     .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    log::info!(
+        "orca_relay_listening role=combined cell_id={} ws={ws_addr} http={http_addr}",
+        config.cell_id
+    );
     super::start_systemd_watchdog(http_addr)?;
 
     // The combined role has no remote director to register with: the cell is in the store.
@@ -213,7 +227,7 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         service_token,
         clock: clock.clone(),
         registry: registry.clone(),
-        period: Duration::from_millis(config.timings.feed_poll_ms),
+        pacing: Pacing::from_config(&config),
         membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
@@ -226,7 +240,28 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         })
         .map_err(|e| RunError(format!("cannot start the fleet-sweeper thread: {e}")))?
     };
-    wait_until_placeable(&store, &config.cell_id, incarnation);
+    let (placement_stop, placement_stop_rx) = mpsc::channel::<()>();
+    let self_placement = {
+        let (store, gate) = (store.clone(), placeable.clone());
+        let (context, cell_id) = (assign_context.clone(), config.cell_id.clone());
+        threads::spawn("self-placement", move || {
+            wait_until_placeable(&store, &context, &cell_id, &gate, placement_stop_rx)
+        })
+        .map_err(|e| RunError(format!("cannot start the self-placement thread: {e}")))?
+    };
+    // Ready for systemd once placeable, or after PLACEABLE_WAIT (a database down at boot):
+    // `/ready` keeps waiting for the gate either way.
+    let waited = clock::instant();
+    while !placeable.is_open() && waited.elapsed() < PLACEABLE_WAIT {
+        clock::sleep(Duration::from_millis(20));
+    }
+    if !placeable.is_open() {
+        log::warn!(
+            "orca_relay_self_placement_pending cell_id={} waited_ms={}",
+            config.cell_id,
+            PLACEABLE_WAIT.as_millis()
+        );
+    }
 
     lifecycle::notify_ready();
     log::info!(
@@ -238,6 +273,8 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }
     cell.drain(&shutdown);
+    drop(placement_stop);
+    threads::join_logged("self-placement", self_placement);
     poller.stop();
     drop(sweeper_stop);
     threads::join_logged("fleet-sweeper", sweeper);
@@ -268,31 +305,40 @@ fn loopback_url(addr: SocketAddr) -> String {
     format!("http://{}", SocketAddr::new(ip, addr.port()))
 }
 
-/// Waits (at most [`PLACEABLE_WAIT`]) until the store shows this incarnation registered and
-/// heartbeating ready, which is what placement needs. The heartbeat thread sends the ready beat
-/// as soon as readiness turns (SPEC §5.6; `cell::heartbeat`).
-fn wait_until_placeable(store: &Store, cell_id: &str, incarnation: i64) {
-    let deadline = clock::instant() + PLACEABLE_WAIT;
+/// The `self-placement` thread: every 20 ms, until the in-process director would place a new
+/// desktop on this cell as a placement judges it (the store shows this incarnation heartbeating
+/// ready, and in reserve mode the feed poller has an answer saying so:
+/// `assign::Fleet::places_on`), then opens `gate`, which `/ready` waits for. Returns then, or
+/// when `stop` fires or its sender is dropped.
+fn wait_until_placeable(
+    store: &Store,
+    context: &AssignContext,
+    cell_id: &str,
+    gate: &super::ServeGate,
+    stop: Receiver<()>,
+) {
+    let Placement::Fleet(fleet) = &context.placement else {
+        gate.open();
+        return;
+    };
     loop {
         let placeable = store.list_cells().is_ok_and(|cells| {
-            cells.iter().any(|cell| {
-                cell.cell_id == cell_id
-                    && cell.runtime.as_ref().is_some_and(|runtime| {
-                        runtime.ready && runtime.cell_incarnation == incarnation
-                    })
-            })
+            fleet.places_on(
+                &cells,
+                cell_id,
+                context.clock.now_ms(),
+                context.clock.monotonic_ms(),
+            )
         });
         if placeable {
+            gate.open();
+            log::info!("orca_relay_self_placement_ready cell_id={cell_id}");
             return;
         }
-        if clock::instant() >= deadline {
-            log::warn!(
-                "orca_relay_self_placement_pending cell_id={cell_id} waited_ms={}",
-                PLACEABLE_WAIT.as_millis()
-            );
-            return;
+        match stop.recv_timeout(Duration::from_millis(20)) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
         }
-        clock::sleep(Duration::from_millis(20));
     }
 }
 
@@ -321,9 +367,9 @@ impl SelfRecord {
             Ok(()) => true,
             Err(e) => {
                 log::warn!(
-                    "orca_relay_self_registration_deferred cell_id={} reason={}",
+                    "orca_relay_self_registration_deferred cell_id={} {}",
                     self.cell_id,
-                    e.reason_code()
+                    e.log_fields()
                 );
                 false
             }
@@ -363,9 +409,9 @@ impl SelfRecord {
                     Err(e) => {
                         if !failing {
                             log::warn!(
-                                "orca_relay_self_admit_mode_failed cell_id={} reason={}",
+                                "orca_relay_self_admit_mode_failed cell_id={} {}",
                                 self.cell_id,
-                                e.reason_code()
+                                e.log_fields()
                             );
                         }
                         failing = true;

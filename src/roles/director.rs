@@ -19,11 +19,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{self, SharedClock};
+use crate::clock;
 use crate::config::Config;
 use crate::director::admin::AdminContext;
 use crate::director::assign::{self, AssignContext, Fleet, HttpCellClient, Placement};
-use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig};
+use crate::director::feed_poller::{FeedBoard, FeedPoller, FeedPollerConfig, Pacing};
 use crate::director::membership::{self, Judge};
 use crate::http::{HttpServer, HttpSettings, Reply, Request};
 use crate::lifecycle::{self, Shutdown};
@@ -85,8 +85,12 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let jwks_verifier = verifier.clone();
         let sql_store = store.clone();
         let probes = Probes {
-            jwks: Some(Box::new(move || jwks_verifier.probe())),
-            sql: Box::new(move || sql_store.ping().map_err(|e| e.reason_code())),
+            jwks: Some(Box::new(move || jwks_verifier.probe().map_err(Into::into))),
+            sql: Box::new(move || {
+                sql_store
+                    .probe()
+                    .map_err(|e| readiness::ProbeFailure::from(&e))
+            }),
         };
         let readiness = readiness.clone();
         let clock = clock.clone();
@@ -105,7 +109,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         service_token: service_token.clone(),
         clock: clock.clone(),
         registry: registry.clone(),
-        period: Duration::from_millis(config.timings.feed_poll_ms),
+        pacing: Pacing::from_config(&config),
         membership,
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
@@ -143,9 +147,13 @@ pub fn run(config: Config) -> Result<(), RunError> {
             membership,
             config.timings.trip_slot_stale_ms,
         ),
-        readiness: readiness.clone(),
-        registry: registry.clone(),
-        clock: clock.clone(),
+        process: super::ProcessRoutes {
+            registry: registry.clone(),
+            readiness: readiness.clone(),
+            clock: clock.clone(),
+            metrics_wait_for_start: false,
+            ready_gate: None,
+        },
         migrated,
     });
     let handler = {
@@ -206,7 +214,8 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
                 let reason = error.reason_code();
                 if last_reason != Some(reason) {
                     log::warn!(
-                        "orca_relay_migrations_failed reason={reason} retry_ms={} error={error}",
+                        "orca_relay_migrations_failed {} retry_ms={} error={error}",
+                        error.log_fields(),
                         wait.as_millis()
                     );
                     last_reason = Some(reason);
@@ -224,17 +233,13 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
 struct Routes {
     assign: AssignContext,
     admin: AdminContext,
-    readiness: Readiness,
-    registry: Registry,
-    clock: SharedClock,
+    process: super::ProcessRoutes,
     migrated: Arc<AtomicBool>,
 }
 
 impl Routes {
     fn route(&self, request: &mut Request<'_>) -> Reply {
-        if let Some(reply) =
-            super::process_route(request, &self.registry, &self.readiness, &self.clock)
-        {
+        if let Some(reply) = self.process.route(request) {
             return reply;
         }
         let store_route = request.path == "/v1/assign" || request.path.starts_with("/v1/admin/");

@@ -7,6 +7,8 @@ pub mod director;
 
 use std::fmt;
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
@@ -160,7 +162,7 @@ pub fn start_prober(
     let period_ms = config.timings.readiness_probe_ms;
     let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
         let verifier = verifier.clone();
-        Some(Box::new(move || verifier.probe()))
+        Some(Box::new(move || verifier.probe().map_err(Into::into)))
     } else {
         None
     };
@@ -169,11 +171,13 @@ pub fn start_prober(
     let probes = crate::readiness::Probes {
         jwks,
         sql: Box::new(move || {
-            sql_store.ping().map_err(|e| e.reason_code())?;
+            sql_store
+                .probe()
+                .map_err(|e| crate::readiness::ProbeFailure::from(&e))?;
             if migrated.load(std::sync::atomic::Ordering::Acquire) {
                 Ok(())
             } else {
-                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING)
+                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING.into())
             }
         }),
     };
@@ -221,14 +225,14 @@ pub fn migrate_in_background(
         }
         Err(e) => Err(e),
     };
-    let first_reason = match first {
+    let first_failure = match first {
         Ok(()) => {
             migrated.store(true, Ordering::Release);
             return Ok((migrated, None));
         }
-        Err(e) => e.reason_code(),
+        Err(e) => e.log_fields(),
     };
-    log::warn!("orca_relay_migrations_pending reason={first_reason}");
+    log::warn!("orca_relay_migrations_pending {first_failure}");
     let store = store.clone();
     let done = migrated.clone();
     crate::threads::spawn("migrator", move || {
@@ -301,23 +305,58 @@ pub fn url_for_bound(
     }
 }
 
+/// A gate `/ready` waits for beyond the readiness verdict: closed until the role can serve what
+/// `/ready` advertises. The combined role opens it once its own director would place a desktop
+/// on its cell (`director::assign::Fleet::places_on`); before that, a 200 would send the load
+/// balancer a client the process answers 503 `relay_capacity_exhausted`.
+#[derive(Clone, Default)]
+pub struct ServeGate(Arc<AtomicBool>);
+
+impl ServeGate {
+    pub fn open(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
 /// The endpoints every role serves: `/health` (touches nothing), `/ready` (the readiness
 /// verdict, never blocking on a dependency) and `/metrics`.
-pub fn process_route(
-    request: &crate::http::Request<'_>,
-    registry: &crate::metrics::Registry,
-    readiness: &crate::readiness::Readiness,
-    clock: &SharedClock,
-) -> Option<crate::http::Reply> {
-    use crate::http::Reply;
-    match (request.method, request.path) {
-        ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
-        ("GET", "/ready") => {
-            let verdict = readiness.answer(clock.now_ms());
-            Some(Reply::json(verdict.status, verdict.body))
+pub struct ProcessRoutes {
+    pub registry: crate::metrics::Registry,
+    pub readiness: crate::readiness::Readiness,
+    pub clock: SharedClock,
+    /// `/metrics` answers 503 `starting` while readiness is in its starting phase (SPEC §8: a
+    /// cell in its startup handshake serves only `/health`). The director's starting phase is
+    /// its wait for the database (migrations), which may last: it keeps `/metrics`, so
+    /// `orca_relay_ready` stays visible to the alert that watches it.
+    pub metrics_wait_for_start: bool,
+    /// See [`ServeGate`]; `None`: `/ready` is the readiness verdict alone.
+    pub ready_gate: Option<ServeGate>,
+}
+
+impl ProcessRoutes {
+    pub fn route(&self, request: &crate::http::Request<'_>) -> Option<crate::http::Reply> {
+        use crate::http::Reply;
+        let starting = || self.readiness.phase() == crate::readiness::Phase::Starting;
+        match (request.method, request.path) {
+            ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
+            ("GET", "/ready") => {
+                let verdict = self.readiness.answer(self.clock.now_ms());
+                let gated = self.ready_gate.as_ref().is_some_and(|gate| !gate.is_open());
+                if verdict.status == 200 && gated {
+                    return Some(Reply::json(503, r#"{"error":"starting"}"#));
+                }
+                Some(Reply::json(verdict.status, verdict.body))
+            }
+            ("GET", "/metrics") if self.metrics_wait_for_start && starting() => {
+                Some(Reply::json(503, r#"{"error":"starting"}"#))
+            }
+            ("GET", "/metrics") => Some(Reply::text(200, self.registry.render())),
+            _ => None,
         }
-        ("GET", "/metrics") => Some(Reply::text(200, registry.render())),
-        _ => None,
     }
 }
 

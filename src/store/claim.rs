@@ -109,8 +109,7 @@ pub(super) fn claim_postgres(
     )?;
 
     // 4. COMMIT releases the lock; the next claimant counts this row.
-    n.bump();
-    tx.commit()?;
+    super::pg_statements::commit(tx, n)?;
     Ok(if permitted {
         ClaimOutcome::Permit { others_holding }
     } else {

@@ -114,25 +114,86 @@ pub enum StoreError {
 /// them, so the two stay in step.
 const POOL_EXHAUSTED: &str = "database pool exhausted";
 const TIMED_OUT: &str = "database statement timed out";
+const READ_ONLY: &str = "database takes no writes";
+const DISK_FULL: &str = "database disk full";
 /// The event name of a TLS failure (`store::tls`); the message is the whole log line.
 const TLS_FAILED: &str = "orca_relay_store_tls_failed ";
+/// How a message ends when the database said why: `(sqlstate 25006)` from PostgreSQL,
+/// `(sqlite SQLITE_FULL)` from SQLite ([`StoreError::code`]).
+const PG_CODE: &str = "(sqlstate ";
+const SQLITE_CODE: &str = "(sqlite ";
+
+/// The SQLSTATE of a read-only transaction's refused write (a standby, or
+/// `default_transaction_read_only`).
+pub const SQLSTATE_READ_ONLY: &str = "25006";
 
 impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable(_))
     }
 
-    /// `sql_pool_exhausted`, `sql_timed_out`, `sql_tls_failed` or `sql_failed`, for logs,
-    /// metrics and `/ready`.
-    pub fn reason_code(&self) -> &'static str {
+    fn message(&self) -> &str {
         match self {
-            StoreError::Unavailable(message) if message.starts_with(TLS_FAILED) => "sql_tls_failed",
-            StoreError::Unavailable(message) if message.starts_with(POOL_EXHAUSTED) => {
+            StoreError::Unavailable(message) | StoreError::Query(message) => message,
+        }
+    }
+
+    /// `sql_pool_exhausted`, `sql_timed_out`, `sql_tls_failed`, `sql_read_only` (a standby or
+    /// a read-only server: writes are refused), `sql_disk_full` (SQLite cannot grow its files)
+    /// or `sql_failed`, for logs, metrics and `/ready`.
+    pub fn reason_code(&self) -> &'static str {
+        let message = self.message();
+        match self {
+            StoreError::Unavailable(_) if message.starts_with(TLS_FAILED) => "sql_tls_failed",
+            StoreError::Unavailable(_) if message.starts_with(POOL_EXHAUSTED) => {
                 "sql_pool_exhausted"
             }
-            StoreError::Unavailable(message) if message.starts_with(TIMED_OUT) => "sql_timed_out",
+            StoreError::Unavailable(_) if message.starts_with(TIMED_OUT) => "sql_timed_out",
+            _ if message.starts_with(READ_ONLY) || self.code() == Some(SQLSTATE_READ_ONLY) => {
+                "sql_read_only"
+            }
+            _ if message.starts_with(DISK_FULL) || self.code() == Some("SQLITE_FULL") => {
+                "sql_disk_full"
+            }
             StoreError::Unavailable(_) | StoreError::Query(_) => "sql_failed",
         }
+    }
+
+    /// What the database said the failure was: PostgreSQL's SQLSTATE (`25006`, `57P01`, …) or
+    /// SQLite's result code (`SQLITE_FULL`, …); `None` when it said nothing (the connection
+    /// broke, the pool was empty).
+    pub fn code(&self) -> Option<&str> {
+        let message = self.message();
+        let (start, marker) = [PG_CODE, SQLITE_CODE]
+            .iter()
+            .filter_map(|marker| message.rfind(marker).map(|at| (at, *marker)))
+            .max_by_key(|(at, _)| *at)?;
+        let rest = &message[start + marker.len()..];
+        rest.split(')').next().filter(|code| !code.is_empty())
+    }
+
+    /// The fields a failure line carries: `reason=… sqlstate=…` (PostgreSQL) or
+    /// `reason=… sqlite=…` (SQLite), the code only when the database gave one.
+    pub fn log_fields(&self) -> String {
+        let reason = self.reason_code();
+        match (self.code(), self.message().contains(SQLITE_CODE)) {
+            (Some(code), true) => format!("reason={reason} sqlite={code}"),
+            (Some(code), false) => format!("reason={reason} sqlstate={code}"),
+            (None, _) => format!("reason={reason}"),
+        }
+    }
+
+    /// The store's readiness probe found a server that answers but takes no writes (a
+    /// PostgreSQL standby, or a read-only primary).
+    pub(crate) fn read_only(detail: &str) -> Self {
+        StoreError::Unavailable(format!(
+            "{READ_ONLY}: {detail} {PG_CODE}{SQLSTATE_READ_ONLY})"
+        ))
+    }
+
+    /// The store's readiness probe found the SQLite database's filesystem out of space.
+    pub(crate) fn disk_full(detail: &str) -> Self {
+        StoreError::Unavailable(format!("{DISK_FULL}: {detail} {SQLITE_CODE}SQLITE_FULL)"))
     }
 
     pub(crate) fn pool_exhausted(waited: Duration, open: u32) -> Self {
@@ -311,20 +372,24 @@ pub(crate) const LIST_CELLS: &str =
  LEFT JOIN relay_cell_admit_effective e ON e.cell_id = c.cell_id
  ORDER BY c.cell_id";
 
-/// The tables keyed by `cell_id` whose rows belong to one cell (forgetting deletes them all).
-pub(crate) const CELL_TABLES: [&str; 5] = [
+/// The tables keyed by `cell_id` whose rows belong to the cell's process: forgetting a cell
+/// deletes them all. Not `relay_cell_admit_modes`: that row is the operator's record of the
+/// cell's switch (SPEC §12), so a cell that comes back after a long absence is placed in the
+/// mode its operator set (a reserve cell inside the trip-slot bound and the budget), not as
+/// `db`. It holds one row per cell id an operator ever recorded, so it grows only with the
+/// operator's own writes.
+pub(crate) const CELL_TABLES: [&str; 4] = [
     "relay_cells",
     "relay_cell_runtime",
-    "relay_cell_admit_modes",
     "relay_cell_admit_effective",
     "relay_assignment_activity_leases",
 ];
 
 /// The per-cell tables a deregistered cell leaves rows in, with the column stamped by the
-/// database (or, for leases, the expiry) that says how long the row has been untouched.
-pub(crate) const UNREGISTERED_LEFTOVERS: [(&str, &str); 3] = [
+/// database that says how long the row has been untouched (the operator's admit-mode record
+/// stays, as above).
+pub(crate) const UNREGISTERED_LEFTOVERS: [(&str, &str); 2] = [
     ("relay_cell_runtime", "last_heartbeat_at"),
-    ("relay_cell_admit_modes", "updated_at"),
     ("relay_cell_admit_effective", "updated_at"),
 ];
 
@@ -409,9 +474,19 @@ impl Store {
         dispatch!(self, store => store.migrate())
     }
 
-    /// `SELECT 1`: the readiness probe.
+    /// `SELECT 1`.
     pub fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, store => store.ping())
+    }
+
+    /// The readiness probe (SPEC §7, §12): the database answers and can take writes. On
+    /// PostgreSQL a server in recovery (a standby) or one whose transactions are read-only fails
+    /// it (`sql_read_only`, SQLSTATE 25006); on SQLite a write transaction must commit and the
+    /// database's filesystem must have room for the files to grow (`sql_disk_full`,
+    /// `SQLITE_FULL`). Either way `/ready` treats it as the SQL dependency failing, under the
+    /// same grace as an outage.
+    pub fn probe(&self) -> Result<(), StoreError> {
+        dispatch!(self, store => store.probe())
     }
 
     /// The database's clock, `relay_now_ms()` (operators and tests).
@@ -535,9 +610,10 @@ impl Store {
     }
 
     /// Forgets every cell the database has not heard from for more than `silent_ms`
-    /// ([`CellRow::silent_ms`]): all of its rows (registration, runtime, admit-mode record,
-    /// admit-effective row, activity leases). Rows of cells no longer registered are deleted
-    /// once untouched for as long. Returns the ids of the registered cells forgotten.
+    /// ([`CellRow::silent_ms`]): all of its rows (registration, runtime, admit-effective row,
+    /// activity leases) except the operator's admit-mode record ([`CELL_TABLES`]). Rows of
+    /// cells no longer registered are deleted once untouched for as long. Returns the ids of the
+    /// registered cells forgotten.
     pub fn forget_silent_cells(&self, silent_ms: i64) -> Result<Vec<String>, StoreError> {
         dispatch!(self, store => store.forget_silent_cells(silent_ms))
     }

@@ -18,7 +18,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::StoreError;
 use crate::clock;
@@ -112,7 +112,7 @@ impl<K: Connector> Pool<K> {
             if let Some(conn) = state.idle.pop() {
                 drop(state);
                 if self.shared.connector.is_usable(&conn) {
-                    return Ok(self.guard(conn));
+                    return Ok(self.guard(conn, true));
                 }
                 // Closed behind our back (server restart): drop it outside the lock, try again.
                 drop(conn);
@@ -123,35 +123,76 @@ impl<K: Connector> Pool<K> {
             if state.open < state.ceiling {
                 state.open += 1;
                 drop(state);
-                return match self.shared.connector.connect() {
-                    Ok(conn) => Ok(self.guard(conn)),
-                    Err(error) => {
-                        self.lock().open -= 1;
-                        self.shared.returned.notify_one();
-                        Err(error)
-                    }
-                };
+                return self.open_counted();
             }
-            let now = clock::instant();
-            if now >= deadline {
-                return Err(StoreError::pool_exhausted(timeout, state.open));
-            }
-            state.waiters += 1;
-            let (next, _) = self
-                .shared
-                .returned
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            state = next;
-            state.waiters -= 1;
+            state = self.wait_returned(state, deadline, timeout)?;
         }
     }
 
-    fn guard(&self, conn: K::Conn) -> PooledConnection<K> {
+    /// Opens a connection in a place the caller has counted (`open` already raised); the place
+    /// is given back when the connect fails.
+    fn open_counted(&self) -> Result<PooledConnection<K>, StoreError> {
+        match self.shared.connector.connect() {
+            Ok(conn) => Ok(self.guard(conn, false)),
+            Err(error) => {
+                self.lock().open -= 1;
+                self.shared.returned.notify_one();
+                Err(error)
+            }
+        }
+    }
+
+    /// Waits, as a counted waiter, until a connection is returned or `deadline` (the pool
+    /// exhausted, after `timeout` in all).
+    fn wait_returned<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, PoolState<K::Conn>>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<MutexGuard<'a, PoolState<K::Conn>>, StoreError> {
+        let now = clock::instant();
+        if now >= deadline {
+            return Err(StoreError::pool_exhausted(timeout, state.open));
+        }
+        state.waiters += 1;
+        let (mut state, _) = self
+            .shared
+            .returned
+            .wait_timeout(state, deadline - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.waiters -= 1;
+        Ok(state)
+    }
+
+    fn guard(&self, conn: K::Conn, reused: bool) -> PooledConnection<K> {
         PooledConnection {
             pool: self.clone(),
             conn: Some(conn),
             broken: false,
+            reused,
+        }
+    }
+
+    /// Takes a newly opened connection, never an idle one: the retry after a pooled
+    /// connection turned out dead. An idle connection found while the pool is at its ceiling
+    /// is closed to make room (it most likely points at the same dead server).
+    pub fn checkout_fresh(&self, timeout: Duration) -> Result<PooledConnection<K>, StoreError> {
+        let deadline = clock::instant() + timeout;
+        let mut state = self.lock();
+        loop {
+            if state.open < state.ceiling {
+                state.open += 1;
+                drop(state);
+                return self.open_counted();
+            }
+            if let Some(conn) = state.idle.pop() {
+                state.open -= 1;
+                drop(state);
+                drop(conn);
+                state = self.lock();
+                continue;
+            }
+            state = self.wait_returned(state, deadline, timeout)?;
         }
     }
 
@@ -240,12 +281,21 @@ pub struct PooledConnection<K: Connector> {
     pool: Pool<K>,
     conn: Option<K::Conn>,
     broken: bool,
+    /// Handed out from the idle list (it has sat in the pool; the server may have closed it
+    /// meanwhile), rather than opened for this checkout.
+    reused: bool,
 }
 
 impl<K: Connector> PooledConnection<K> {
     /// Marks the connection as failed: it is closed on drop instead of returned.
     pub fn discard(&mut self) {
         self.broken = true;
+    }
+
+    /// Whether this connection came from the idle list rather than being opened for this
+    /// checkout.
+    pub fn reused(&self) -> bool {
+        self.reused
     }
 }
 

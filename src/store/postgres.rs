@@ -20,7 +20,7 @@ use postgres::error::SqlState;
 use postgres::{Client, NoTls, Row};
 
 use super::claim::{self, ClaimRequest};
-use super::pg_statements::{execute, query, query_one, query_opt};
+use super::pg_statements::{self, commit, execute, query, query_one, query_opt};
 use super::pool::{Connector, Pool, PoolCounts};
 use super::tls::DatabaseTlsConnector;
 use super::{
@@ -92,22 +92,53 @@ fn connection_failed(error: &postgres::Error) -> bool {
     std::error::Error::source(error).is_some_and(|source| source.is::<std::io::Error>())
 }
 
-/// Turns a driver error into a short store error that names what was being done.
+/// True when the error says the server ended the connection before answering: it closed the
+/// socket (its end of a pooled connection it terminated, restarted or lost to a failover), or
+/// it said it is shutting down (57P01-57P03) or the connection is gone (class 08). Not a
+/// timeout: a server that stopped answering may still be working on what it got.
+fn closed_by_server(error: &postgres::Error) -> bool {
+    if error.is_closed() {
+        return true;
+    }
+    if let Some(code) = error.code() {
+        let code = code.code();
+        return code.starts_with("08") || code.starts_with("57P");
+    }
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        })
+}
+
+/// Turns a driver error into a short store error that names what was being done and, when the
+/// server said why, its SQLSTATE (`(sqlstate 57P01)`: [`StoreError::code`]).
 pub(super) fn store_error(error: &postgres::Error, context: &str) -> StoreError {
+    let sqlstate = error
+        .code()
+        .map(|code| format!(" (sqlstate {})", code.code()))
+        .unwrap_or_default();
     if error.code() == Some(&SqlState::QUERY_CANCELED) {
-        return StoreError::timed_out(context);
+        return StoreError::timed_out(&format!("{context}{sqlstate}"));
     }
-    if connection_failed(error) || error.code() == Some(&SqlState::TOO_MANY_CONNECTIONS) {
-        return StoreError::Unavailable(format!("{context}: {error}"));
+    let said = error
+        .as_db_error()
+        .map_or_else(|| error.to_string(), |db| db.message().to_string());
+    if connection_failed(error)
+        || error.code() == Some(&SqlState::TOO_MANY_CONNECTIONS)
+        || error.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION)
+    {
+        // A write refused by a read-only server (a standby) is an outage of the writable
+        // database, not a bad statement: callers retry later, readiness says `sql_read_only`.
+        return StoreError::Unavailable(format!("{context}: {said}{sqlstate}"));
     }
-    match error.as_db_error() {
-        Some(db) => StoreError::Query(format!(
-            "{context}: {} (sqlstate {})",
-            db.message(),
-            db.code().code()
-        )),
-        None => StoreError::Query(format!("{context}: {error}")),
-    }
+    StoreError::Query(format!("{context}: {said}{sqlstate}"))
 }
 
 impl PgStore {
@@ -188,12 +219,40 @@ impl PgStore {
 
     /// Runs `work` on a pooled connection. On error the connection is discarded (and, after a
     /// connection-level failure, every idle one too).
+    ///
+    /// Work that failed because the server had closed the pooled connection it got (a restart,
+    /// a failover, an administrator's `pg_terminate_backend`: the first use of a connection
+    /// that sat idle meanwhile) is run once more on a newly opened connection (SPEC §12), but
+    /// only if nothing it sent may have committed (`pg_statements::may_have_committed`: no
+    /// autocommit write, no `COMMIT` sent). So a failover costs the first caller a reconnect,
+    /// not an error, and a write is never applied twice.
     fn with_client<T>(
         &self,
         context: &str,
-        work: impl FnOnce(&mut Client, &StatementCounter) -> Result<T, postgres::Error>,
+        mut work: impl FnMut(&mut Client, &StatementCounter) -> Result<T, postgres::Error>,
     ) -> Result<T, StoreError> {
         let mut conn = self.pool.checkout(self.checkout_timeout)?;
+        let reused = conn.reused();
+        pg_statements::begin_work();
+        let error = match work(&mut conn, &self.statements) {
+            Ok(value) => return Ok(value),
+            Err(error) => error,
+        };
+        conn.discard();
+        drop(conn);
+        if connection_failed(&error) {
+            self.pool.discard_idle();
+        }
+        let retry = reused && closed_by_server(&error) && !pg_statements::may_have_committed();
+        if !retry {
+            return Err(store_error(&error, context));
+        }
+        log::info!(
+            "orca_relay_store_connection_replaced context=\"{context}\" {}",
+            store_error(&error, context).log_fields()
+        );
+        let mut conn = self.pool.checkout_fresh(self.checkout_timeout)?;
+        pg_statements::begin_work();
         match work(&mut conn, &self.statements) {
             Ok(value) => Ok(value),
             Err(error) => {
@@ -245,8 +304,7 @@ impl PgStore {
                     )?;
                 }
             }
-            n.bump();
-            tx.commit()
+            commit(tx, n)
         })
     }
 
@@ -254,6 +312,30 @@ impl PgStore {
         self.with_client("ping", |client, n| {
             query_one(client, n, "SELECT 1", &[]).map(|_| ())
         })
+    }
+
+    /// The readiness probe: one round trip asking whether this server takes writes. A standby
+    /// (in recovery) answers `SELECT 1` happily and refuses every write; so does a primary
+    /// whose transactions default to read-only.
+    pub(super) fn probe(&self) -> Result<(), StoreError> {
+        let (in_recovery, read_only) = self.with_client("probe", |client, n| {
+            let row = query_one(
+                client,
+                n,
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
+                &[],
+            )?;
+            Ok((row.try_get::<_, bool>(0)?, row.try_get::<_, bool>(1)?))
+        })?;
+        match (in_recovery, read_only) {
+            (true, _) => Err(StoreError::read_only(
+                "the server is a standby (in recovery)",
+            )),
+            (false, true) => Err(StoreError::read_only(
+                "the server's transactions are read-only",
+            )),
+            (false, false) => Ok(()),
+        }
     }
 
     pub(super) fn now_ms(&self) -> Result<i64, StoreError> {
@@ -296,9 +378,13 @@ impl PgStore {
         epoch: i64,
         now_ms: i64,
     ) -> Result<bool, StoreError> {
+        // In a transaction, so that a pooled connection found closed is retried (nothing
+        // commits before COMMIT) instead of failing the placement.
         self.with_client("place assignment", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
             let written = execute(
-                client,
+                &mut tx,
                 n,
                 "INSERT INTO relay_assignments
                      (user_id, relay_host_id, cell_id, assignment_epoch, updated_at)
@@ -310,6 +396,7 @@ impl PgStore {
                      WHERE relay_assignments.assignment_epoch < excluded.assignment_epoch",
                 &[&user_id, &relay_host_id, &cell_id, &epoch, &now_ms],
             )?;
+            commit(tx, n)?;
             Ok(written == 1)
         })
     }
@@ -370,8 +457,7 @@ impl PgStore {
                 )?;
                 LeaseOutcome::Moved
             };
-            n.bump();
-            tx.commit()?;
+            commit(tx, n)?;
             Ok(outcome)
         })
     }
@@ -426,9 +512,13 @@ impl PgStore {
         region: &str,
         incarnation: i64,
     ) -> Result<(), StoreError> {
+        // One write in a transaction: retried on a fresh connection if the pooled one was
+        // closed (a director answering 503 to a registration stops the cell's start).
         self.with_client("register cell", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
             execute(
-                client,
+                &mut tx,
                 n,
                 "INSERT INTO relay_cells
                      (cell_id, cell_url, internal_url, region, incarnation, registered_at)
@@ -441,8 +531,8 @@ impl PgStore {
                          registered_at = excluded.registered_at
                      WHERE relay_cells.incarnation <= excluded.incarnation",
                 &[&cell_id, &cell_url, &internal_url, &region, &incarnation],
-            )
-            .map(|_| ())
+            )?;
+            commit(tx, n)
         })
     }
 
@@ -466,8 +556,7 @@ impl PgStore {
                 "DELETE FROM relay_cell_runtime WHERE cell_id = $1 AND cell_incarnation <= $2",
                 &[&cell_id, &incarnation],
             )?;
-            n.bump();
-            tx.commit()?;
+            commit(tx, n)?;
             Ok(removed == 1)
         })
     }
@@ -511,8 +600,7 @@ impl PgStore {
                     &[&silent_ms],
                 )?;
             }
-            n.bump();
-            tx.commit()?;
+            commit(tx, n)?;
             Ok(silent)
         })
     }
@@ -531,8 +619,10 @@ impl PgStore {
 
     pub(super) fn heartbeat(&self, beat: &Heartbeat<'_>) -> Result<HeartbeatOutcome, StoreError> {
         self.with_client("record heartbeat", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
             let registered = query_opt(
-                client,
+                &mut tx,
                 n,
                 "SELECT incarnation FROM relay_cells WHERE cell_id = $1",
                 &[&beat.cell_id],
@@ -546,7 +636,7 @@ impl PgStore {
             }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
-                client,
+                &mut tx,
                 n,
                 "INSERT INTO relay_cell_runtime
                      (cell_id, cell_incarnation, started_at, ready, connections, last_heartbeat_at)
@@ -566,6 +656,7 @@ impl PgStore {
                     &beat.connections,
                 ],
             )?;
+            commit(tx, n)?;
             Ok(if written == 1 {
                 HeartbeatOutcome::Accepted
             } else {
@@ -576,16 +667,18 @@ impl PgStore {
 
     pub(super) fn set_admit_mode(&self, cell_id: &str, admit_mode: &str) -> Result<(), StoreError> {
         self.with_client("set admit mode", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
             execute(
-                client,
+                &mut tx,
                 n,
                 "INSERT INTO relay_cell_admit_modes (cell_id, admit_mode, updated_at)
                  VALUES ($1, $2, relay_now_ms())
                  ON CONFLICT (cell_id) DO UPDATE
                      SET admit_mode = excluded.admit_mode, updated_at = excluded.updated_at",
                 &[&cell_id, &admit_mode],
-            )
-            .map(|_| ())
+            )?;
+            commit(tx, n)
         })
     }
 
@@ -603,8 +696,10 @@ impl PgStore {
         mode: &str,
     ) -> Result<(), StoreError> {
         self.with_client("write admit-effective row", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
             execute(
-                client,
+                &mut tx,
                 n,
                 "INSERT INTO relay_cell_admit_effective (cell_id, cell_incarnation, mode, updated_at)
                  VALUES ($1, $2, $3, relay_now_ms())
@@ -613,8 +708,8 @@ impl PgStore {
                          mode = excluded.mode,
                          updated_at = excluded.updated_at",
                 &[&cell_id, &incarnation, &mode],
-            )
-            .map(|_| ())
+            )?;
+            commit(tx, n)
         })
     }
 

@@ -78,6 +78,8 @@ fn open_connection(
 }
 
 pub(super) struct SqliteStore {
+    /// The database file (its filesystem's free space is part of the readiness probe).
+    path: std::path::PathBuf,
     pool: Pool<SqliteConnector>,
     statements: Arc<StatementCounter>,
     checkout_timeout: Duration,
@@ -100,15 +102,71 @@ fn connection_failed(error: &rusqlite::Error) -> bool {
     )
 }
 
+/// SQLite's name of a primary result code (`SQLITE_FULL`), as its documentation spells it.
+fn code_name(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::InternalMalfunction => "SQLITE_INTERNAL",
+        ErrorCode::PermissionDenied => "SQLITE_PERM",
+        ErrorCode::OperationAborted => "SQLITE_ABORT",
+        ErrorCode::DatabaseBusy => "SQLITE_BUSY",
+        ErrorCode::DatabaseLocked => "SQLITE_LOCKED",
+        ErrorCode::OutOfMemory => "SQLITE_NOMEM",
+        ErrorCode::ReadOnly => "SQLITE_READONLY",
+        ErrorCode::OperationInterrupted => "SQLITE_INTERRUPT",
+        ErrorCode::SystemIoFailure => "SQLITE_IOERR",
+        ErrorCode::DatabaseCorrupt => "SQLITE_CORRUPT",
+        ErrorCode::NotFound => "SQLITE_NOTFOUND",
+        ErrorCode::DiskFull => "SQLITE_FULL",
+        ErrorCode::CannotOpen => "SQLITE_CANTOPEN",
+        ErrorCode::FileLockingProtocolFailed => "SQLITE_PROTOCOL",
+        ErrorCode::SchemaChanged => "SQLITE_SCHEMA",
+        ErrorCode::TooBig => "SQLITE_TOOBIG",
+        ErrorCode::ConstraintViolation => "SQLITE_CONSTRAINT",
+        ErrorCode::TypeMismatch => "SQLITE_MISMATCH",
+        ErrorCode::ApiMisuse => "SQLITE_MISUSE",
+        ErrorCode::NoLargeFileSupport => "SQLITE_NOLFS",
+        ErrorCode::AuthorizationForStatementDenied => "SQLITE_AUTH",
+        ErrorCode::ParameterOutOfRange => "SQLITE_RANGE",
+        ErrorCode::NotADatabase => "SQLITE_NOTADB",
+        _ => "SQLITE_ERROR",
+    }
+}
+
+/// Turns a rusqlite error into a store error that names what was being done and, when SQLite
+/// gave one, its result code (`(sqlite SQLITE_FULL)`: [`StoreError::code`]).
 fn store_error(error: &rusqlite::Error, context: &str) -> StoreError {
+    let code = error
+        .sqlite_error_code()
+        .map(|code| format!(" (sqlite {})", code_name(code)))
+        .unwrap_or_default();
     if claim::is_busy(error) {
         // The busy timeout ran out: SQLite's form of a statement timeout.
-        return StoreError::timed_out(&format!("{context}: {error}"));
+        return StoreError::timed_out(&format!("{context}: {error}{code}"));
     }
     if connection_failed(error) {
-        return StoreError::Unavailable(format!("{context}: {error}"));
+        return StoreError::Unavailable(format!("{context}: {error}{code}"));
     }
-    StoreError::Query(format!("{context}: {error}"))
+    StoreError::Query(format!("{context}: {error}{code}"))
+}
+
+/// The free space below which the database's filesystem counts as full for the readiness
+/// probe: SQLite grows its file and its write-ahead log a page (4 KiB) or a few at a time, so
+/// with less than this left the next growth fails (`SQLITE_FULL`) even if this probe's own
+/// write still fits.
+pub const DISK_FULL_BELOW_BYTES: u64 = 256 * 1024;
+
+/// Bytes an unprivileged writer may still use on the filesystem holding `path`.
+fn available_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: `c_path` is a valid NUL-terminated string and `stat` a plain struct the call
+    // fills in; nothing is retained after it returns.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
 /// Runs one statement (cached per connection); counts it.
@@ -160,6 +218,7 @@ impl SqliteStore {
         );
         pool.set_ceiling(config.pool_ceiling);
         Ok(SqliteStore {
+            path: config.sqlite_path.clone(),
             pool,
             statements: Arc::new(StatementCounter::default()),
             checkout_timeout: Duration::from_millis(config.checkout_timeout_ms),
@@ -241,6 +300,37 @@ impl SqliteStore {
         self.with_conn("ping", |conn, n| {
             query_opt(conn, n, "SELECT 1", [], |row| row.get::<_, i64>(0)).map(|_| ())
         })
+    }
+
+    /// The readiness probe: a write transaction that must commit (it rewrites the header's
+    /// `user_version` with its own value), and room on the database's filesystem for the next
+    /// growth of its files ([`DISK_FULL_BELOW_BYTES`]).
+    pub(super) fn probe(&self) -> Result<(), StoreError> {
+        self.with_conn("probe", |conn, n| {
+            n.bump();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            n.bump();
+            let version: i64 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+            n.bump();
+            tx.execute_batch(&format!("PRAGMA user_version = {version}"))?;
+            n.bump();
+            tx.commit()
+        })?;
+        let directory = self
+            .path
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        match available_bytes(directory) {
+            Ok(available) if available < DISK_FULL_BELOW_BYTES => Err(StoreError::disk_full(
+                &format!(
+                    "{available} bytes left on the filesystem of {} (at least {DISK_FULL_BELOW_BYTES} needed)",
+                    self.path.display()
+                ),
+            )),
+            // A filesystem that cannot say is judged by the write above alone.
+            Ok(_) | Err(_) => Ok(()),
+        }
     }
 
     pub(super) fn now_ms(&self) -> Result<i64, StoreError> {

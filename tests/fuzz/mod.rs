@@ -21,6 +21,8 @@ use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRu
 
 use orca_relay::relay::frames::{FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
 
+pub mod splice_model;
+
 // ---------------------------------------------------------------------------------------------
 // The harness: targets, seeded runners, a case counter and a per-thread allocation meter.
 
@@ -68,9 +70,19 @@ pub const TARGETS: &[Target] = &[
         run: http_request_head,
     },
     Target {
+        name: "upgrade_validation",
+        ci_cases: 400,
+        run: upgrade_validation,
+    },
+    Target {
         name: "budget_fleet",
         ci_cases: 300,
         run: budget_fleet,
+    },
+    Target {
+        name: "splice_worker_model",
+        ci_cases: 150,
+        run: splice_model::splice_worker_model,
     },
 ];
 
@@ -90,7 +102,7 @@ pub fn runner(seed: u64, cases: u32) -> TestRunner {
     TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &bytes))
 }
 
-fn check<S>(
+pub(crate) fn check<S>(
     runner: &mut TestRunner,
     strategy: S,
     property: impl Fn(S::Value) -> Result<(), TestCaseError>,
@@ -1185,13 +1197,89 @@ fn jwt_header_and_claims(runner: &mut TestRunner) -> Result<(), String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The HTTP request head of the WebSocket listener (`relay::upgrade::parse_head`, over the
-// head parser both listeners share, `http::head::parse_head`).
+// The HTTP request head both listeners read (`http::head::parse_head`), its target forms and
+// its Host rule (RFC 9112 §3.2), against reference models written here independently.
+
+/// The reference model of a request target's path and query: origin form is anything that
+/// starts with `/` (path up to the first `?`); absolute form is scheme (a letter, then letters,
+/// digits, `+-.`), `://`, a non-empty authority up to `/` or `?`, a path (`/` when empty) up to
+/// `?`; anything else is refused. Written as a scan, unlike the code under test.
+fn model_target(target: &str) -> Option<(String, String)> {
+    let bytes = target.as_bytes();
+    let split_query = |rest: &str| -> (String, String) {
+        match rest.find('?') {
+            Some(q) => (rest[..q].to_string(), rest[q + 1..].to_string()),
+            None => (rest.to_string(), String::new()),
+        }
+    };
+    if bytes.first() == Some(&b'/') {
+        return Some(split_query(target));
+    }
+    let mut i = 0;
+    if !bytes.first()?.is_ascii_alphabetic() {
+        return None;
+    }
+    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || b"+-.".contains(&bytes[i])) {
+        i += 1;
+    }
+    if !target[i..].starts_with("://") {
+        return None;
+    }
+    i += 3;
+    let authority_start = i;
+    while i < bytes.len() && bytes[i] != b'/' && bytes[i] != b'?' {
+        i += 1;
+    }
+    if i == authority_start {
+        return None;
+    }
+    let (path, query) = split_query(&target[i..]);
+    Some((if path.is_empty() { "/".into() } else { path }, query))
+}
+
+/// The reference model of the Host rule: HTTP/1.1 needs exactly one, HTTP/1.0 at most one.
+fn model_host(version: u8, hosts: usize) -> Result<(), &'static str> {
+    match (version, hosts) {
+        (_, 1) | (0, 0) => Ok(()),
+        (_, 0) => Err("missing_host"),
+        _ => Err("repeated_host"),
+    }
+}
+
+/// Request targets that probe the forms: origin targets whose query or path hold `://`,
+/// absolute targets, and junk.
+fn request_target() -> impl Strategy<Value = String> {
+    let piece = prop::sample::select(vec![
+        "/",
+        "//",
+        "/v1/assign",
+        "/metrics",
+        "/v1/admin/cells",
+        "?",
+        "u=",
+        "://",
+        "http",
+        "https",
+        "ws",
+        "x",
+        "relay:8081",
+        "@",
+        "#",
+        "%2F",
+        "*",
+        ":",
+        "1h",
+        "+",
+    ]);
+    prop_oneof![
+        proptest::collection::vec(piece.clone(), 0..8).prop_map(|parts| parts.concat()),
+        proptest::collection::vec(piece, 0..6).prop_map(|parts| format!("/{}", parts.concat())),
+        "[ -~&&[^ ]]{0,40}",
+    ]
+}
 
 fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
-    use orca_relay::http::head::MAX_HEAD_BYTES;
-    use orca_relay::relay::upgrade::{parse_head, route};
-    let parse = |bytes: &[u8]| parse_head(bytes);
+    use orca_relay::http::head::{parse_head, split_target, MAX_HEAD_BYTES};
     let good = "GET /v1/connect/abcdefghijklmnop HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: keep-alive, Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: Bearer abc\r\n\r\n";
     let head = prop_oneof![
         // A real head with random edits.
@@ -1210,11 +1298,14 @@ fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
             (
                 prop::sample::select(vec![
                     "Host",
+                    "host",
+                    "HOST",
                     "Upgrade",
                     "Connection",
                     "Authorization",
                     "Sec-WebSocket-Key",
                     "Sec-WebSocket-Version",
+                    "Expect",
                     "X"
                 ]),
                 "[ -~]{0,30}"
@@ -1229,6 +1320,20 @@ fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
             text.push_str("\r\n");
             text.into_bytes()
         }),
+        // Targets in every form, versions, 0 to 3 Host headers.
+        (
+            request_target(),
+            prop::sample::select(vec!["HTTP/1.1", "HTTP/1.0"]),
+            0..4usize
+        )
+            .prop_map(|(target, version, hosts)| {
+                let mut text = format!("GET {target} {version}\r\n");
+                for n in 0..hosts {
+                    text.push_str(&format!("Host: h{n}\r\n"));
+                }
+                text.push_str("\r\n");
+                text.into_bytes()
+            }),
         proptest::collection::vec(any::<u8>(), 0..512),
     ];
     check(
@@ -1239,17 +1344,39 @@ fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
             bytes.extend_from_slice(&tail);
             bytes.truncate(MAX_HEAD_BYTES);
             // Every prefix (as the bytes arrive) parses without panic; once complete, the rest of
-            // the bytes are the tail, and the route is a pure function of the path.
+            // the bytes are the tail, the target's form and the Host rule are the models'.
             let mut completed_at = None;
             for end in 0..=bytes.len() {
-                let (result, heap) = peak_heap(|| parse(&bytes[..end]));
+                let (result, heap) = peak_heap(|| parse_head(&bytes[..end]));
                 bounded("head parse", heap, 4 * 1024 + 2 * end)?;
                 match result {
-                    Ok(Some(request)) => {
-                        let at = *completed_at.get_or_insert(end - request.tail.len());
-                        prop_assert_eq!(end - request.tail.len(), at, "the head's end moved");
-                        prop_assert_eq!(&request.tail[..], &bytes[at..end]);
-                        let _ = route(&request.path);
+                    Ok(Some((parsed, len))) => {
+                        let at = *completed_at.get_or_insert(len);
+                        prop_assert_eq!(len, at, "the head's end moved");
+                        let ours = split_target(&parsed.target)
+                            .map(|(path, query)| (path.to_string(), query.to_string()));
+                        prop_assert_eq!(
+                            &ours,
+                            &model_target(&parsed.target),
+                            "{:?}",
+                            parsed.target
+                        );
+                        if let Some((path, _)) = &ours {
+                            prop_assert!(path.starts_with('/'), "path {path:?}");
+                            // Origin form is never rerouted by what its query holds.
+                            if parsed.target.starts_with('/') {
+                                prop_assert!(parsed.target.starts_with(path.as_str()));
+                            }
+                        }
+                        let hosts = parsed
+                            .headers
+                            .iter()
+                            .filter(|(name, _)| name.eq_ignore_ascii_case("host"))
+                            .count();
+                        prop_assert_eq!(
+                            parsed.host_rule(),
+                            model_host(parsed.minor_version, hosts)
+                        );
                     }
                     Ok(None) => prop_assert!(completed_at.is_none(), "complete, then partial"),
                     Err(_) => break,
@@ -1258,6 +1385,219 @@ fn http_request_head(runner: &mut TestRunner) -> Result<(), String> {
             Ok(())
         },
     )
+}
+
+// ---------------------------------------------------------------------------------------------
+// The WebSocket upgrade's validation (`relay::upgrade::check`): against a model of RFC 6455
+// §4.2.1 written here, and differential against tungstenite's server handshake.
+
+/// One generated upgrade head, kept as its pieces for the model.
+#[derive(Debug, Clone)]
+struct UpgradeCase {
+    method: &'static str,
+    version: u8,
+    target: String,
+    headers: Vec<(&'static str, String)>,
+}
+
+impl UpgradeCase {
+    fn text(&self) -> String {
+        let mut text = format!(
+            "{} {} HTTP/1.{}\r\n",
+            self.method, self.target, self.version
+        );
+        for (name, value) in &self.headers {
+            text.push_str(&format!("{name}: {value}\r\n"));
+        }
+        text.push_str("\r\n");
+        text
+    }
+
+    fn values(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim())
+            .collect()
+    }
+}
+
+/// The model: the status and reason `check` must answer, in the order of the module header.
+fn model_upgrade(case: &UpgradeCase) -> Result<&'static str, (u16, &'static str)> {
+    use base64::Engine;
+    if case.version != 1 {
+        return Err((400, "http_version"));
+    }
+    model_host(1, case.values("host").len()).map_err(|reason| (400, reason))?;
+    if case.method != "GET" {
+        return Err((400, "method"));
+    }
+    let Some((path, _)) = model_target(&case.target) else {
+        return Err((400, "bad_request_target"));
+    };
+    let route = if path == "/v1/host/control" {
+        "control"
+    } else if path.strip_prefix("/v1/connect/").is_some_and(|id| {
+        !id.is_empty()
+            && id.len() <= 128
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    }) {
+        "phone"
+    } else if path.strip_prefix("/v1/host/data/").is_some_and(|id| {
+        !id.is_empty()
+            && id.len() <= 128
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    }) {
+        "data"
+    } else {
+        return Err((404, "unknown_path"));
+    };
+    let lists = |name: &str, token: &str| {
+        case.values(name).iter().any(|value| {
+            value
+                .split(',')
+                .any(|part| part.trim().eq_ignore_ascii_case(token))
+        })
+    };
+    let versions = case.values("sec-websocket-version");
+    if !(lists("upgrade", "websocket") && lists("connection", "upgrade") && versions == ["13"]) {
+        return Err((426, "not_websocket"));
+    }
+    let keys = case.values("sec-websocket-key");
+    let key_ok = keys.len() == 1
+        && keys[0].len() == 24
+        && base64::engine::general_purpose::STANDARD
+            .decode(keys[0])
+            .is_ok_and(|key| key.len() == 16);
+    if !key_ok {
+        return Err((400, "websocket_key"));
+    }
+    Ok(route)
+}
+
+fn upgrade_case() -> impl Strategy<Value = UpgradeCase> {
+    use base64::Engine;
+    let key = prop_oneof![
+        3 => proptest::collection::vec(any::<u8>(), 16).prop_map(|bytes| base64::engine::general_purpose::STANDARD.encode(bytes)),
+        1 => proptest::collection::vec(any::<u8>(), 0..24).prop_map(|bytes| base64::engine::general_purpose::STANDARD.encode(bytes)),
+        1 => proptest::collection::vec(any::<u8>(), 16).prop_map(|bytes| base64::engine::general_purpose::STANDARD_NO_PAD.encode(bytes)),
+        1 => proptest::collection::vec(any::<u8>(), 16).prop_map(|bytes| base64::engine::general_purpose::URL_SAFE.encode(bytes)),
+        1 => "[ -~]{0,30}",
+    ];
+    let header = prop_oneof![
+        Just(("Host", "relay".to_string())),
+        prop::sample::select(vec!["websocket", "WebSocket", "websocket, h2c", "h2c", ""])
+            .prop_map(|v| ("Upgrade", v.to_string())),
+        prop::sample::select(vec![
+            "Upgrade",
+            "keep-alive, Upgrade",
+            "upgrade",
+            "keep-alive",
+            ""
+        ])
+        .prop_map(|v| ("Connection", v.to_string())),
+        prop::sample::select(vec!["13", "8", "13, 8", " 13", ""])
+            .prop_map(|v| ("Sec-WebSocket-Version", v.to_string())),
+        key.clone().prop_map(|v| ("Sec-WebSocket-Key", v)),
+        Just(("Authorization", "Bearer abc".to_string())),
+    ];
+    let full = vec![
+        ("Host", "relay".to_string()),
+        ("Upgrade", "websocket".to_string()),
+        ("Connection", "Upgrade".to_string()),
+        ("Sec-WebSocket-Version", "13".to_string()),
+    ];
+    (
+        prop::sample::select(vec!["GET", "GET", "GET", "POST", "get", "HEAD"]),
+        prop_oneof![4 => Just(1u8), 1 => Just(0u8)],
+        prop_oneof![
+            3 => prop::sample::select(vec![
+                "/v1/host/control".to_string(),
+                "/v1/connect/abcdefghijklmnop".to_string(),
+                "/v1/host/data/1-2?x=1".to_string(),
+                "ws://relay/v1/connect/abcdefghijklmnop".to_string(),
+                "/v1/connect/a/b".to_string(),
+            ]),
+            1 => request_target(),
+        ],
+        prop::bool::ANY,
+        proptest::collection::vec(header, 0..4),
+        key,
+    )
+        .prop_map(move |(method, version, target, start_full, extra, key)| {
+            let mut headers = if start_full { full.clone() } else { Vec::new() };
+            if start_full {
+                headers.push(("Sec-WebSocket-Key", key));
+            }
+            headers.extend(extra);
+            UpgradeCase {
+                method,
+                version,
+                target,
+                headers,
+            }
+        })
+}
+
+fn upgrade_validation(runner: &mut TestRunner) -> Result<(), String> {
+    use orca_relay::http::head::parse_head;
+    use orca_relay::relay::upgrade::{check as check_upgrade, switching_protocols};
+    check(runner, upgrade_case(), |case| {
+        let text = case.text();
+        let Ok(Some((head, _))) = parse_head(text.as_bytes()) else {
+            // Pieces httparse refuses (a space in a target): the reader answers 400 itself.
+            return Ok(());
+        };
+        let ours = check_upgrade(&head);
+        let model = model_upgrade(&case);
+        prop_assert_eq!(
+            ours.as_ref()
+                .map(|u| u.route.kind())
+                .map_err(|r| (r.status, r.reason)),
+            model,
+            "{}",
+            text
+        );
+        // Differential: whatever we open, tungstenite's server handshake opens too, with the
+        // same Sec-WebSocket-Accept (tungstenite reads the first of repeated headers and takes
+        // `Upgrade` as one value, so only single-valued heads are compared).
+        if let Ok(upgrade) = &ours {
+            let single = ["upgrade", "connection", "sec-websocket-version"]
+                .iter()
+                .all(|name| case.values(name).len() == 1)
+                && !case.values("upgrade")[0].contains(',');
+            let mut request = tungstenite::http::Request::builder()
+                .method(case.method)
+                .uri(case.target.as_str())
+                .version(tungstenite::http::Version::HTTP_11);
+            for (name, value) in &case.headers {
+                request = request.header(*name, value.as_str());
+            }
+            if let (true, Ok(request)) = (single, request.body(())) {
+                let theirs = tungstenite::handshake::server::create_response(&request);
+                prop_assert!(
+                    theirs.is_ok(),
+                    "tungstenite refuses what we open: {theirs:?}\n{text}"
+                );
+                let accept = theirs
+                    .ok()
+                    .and_then(|response| response.headers().get("Sec-WebSocket-Accept").cloned());
+                let ours_101 = switching_protocols(&upgrade.key);
+                prop_assert!(
+                    accept.is_some_and(|accept| ours_101.contains(&format!(
+                        "Sec-WebSocket-Accept: {}\r\n",
+                        accept.to_str().unwrap_or("?")
+                    ))),
+                    "accept keys differ\n{ours_101}"
+                );
+            }
+        }
+        Ok(())
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+pub mod proxy;
 pub mod raw_http;
 
 use tungstenite::client::IntoClientRequest;
@@ -45,15 +46,140 @@ impl Drop for TempDir {
     }
 }
 
+/// What a child process wrote to one pipe, line by line, as a reader thread drains it.
+/// `drained` turns true once the pipe reached its end (the process and every descendant that
+/// held it closed it): only then is the text complete. Every helper that waits for a process's
+/// exit also waits for this, so a test never reads a log the last lines of which are still in
+/// the pipe (a loaded machine can run the exiting child long before the reader thread).
 #[derive(Default)]
-struct Log {
+pub struct ProcessLog {
+    state: Mutex<LogState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct LogState {
     lines: Vec<String>,
+    drained: bool,
+}
+
+impl ProcessLog {
+    /// Starts a thread that reads `pipe` to its end into a new log (echoed to the test's
+    /// stderr as `[label] line` when `ORCA_RELAY_TEST_ECHO` is set).
+    pub fn capture(pipe: impl std::io::Read + Send + 'static, label: &str) -> Arc<ProcessLog> {
+        let log: Arc<ProcessLog> = Arc::default();
+        let sink = log.clone();
+        let label = label.to_string();
+        std::thread::Builder::new()
+            .name(format!("{label}-log"))
+            .spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    if std::env::var_os("ORCA_RELAY_TEST_ECHO").is_some() {
+                        eprintln!("[{label}] {line}");
+                    }
+                    sink.lock().lines.push(line);
+                    sink.changed.notify_all();
+                }
+                sink.lock().drained = true;
+                sink.changed.notify_all();
+            })
+            .expect("log thread");
+        log
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for a line containing `needle`; returns it. Gives up early once the pipe is
+    /// drained without one (the process is gone: no such line can still come).
+    pub fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
+        let deadline = orca_relay::clock::instant() + timeout;
+        let mut state = self.lock();
+        loop {
+            if let Some(line) = state.lines.iter().find(|l| l.contains(needle)) {
+                return Some(line.clone());
+            }
+            let now = orca_relay::clock::instant();
+            if now >= deadline || state.drained {
+                return None;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Waits until the pipe has been read to its end; false if `timeout` passed first.
+    pub fn wait_drained(&self, timeout: Duration) -> bool {
+        let deadline = orca_relay::clock::instant() + timeout;
+        let mut state = self.lock();
+        loop {
+            if state.drained {
+                return true;
+            }
+            let now = orca_relay::clock::instant();
+            if now >= deadline {
+                return false;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    pub fn count(&self, needle: &str) -> usize {
+        self.lock()
+            .lines
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    pub fn text(&self) -> String {
+        self.lock().lines.join("\n")
+    }
+}
+
+/// How long a process's output may take to be drained once the process has exited: the
+/// reader thread only has to be scheduled, but on a loaded machine that can take a while.
+pub const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(30);
+
+/// Waits up to `timeout` for `child` to exit, then for `outputs` to be drained; returns the
+/// exit code (-1 for a signal), or `None` if it did not exit in time. Panics if the output is
+/// not drained within [`DRAIN_AFTER_EXIT`] of the exit (a descendant holding the pipe).
+pub fn wait_exit_drained(
+    child: &mut Child,
+    outputs: &[&ProcessLog],
+    timeout: Duration,
+) -> Option<i32> {
+    let deadline = orca_relay::clock::instant() + timeout;
+    let code = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status.code().unwrap_or(-1);
+        }
+        if orca_relay::clock::instant() >= deadline {
+            return None;
+        }
+        orca_relay::clock::sleep(Duration::from_millis(20));
+    };
+    for output in outputs {
+        assert!(
+            output.wait_drained(DRAIN_AFTER_EXIT),
+            "the process exited but its output was not drained within {DRAIN_AFTER_EXIT:?}"
+        );
+    }
+    Some(code)
 }
 
 /// A running relay process.
 pub struct Relay {
     child: Child,
-    log: Arc<(Mutex<Log>, Condvar)>,
+    log: Arc<ProcessLog>,
     pub ws: String,
     pub http: String,
     pub data_dir: Arc<TempDir>,
@@ -104,7 +230,8 @@ impl Relay {
         )
     }
 
-    fn launch_binary(
+    /// As [`Relay::launch`] with another program (the harness's own tests run a script).
+    pub fn launch_binary(
         binary: &std::path::Path,
         data_dir: Arc<TempDir>,
         env: &[(&str, &str)],
@@ -178,21 +305,7 @@ impl Relay {
             .stderr(Stdio::piped());
         let mut child = command.spawn().expect("start orca-relay");
         let stderr = child.stderr.take().expect("stderr");
-        let log: Arc<(Mutex<Log>, Condvar)> = Arc::default();
-        let sink = log.clone();
-        std::thread::Builder::new()
-            .name("relay-log".into())
-            .spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    if std::env::var_os("ORCA_RELAY_TEST_ECHO").is_some() {
-                        eprintln!("[relay] {line}");
-                    }
-                    let (lock, cvar) = &*sink;
-                    lock.lock().unwrap().lines.push(line);
-                    cvar.notify_all();
-                }
-            })
-            .expect("log thread");
+        let log = ProcessLog::capture(stderr, "relay");
         Relay {
             child,
             log,
@@ -216,34 +329,21 @@ impl Relay {
 
     /// Waits for a log line containing `needle`; returns it.
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> Option<String> {
-        let deadline = orca_relay::clock::instant() + timeout;
-        let (lock, cvar) = &*self.log;
-        let mut log = lock.lock().unwrap();
-        loop {
-            if let Some(line) = log.lines.iter().find(|l| l.contains(needle)) {
-                return Some(line.clone());
-            }
-            let now = orca_relay::clock::instant();
-            if now >= deadline {
-                return None;
-            }
-            log = cvar.wait_timeout(log, deadline - now).unwrap().0;
-        }
+        self.log.wait_for(needle, timeout)
     }
 
     pub fn count_log(&self, needle: &str) -> usize {
-        self.log
-            .0
-            .lock()
-            .unwrap()
-            .lines
-            .iter()
-            .filter(|l| l.contains(needle))
-            .count()
+        self.log.count(needle)
+    }
+
+    /// Waits until `count` lines contain `needle`: a line that reports something the test saw
+    /// another way (a metric, an HTTP answer) may still be on its way through the pipe.
+    pub fn wait_for_log_count(&self, needle: &str, count: usize, timeout: Duration) -> bool {
+        wait_until(timeout, || self.log.count(needle) >= count) && self.log.count(needle) == count
     }
 
     pub fn log_text(&self) -> String {
-        self.log.0.lock().unwrap().lines.join("\n")
+        self.log.text()
     }
 
     pub fn ws_url(&self, path: &str) -> String {
@@ -297,18 +397,10 @@ impl Relay {
             .status();
     }
 
-    /// Waits for the process to exit; returns its exit code.
+    /// Waits for the process to exit and for its log to be drained (every line it wrote is
+    /// in [`Relay::log_text`] once this returns); returns its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
-        let deadline = orca_relay::clock::instant() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status.code().unwrap_or(-1));
-            }
-            if orca_relay::clock::instant() >= deadline {
-                return None;
-            }
-            orca_relay::clock::sleep(Duration::from_millis(20));
-        }
+        wait_exit_drained(&mut self.child, &[&self.log], timeout)
     }
 }
 
@@ -486,12 +578,22 @@ impl Desktop {
         }
     }
 
+    /// Asks for an invite; a `rate_limited` refusal is waited out as its `retryAfterMs` says,
+    /// as a desktop does.
     pub fn invite(&mut self) -> String {
-        send_json(
-            &mut self.control,
-            serde_json::json!({"type":"invite-create","reqId":"r1"}),
-        );
-        let created = read_json(&mut self.control);
+        let created = loop {
+            send_json(
+                &mut self.control,
+                serde_json::json!({"type":"invite-create","reqId":"r1"}),
+            );
+            let answer = read_json(&mut self.control);
+            if answer["type"] == "invite-refused" && answer["reason"] == "rate_limited" {
+                let wait = answer["retryAfterMs"].as_u64().unwrap_or(1000);
+                orca_relay::clock::sleep(Duration::from_millis(wait));
+                continue;
+            }
+            break answer;
+        };
         assert_eq!(created["type"], "invite-created", "{created}");
         assert_eq!(created["reqId"], "r1");
         assert_eq!(created["maxAttempts"], 5);
@@ -662,8 +764,13 @@ pub fn jwks_server() -> FakeServer {
 
 /// An ES256 desktop token signed with the test key.
 pub fn es256_token(user_id: &str, relay_host_id: &str) -> String {
+    es256_token_with_kid(TEST_KID, user_id, relay_host_id)
+}
+
+/// As [`es256_token`], naming another `kid` in its header (a key the relay may not know yet).
+pub fn es256_token_with_kid(kid: &str, user_id: &str, relay_host_id: &str) -> String {
     let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
-    header.kid = Some(TEST_KID.to_string());
+    header.kid = Some(kid.to_string());
     let now = orca_relay::clock::system().now_ms() / 1000;
     let claims = serde_json::json!({
         "sub": user_id, "relayHostId": relay_host_id, "purpose": "host-control",
@@ -983,36 +1090,82 @@ pub fn try_upgrade(url: &str, bearer: Option<&str>) -> Upgrade {
 }
 
 /// Keeps a cell's director "up" from the cell's point of view: a `reserver=1` seat-feed poll
-/// (dead-man contact) every 100 ms until stopped or dropped.
+/// (dead-man contact) every 100 ms until stopped or dropped. [`DirectorPolls::pause`] holds the
+/// polls back (a VM pause drops the packets a director sends meanwhile: nothing waits in the
+/// cell's kernel to count as contact the moment it resumes).
 pub struct DirectorPolls {
-    up: Arc<std::sync::atomic::AtomicBool>,
+    state: Arc<(Mutex<PollState>, Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PollState {
+    Polling,
+    /// Asked to pause; the thread has not finished its poll in flight yet.
+    Pausing,
+    Paused,
+    Stopped,
 }
 
 impl DirectorPolls {
     pub fn start(relay: &Relay) -> DirectorPolls {
-        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let state = Arc::new((Mutex::new(PollState::Polling), Condvar::new()));
         let url = relay.http_url("/internal/seats?reserver=1");
-        let flag = up.clone();
-        let thread = orca_relay::threads::spawn("test-director-polls", move || {
-            while flag.load(Ordering::Acquire) {
-                let _ = ureq::get(&url)
-                    .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
-                    .timeout(Duration::from_secs(2))
-                    .call();
-                orca_relay::clock::sleep(Duration::from_millis(100));
+        let shared = state.clone();
+        let thread = orca_relay::threads::spawn("test-director-polls", move || loop {
+            {
+                let (lock, changed) = &*shared;
+                let mut state = lock.lock().unwrap();
+                loop {
+                    match *state {
+                        PollState::Polling => break,
+                        PollState::Stopped => return,
+                        PollState::Pausing => {
+                            *state = PollState::Paused;
+                            changed.notify_all();
+                        }
+                        PollState::Paused => {}
+                    }
+                    state = changed.wait(state).unwrap();
+                }
             }
+            let _ = ureq::get(&url)
+                .set("Authorization", &format!("Bearer {SERVICE_TOKEN}"))
+                .timeout(Duration::from_secs(2))
+                .call();
+            orca_relay::clock::sleep(Duration::from_millis(100));
         })
         .expect("spawn director polls");
         DirectorPolls {
-            up,
+            state,
             thread: Some(thread),
         }
     }
 
+    fn set(&self, next: PollState) {
+        let (lock, changed) = &*self.state;
+        *lock.lock().unwrap() = next;
+        changed.notify_all();
+    }
+
+    /// Stops polling, once the poll in flight (if any) has been answered.
+    pub fn pause(&self) {
+        self.set(PollState::Pausing);
+        let (lock, changed) = &*self.state;
+        let mut state = lock.lock().unwrap();
+        while *state == PollState::Pausing {
+            state = changed.wait(state).unwrap();
+        }
+    }
+
+    /// Polls again.
+    pub fn resume(&self) {
+        self.set(PollState::Polling);
+    }
+
     /// The director outage begins.
     pub fn stop(&mut self) {
-        self.up.store(false, Ordering::Release);
+        self.set(PollState::Stopped);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

@@ -33,6 +33,15 @@ pub struct LegCounters {
     pub frames: Counter,
 }
 
+/// A frame forwarded as its payload arrives (see [`Leg::stream_in`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StreamIn {
+    pub left: usize,
+    pub mask: [u8; 4],
+    /// Payload bytes already forwarded (for the mask's phase).
+    pub offset: usize,
+}
+
 pub struct Leg {
     pub key: LegKey,
     pub socket: Arc<Socket>,
@@ -47,6 +56,25 @@ pub struct Leg {
     pub needed: usize,
     /// Bytes queued for this leg's socket.
     pub output: Output,
+    /// Where the socket is in the frames written to it.
+    pub cursor: FrameCursor,
+    /// A frame this leg is sending whose payload is forwarded as it arrives (it is larger than
+    /// the worker's read buffer): the payload bytes still to come and how to unmask them.
+    pub stream_in: Option<StreamIn>,
+    /// Control frames the relay owes this leg's socket (a pong, its idle ping); allocated only
+    /// while one is owed.
+    pub controls: Option<Box<Controls>>,
+    /// `partial[parse_from..filled]` holds frames not parsed yet (the turn's control-frame
+    /// budget ran out): they are parsed, from where the parsing stopped, before the next read.
+    pub unparsed: bool,
+    pub parse_from: usize,
+    /// When bytes last arrived on this leg (anything: data, ping, pong), for the idle timeout.
+    pub last_arrival_ms: u64,
+    pub idle_armed: bool,
+    /// The relay has sent its own ping since the last arrival.
+    pub idle_pinged: bool,
+    /// The desktop (relay host id) the pair belongs to: its pairs close when its control leaves.
+    pub host: Arc<str>,
     pub state: LegState,
     /// Reading stopped because the peer's output is over the bound; resumed when it drains.
     pub paused: bool,
@@ -86,6 +114,143 @@ pub enum Flushed {
     Failed,
 }
 
+/// The longest control frame the relay sends: a 2-byte header and 125 payload bytes.
+const CONTROL_FRAME_BYTES: usize = 2 + crate::relay::frames::MAX_CONTROL_PAYLOAD;
+
+/// One control frame the relay sends on its own account (a pong, or its idle ping): whole,
+/// at most 127 bytes, with how much of it the socket has taken.
+#[derive(Debug, Clone)]
+pub struct ControlFrame {
+    bytes: [u8; CONTROL_FRAME_BYTES],
+    len: u8,
+    written: u8,
+}
+
+impl ControlFrame {
+    /// An unmasked server control frame (`first`: FIN and opcode) with `payload` (at most 125
+    /// bytes; longer is cut, which the parser never lets through anyway).
+    pub fn new(first: u8, payload: &[u8]) -> ControlFrame {
+        let payload = &payload[..payload.len().min(CONTROL_FRAME_BYTES - 2)];
+        let mut bytes = [0u8; CONTROL_FRAME_BYTES];
+        bytes[0] = first;
+        bytes[1] = payload.len() as u8;
+        bytes[2..2 + payload.len()].copy_from_slice(payload);
+        ControlFrame {
+            bytes,
+            len: (2 + payload.len()) as u8,
+            written: 0,
+        }
+    }
+
+    fn rest(&self) -> &[u8] {
+        &self.bytes[self.written as usize..self.len as usize]
+    }
+}
+
+/// The control frames a leg owes its socket: at most one being written (once its first byte is
+/// out it must be finished before anything else) and at most one waiting. A new pong replaces
+/// the waiting one (RFC 6455 §5.5.3: answering only the latest ping is allowed), so a ping flood
+/// costs one pending pong, however fast it comes.
+#[derive(Debug, Default)]
+pub struct Controls {
+    in_flight: Option<ControlFrame>,
+    next: Option<ControlFrame>,
+}
+
+impl Controls {
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_none() && self.next.is_none()
+    }
+
+    /// Queues `frame` as the waiting one, replacing what waited.
+    pub fn replace_next(&mut self, frame: ControlFrame) {
+        self.next = Some(frame);
+    }
+
+    /// Whether the waiting frame starts with `first` (the relay's own ping, say).
+    pub fn next_is(&self, first: u8) -> bool {
+        self.next
+            .as_ref()
+            .is_some_and(|frame| frame.bytes[0] == first)
+    }
+
+    pub fn drop_next(&mut self) {
+        self.next = None;
+    }
+}
+
+/// Where a leg's socket is in the stream of server frames the relay writes to it: how many
+/// bytes are left of the frame being written, or the header bytes seen so far. Every byte
+/// written to the socket (frames forwarded, streamed payload, close frames) passes through it,
+/// so a control frame is put on the wire only between two frames, never inside one (a frame
+/// streamed as its payload arrives may be open for a while).
+#[derive(Debug, Default, Clone)]
+pub struct FrameCursor {
+    /// Bytes left of the current frame's payload (and, while `have` is 0, nothing else).
+    left: u64,
+    /// The header being written, when it is cut between two writes.
+    head: [u8; 10],
+    have: u8,
+}
+
+impl FrameCursor {
+    pub fn at_boundary(&self) -> bool {
+        self.left == 0 && self.have == 0
+    }
+
+    /// At most how many bytes may be written before the next boundary (at least 1 when not at
+    /// a boundary).
+    fn to_boundary(&self) -> usize {
+        if self.have == 0 {
+            usize::try_from(self.left).unwrap_or(usize::MAX)
+        } else {
+            // The rest of the header first (its length is then known).
+            let need = match self.head[1] & 0x7f {
+                126 => 4,
+                127 => 10,
+                _ => 2,
+            };
+            if self.have >= 2 {
+                usize::from(need - self.have.min(need)).max(1)
+            } else {
+                1
+            }
+        }
+    }
+
+    /// `bytes` went out, in order.
+    pub fn consume(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left > 0 {
+                let k = (self.left.min(bytes.len() as u64)) as usize;
+                self.left -= k as u64;
+                bytes = &bytes[k..];
+                continue;
+            }
+            self.head[self.have as usize] = bytes[0];
+            self.have += 1;
+            bytes = &bytes[1..];
+            if self.have < 2 {
+                continue;
+            }
+            let need = match self.head[1] & 0x7f {
+                126 => 4,
+                127 => 10,
+                _ => 2,
+            };
+            if self.have < need {
+                continue;
+            }
+            self.left = match need {
+                4 => u64::from(u16::from_be_bytes([self.head[2], self.head[3]])),
+                10 => u64::from_be_bytes(self.head[2..10].try_into().unwrap_or([0; 8])),
+                _ => u64::from(self.head[1] & 0x7f),
+            };
+            self.have = 0;
+        }
+    }
+}
+
 /// Bytes waiting for a socket: one vector and a read position. Empty means no allocation.
 #[derive(Debug, Default)]
 pub struct Output {
@@ -103,21 +268,67 @@ impl Output {
     }
 
     pub fn push(&mut self, bytes: &[u8]) {
-        if self.start > 0 && self.start >= self.bytes.len() / 2 {
+        if self.is_empty() {
+            self.bytes.clear();
+            self.start = 0;
+        } else if self.start > 0 && self.start >= self.bytes.len() / 2 {
             self.bytes.drain(..self.start);
             self.start = 0;
+        }
+        // Doubling, but never past the most the output can hold (its memory bound).
+        let needed = self.bytes.len() + bytes.len();
+        if needed > self.bytes.capacity() {
+            let target =
+                (self.bytes.capacity() * 2).clamp(needed, needed.max(super::OUTPUT_CAPACITY_BYTES));
+            self.bytes.reserve_exact(target - self.bytes.len());
         }
         self.bytes.extend_from_slice(bytes);
     }
 
-    /// Writes as much as the socket takes now; `EINTR` is retried, `WouldBlock` ends it.
-    pub fn flush(&mut self, stream: &TcpStream) -> Flushed {
+    /// Writes as much as the socket takes now, with `controls` put on the wire at the first
+    /// frame boundary (`cursor`); `EINTR` is retried, `WouldBlock` ends it.
+    pub fn flush(
+        &mut self,
+        stream: &TcpStream,
+        controls: &mut Controls,
+        cursor: &mut FrameCursor,
+    ) -> Flushed {
         let mut progressed = false;
         let mut stream = stream;
-        while self.start < self.bytes.len() {
-            match stream.write(&self.bytes[self.start..]) {
+        loop {
+            if let Some(control) = &mut controls.in_flight {
+                match stream.write(control.rest()) {
+                    Ok(0) => return Flushed::Failed,
+                    Ok(n) => {
+                        control.written += n as u8;
+                        progressed = true;
+                        if control.written < control.len {
+                            continue;
+                        }
+                        controls.in_flight = None;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(_) => return Flushed::Failed,
+                }
+            }
+            if controls.next.is_some() && cursor.at_boundary() {
+                controls.in_flight = controls.next.take();
+                continue;
+            }
+            if self.is_empty() {
+                break;
+            }
+            // With a control frame waiting, only up to the next boundary.
+            let end = if controls.next.is_some() {
+                self.start + cursor.to_boundary().min(self.len())
+            } else {
+                self.bytes.len()
+            };
+            match stream.write(&self.bytes[self.start..end]) {
                 Ok(0) => return Flushed::Failed,
                 Ok(n) => {
+                    cursor.consume(&self.bytes[self.start..self.start + n]);
                     self.start += n;
                     progressed = true;
                 }
@@ -126,8 +337,8 @@ impl Output {
                 Err(_) => return Flushed::Failed,
             }
         }
-        let empty = self.start >= self.bytes.len();
-        if empty {
+        let empty = self.is_empty() && controls.is_empty();
+        if self.is_empty() {
             // An idle leg keeps no buffer.
             self.bytes = Vec::new();
             self.start = 0;
@@ -207,6 +418,56 @@ pub fn read_once(stream: &TcpStream, into: &mut [u8]) -> ReadOutcome {
     }
 }
 
+/// TCP keepalive on a spliced leg: the first probe after this much idle time, then probes
+/// this far apart, this many unanswered before the kernel drops the connection.
+pub const KEEPALIVE_IDLE_S: i32 = 30;
+pub const KEEPALIVE_INTERVAL_S: i32 = 10;
+pub const KEEPALIVE_PROBES: i32 = 3;
+/// `TCP_USER_TIMEOUT`: data (or a keepalive probe) unacknowledged this long drops the
+/// connection. A phone that vanished (no FIN ever comes) is thus found within about a minute
+/// (30 s idle, then 30 s of probes), or 30 s after the relay last wrote to it, and at the latest
+/// by the splice idle timeout.
+pub const USER_TIMEOUT_MS: u32 = 30_000;
+
+fn set_option(fd: i32, level: i32, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a pointer to a local int.
+    let result = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Turns on TCP keepalive and `TCP_USER_TIMEOUT` for a spliced leg.
+pub fn set_liveness(stream: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = stream.as_raw_fd();
+    set_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
+    set_option(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        KEEPALIVE_INTERVAL_S,
+    )?;
+    set_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES)?;
+    set_option(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        USER_TIMEOUT_MS as i32,
+    )
+}
+
 /// An unmasked server frame header for `payload_len` bytes (RFC 6455 §5.2): the first byte
 /// as given (FIN and opcode), then the shortest length encoding. Returns the header bytes
 /// used.
@@ -248,6 +509,49 @@ pub fn close_frame(code: Option<u16>, reason: &str) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    fn get_option(stream: &TcpStream, level: i32, name: i32) -> i32 {
+        use std::os::fd::AsRawFd;
+        let mut value: i32 = 0;
+        let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into a local int.
+        let result = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                level,
+                name,
+                (&mut value as *mut i32).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(result, 0);
+        value
+    }
+
+    #[test]
+    fn a_spliced_leg_has_tcp_keepalive_and_a_user_timeout() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (leg, _) = listener.accept().unwrap();
+        set_liveness(&leg).unwrap();
+        assert_eq!(get_option(&leg, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+            KEEPALIVE_IDLE_S
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+            KEEPALIVE_INTERVAL_S
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+            KEEPALIVE_PROBES
+        );
+        assert_eq!(
+            get_option(&leg, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+            USER_TIMEOUT_MS as i32
+        );
+    }
+
     #[test]
     fn headers_use_the_shortest_length() {
         let mut head = [0u8; 10];
@@ -280,5 +584,37 @@ mod tests {
         output.push(b"def");
         assert_eq!(output.len(), 4);
         assert_eq!(&output.bytes[output.start..], b"cdef");
+    }
+
+    #[test]
+    fn the_cursor_finds_frame_boundaries_however_the_writes_cut_them() {
+        let mut frames = Vec::new();
+        let mut head = [0u8; 10];
+        for len in [3usize, 0, 200, 70_000, 125] {
+            let n = server_header(0x82, len, &mut head);
+            frames.extend_from_slice(&head[..n]);
+            frames.extend(std::iter::repeat_n(7u8, len));
+        }
+        let ends = [5usize, 7, 211, 211 + 70_010, 211 + 70_010 + 127];
+        for cut in [1usize, 2, 3, 7, 100, 4096, 100_000] {
+            let mut cursor = FrameCursor::default();
+            let mut at = 0;
+            while at < frames.len() {
+                let next = (at + cut).min(frames.len());
+                cursor.consume(&frames[at..next]);
+                at = next;
+                assert_eq!(
+                    cursor.at_boundary(),
+                    ends.contains(&at),
+                    "cut {cut} at {at}"
+                );
+            }
+        }
+        // Bytes to the boundary: the rest of the payload, or of a header cut in two.
+        let mut cursor = FrameCursor::default();
+        cursor.consume(&frames[7..9]);
+        assert_eq!(cursor.to_boundary(), 2);
+        cursor.consume(&frames[9..11]);
+        assert_eq!(cursor.to_boundary(), 200);
     }
 }

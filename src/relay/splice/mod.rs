@@ -62,23 +62,67 @@ pub struct LegHandOff {
 pub struct Pair {
     pub phone: LegHandOff,
     pub host: LegHandOff,
+    /// The desktop the pair belongs to: the pair is closed when its control leaves.
+    pub relay_host_id: Arc<str>,
+    /// Whether that desktop's control is still here, asked once the worker holds the pair: a
+    /// control that left while the pair was on its way (its [`SplicePlane::close_host`] came
+    /// first) is seen, since it is unseated before the close is sent.
+    pub host_present: Box<dyn Fn() -> bool + Send>,
 }
 
 /// What a worker is told.
 pub enum Command {
     Splice(Box<Pair>),
+    /// The control of this desktop has left: close its pairs 4408.
+    CloseHost(Arc<str>),
     /// Close every leg 4503 (drain) and end once they are gone.
     Stop,
 }
 
-/// Timings the workers need.
+/// Timings and sizes the workers need. Production takes the constants of this module; the
+/// model test of the worker shrinks the sizes so that backpressure comes within a few KiB.
 #[derive(Debug, Clone, Copy)]
 pub struct SpliceTimings {
     /// A leg whose pending output makes no progress for this long is wedged (SPEC §5.2).
     pub wedge_ms: u64,
     /// How long a closed leg waits for the peer to close (SPEC §5.2: 1 s).
     pub linger_ms: u64,
+    /// A leg from which nothing arrived for half of this is pinged by the relay, for all of it
+    /// is closed 4408 (`ORCA_RELAY_SPLICE_IDLE_MS`).
+    pub idle_ms: u64,
+    /// A leg is not read while its peer's pending output is at or over this
+    /// ([`PENDING_OUTPUT_BOUND`]).
+    pub output_bound: usize,
+    /// Each worker's read buffer ([`READ_BUFFER_BYTES`]).
+    pub read_buffer_bytes: usize,
 }
+
+impl SpliceTimings {
+    /// The production sizes with the given windows.
+    pub fn new(wedge_ms: u64, linger_ms: u64, idle_ms: u64) -> SpliceTimings {
+        SpliceTimings {
+            wedge_ms,
+            linger_ms,
+            idle_ms,
+            output_bound: PENDING_OUTPUT_BOUND,
+            read_buffer_bytes: READ_BUFFER_BYTES,
+        }
+    }
+}
+
+/// The most a leg's pending output holds: reading its peer stops at [`PENDING_OUTPUT_BOUND`],
+/// one read adds at most one read buffer's worth of frames (a larger frame is forwarded as it
+/// arrives, a read at a time), and a close frame may follow. Its vector never grows past it.
+pub const OUTPUT_CAPACITY_BYTES: usize = PENDING_OUTPUT_BOUND + READ_BUFFER_BYTES + 128;
+
+/// The most memory one spliced leg can hold, by construction of the worker: its partial frame
+/// (less than one read buffer: a frame that does not fit is forwarded as its payload arrives,
+/// so memory follows the bytes that arrived, never a declared length), its pending output
+/// ([`OUTPUT_CAPACITY_BYTES`]), two owed control frames, and its state (the leg, its socket and
+/// writer context, its release guards: well under 4 KiB). About 1.5 MiB; `roles::cell`
+/// multiplies the larger of it and a control's bound by the connection cap.
+pub const LEG_MEMORY_BOUND_BYTES: u64 =
+    READ_BUFFER_BYTES as u64 + OUTPUT_CAPACITY_BYTES as u64 + 2 * 128 + 4 * 1024;
 
 struct WorkerHandle {
     inbox: Sender<Command>,
@@ -151,8 +195,19 @@ impl SplicePlane {
                 worker.legs.fetch_sub(2, Ordering::Relaxed);
                 match command {
                     Command::Splice(pair) => Err(pair),
-                    Command::Stop => unreachable!("only a pair was sent"),
+                    Command::CloseHost(_) | Command::Stop => unreachable!("only a pair was sent"),
                 }
+            }
+        }
+    }
+
+    /// The control of `relay_host_id` has left (no newer one took its place): every worker
+    /// closes that desktop's pairs 4408.
+    pub fn close_host(&self, relay_host_id: &str) {
+        let host: Arc<str> = relay_host_id.into();
+        for worker in &self.workers {
+            if worker.inbox.send(Command::CloseHost(host.clone())).is_ok() {
+                let _ = worker.waker.wake();
             }
         }
     }

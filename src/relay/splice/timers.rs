@@ -22,6 +22,9 @@ pub enum TimerKind {
     /// The leg sent its close frame and has nothing left to write: drop the TCP connection if
     /// the peer has not closed it by then (SPEC §5.2: within 1 s).
     Linger,
+    /// Nothing may have arrived on the leg for a while: ping it, or close it as gone
+    /// ([`idle_step`]).
+    Idle,
 }
 
 /// A leg's identity in its worker: its slot and that slot's generation, so a timer armed for a
@@ -76,6 +79,38 @@ impl Timers {
 /// the window, as the socket send timeout of the thread-per-leg relay did.
 pub fn wedge_due(last_progress_ms: u64, wedge_ms: u64) -> u64 {
     last_progress_ms.saturating_add(wedge_ms)
+}
+
+/// What the idle timer of a leg does when it comes due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleStep {
+    /// Something arrived recently: look again at `until`.
+    Wait { until: u64 },
+    /// Quiet for half the window: the relay pings the leg (any endpoint answers a ping with a
+    /// pong, RFC 6455 §5.5.2), and looks again at `then`, the end of the window.
+    Ping { then: u64 },
+    /// Nothing at all arrived for the whole window, the answer to the relay's ping included:
+    /// the leg is gone.
+    Silent,
+}
+
+/// The idle decision for a leg whose last byte arrived at `last_arrival_ms`, with the relay's
+/// own ping already sent (`pinged`) or not, an idle window of `idle_ms`, at `now_ms`. Half the
+/// window without a byte brings the relay's ping; the whole window, the close. So a session
+/// that is idle but present survives whatever its own keepalive (an endpoint that answers
+/// pings needs none), and one whose endpoint vanished is closed within `idle_ms`.
+pub fn idle_step(last_arrival_ms: u64, pinged: bool, idle_ms: u64, now_ms: u64) -> IdleStep {
+    let half = last_arrival_ms.saturating_add(idle_ms / 2);
+    let end = last_arrival_ms.saturating_add(idle_ms);
+    if now_ms >= end {
+        IdleStep::Silent
+    } else if now_ms >= half && !pinged {
+        IdleStep::Ping { then: end }
+    } else if now_ms >= half {
+        IdleStep::Wait { until: end }
+    } else {
+        IdleStep::Wait { until: half }
+    }
 }
 
 /// Whether a leg may be read now: only while its peer's pending output is under `bound`.
@@ -141,6 +176,30 @@ mod tests {
         assert_eq!(wedge_due(1_000, 10_000), 11_000);
         assert_eq!(wedge_due(5_000, 10_000), 15_000);
         assert_eq!(wedge_due(u64::MAX - 1, 10_000), u64::MAX);
+    }
+
+    #[test]
+    fn a_quiet_leg_is_pinged_at_half_the_window_and_closed_at_its_end() {
+        let idle = 120_000;
+        assert_eq!(
+            idle_step(1_000, false, idle, 30_000),
+            IdleStep::Wait { until: 61_000 }
+        );
+        assert_eq!(
+            idle_step(1_000, false, idle, 61_000),
+            IdleStep::Ping { then: 121_000 }
+        );
+        assert_eq!(
+            idle_step(1_000, true, idle, 61_000),
+            IdleStep::Wait { until: 121_000 }
+        );
+        assert_eq!(idle_step(1_000, true, idle, 121_000), IdleStep::Silent);
+        assert_eq!(idle_step(1_000, false, idle, 500_000), IdleStep::Silent);
+        // A byte that arrived after the ping starts the window again.
+        assert_eq!(
+            idle_step(100_000, false, idle, 121_000),
+            IdleStep::Wait { until: 160_000 }
+        );
     }
 
     #[test]

@@ -6,17 +6,32 @@
 //! and the data frames go to the peer's socket in one vectored write, headers re-encoded
 //! unmasked, payloads untouched; whatever the peer's socket does not take is copied into the
 //! peer's pending output, and the bytes after the last whole frame into the leg's partial
-//! frame. Pings are answered on the leg itself, pongs dropped, a close acknowledged and the
-//! peer closed 4408; a violation closes the leg 1002 (1009 for size) and the peer 4408.
+//! frame. Pings are answered on the leg itself (at most one pong owed per leg: the latest
+//! ping's), pongs dropped, a close acknowledged and the peer closed 4408; a violation closes
+//! the leg 1002 (1009 for size) and the peer 4408.
 //!
-//! Backpressure: a leg is not read while its peer's pending output is at or over
-//! [`PENDING_OUTPUT_BOUND`]; it stays readable (edge-triggered: the readiness is remembered)
-//! and is read again as soon as the peer's writes bring the output under the bound. A peer
-//! whose output makes no progress for the wedge window is dropped and the leg that sends to it
-//! closed 4429, as the thread-per-leg relay did with its socket send timeout.
+//! **The rule of the loop: a handler never re-enters another connection's handler.** Reading
+//! a leg may write (its peer's frames, its own pong or close), but nothing reached from a
+//! write ever reads: a leg that a write made readable again (its peer's output drained under
+//! the bound) goes on the backlog and is read in its own turn. Within a read, the data frames
+//! staged for the peer are forwarded before anything else that can write. (A nested read from
+//! a flush once cleared the outer read's staged frames: frames lost without a trace.)
 //!
-//! Fairness: a leg gets at most [`READS_PER_TURN`] reads per turn; a leg with more to read
-//! waits in the backlog behind the other ready legs.
+//! Backpressure: a leg is not read while its peer's pending output is at or over the output
+//! bound (1 MiB, [`super::PENDING_OUTPUT_BOUND`]); only its peer's output, never its own, so
+//! the two directions of a pair stay independent. It stays readable (edge-triggered: the
+//! readiness is remembered) and is put on the backlog as soon as the peer's writes bring the
+//! output under the bound. A peer whose output makes no progress for the wedge window is
+//! dropped and the leg that sends to it closed 4429, as the thread-per-leg relay did with its
+//! socket send timeout.
+//!
+//! Fairness: a leg gets at most [`READS_PER_TURN`] reads and [`CONTROL_FRAMES_PER_TURN`]
+//! control frames per turn; a leg with more waits in the backlog behind the other ready legs.
+//!
+//! Liveness: a leg from which nothing at all has arrived for half the idle window
+//! (`ORCA_RELAY_SPLICE_IDLE_MS`) is pinged by the relay; one still silent at the end of the
+//! window is closed 4408 and its peer 4408. Every leg also has TCP keepalive and
+//! `TCP_USER_TIMEOUT`. A pair whose desktop's control has left is closed 4408.
 
 use std::collections::VecDeque;
 use std::io;
@@ -34,19 +49,27 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
 use super::leg::{
-    close_frame, read_once, server_header, write_slices, Flushed, Leg, LegCounters, LegState,
-    Output, ReadOutcome,
+    close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
+    Flushed, FrameCursor, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
-use super::timers::{may_read, wedge_due, LegKey, TimerKind, Timers};
-use super::{Command, LegHandOff, Pair, SpliceTimings, PENDING_OUTPUT_BOUND, READ_BUFFER_BYTES};
+use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
+use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
-use crate::relay::frames::{FrameKind, Parsed};
+use crate::relay::frames::{unmask_at, FrameKind, Parsed};
 use crate::relay::RelayMetrics;
 
 const WAKER: Token = Token(usize::MAX);
 /// Reads one leg gets before the other ready legs have their turn.
 pub const READS_PER_TURN: usize = 16;
+/// Control frames (pings, pongs) one leg may have parsed in one turn: a ping flood costs the
+/// other legs of the worker one short turn per loop, and its sender one pong per turn.
+pub const CONTROL_FRAMES_PER_TURN: usize = 64;
+/// The first byte of a server ping (FIN, opcode 9) and pong (FIN, opcode 10).
+const PING: u8 = 0x89;
+const PONG: u8 = 0x8a;
+/// The payload of the relay's own ping to a quiet leg.
+const IDLE_PING_PAYLOAD: &[u8] = b"orca-relay";
 /// Events taken per `epoll_wait`.
 const EVENTS: usize = 1024;
 /// After `Stop`, legs that have not finished their close by then are dropped.
@@ -79,6 +102,13 @@ pub struct Worker {
     uncounted: [(u64, u64); 2],
     stop_at: Option<u64>,
     inbox_closed: bool,
+    /// The clock, read once per loop turn (arrivals are stamped with it).
+    now_ms: u64,
+    /// Control frames the leg being read has parsed in this turn.
+    turn_controls: usize,
+    /// A leg is being read (its turn, frames included): no other leg may be read until it
+    /// ends (the rule of the loop, checked in debug builds).
+    reading: bool,
 }
 
 impl Worker {
@@ -120,6 +150,9 @@ impl Worker {
             uncounted: [(0, 0); 2],
             stop_at: None,
             inbox_closed: false,
+            now_ms: 0,
+            turn_controls: 0,
+            reading: false,
         })
     }
 
@@ -128,13 +161,24 @@ impl Worker {
     }
 
     fn now(&self) -> u64 {
-        self.clock.now_ms()
+        self.now_ms
+    }
+
+    fn read_buffer_bytes(&self) -> usize {
+        self.timings
+            .read_buffer_bytes
+            .max(crate::relay::frames::MAX_HEADER_BYTES)
+    }
+
+    fn output_bound(&self) -> usize {
+        self.timings.output_bound
     }
 
     /// The loop: wait for events or the next deadline, serve them, fire due timers.
     pub fn run(mut self) {
         let mut events = Events::with_capacity(EVENTS);
         loop {
+            self.now_ms = self.clock.now_ms();
             let now = self.now();
             if let Some(stop_at) = self.stop_at {
                 if self.live_legs() == 0 || now >= stop_at {
@@ -152,7 +196,9 @@ impl Worker {
             } else {
                 Some(Duration::ZERO)
             };
-            match self.poll.poll(&mut events, timeout) {
+            let polled = self.poll.poll(&mut events, timeout);
+            self.now_ms = self.clock.now_ms();
+            match polled {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -213,8 +259,10 @@ impl Worker {
                 self.index,
                 key.slot
             );
-            if self.buf.len() != READ_BUFFER_BYTES {
-                self.buf = vec![0; READ_BUFFER_BYTES];
+            self.reading = false;
+            let buffer_bytes = self.read_buffer_bytes();
+            if self.buf.len() != buffer_bytes {
+                self.buf = vec![0; buffer_bytes];
             }
             let peer = self.leg(key).and_then(|leg| leg.peer);
             self.remove(key);
@@ -229,6 +277,7 @@ impl Worker {
             match self.inbox.try_recv() {
                 Ok(Command::Splice(pair)) => self.add_pair(*pair),
                 Ok(Command::Stop) => self.stop(),
+                Ok(Command::CloseHost(host)) => self.close_host(&host),
                 Err(TryRecvError::Empty) => return,
                 Err(TryRecvError::Disconnected) => {
                     self.inbox_closed = true;
@@ -252,6 +301,23 @@ impl Worker {
             .collect();
         for key in keys {
             self.close(key, CloseCode::Draining, "draining", true);
+        }
+    }
+
+    /// The desktop `host`'s control has left: each of its pairs is closed 4408 (SPEC §5.2
+    /// "the other side of a splice left"), freeing the phone's place.
+    fn close_host(&mut self, host: &str) {
+        let keys: Vec<LegKey> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|leg| leg.is_open() && &*leg.host == host)
+            .map(|leg| leg.key)
+            .collect();
+        for key in keys {
+            self.guarded(key, |worker| {
+                worker.close(key, CloseCode::PeerDropped, "host left", true)
+            });
         }
     }
 
@@ -287,14 +353,15 @@ impl Worker {
     }
 
     fn add_pair(&mut self, pair: Pair) {
-        if self.buf.is_empty() {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_bytes = self.read_buffer_bytes();
+        if self.buf.len() != buffer_bytes {
+            self.buf = vec![0; buffer_bytes];
         }
         let phone_key = self.allocate();
-        let phone = self.make_leg(phone_key, pair.phone, "phone");
+        let phone = self.make_leg(phone_key, pair.phone, "phone", pair.relay_host_id.clone());
         self.slots[phone_key.slot as usize] = Some(phone);
         let host_key = self.allocate();
-        let host = self.make_leg(host_key, pair.host, "data");
+        let host = self.make_leg(host_key, pair.host, "data", pair.relay_host_id.clone());
         self.slots[host_key.slot as usize] = Some(host);
         for (key, peer) in [(phone_key, host_key), (host_key, phone_key)] {
             if let Some(leg) = self.leg(key) {
@@ -305,6 +372,10 @@ impl Worker {
         for key in [phone_key, host_key] {
             if let Some(leg) = self.leg(key) {
                 let fd = leg.stream().as_raw_fd();
+                if let Err(e) = set_liveness(leg.stream()) {
+                    // The idle timeout still ends a vanished leg.
+                    log::debug!("orca_relay_splice_keepalive_failed error={e}");
+                }
                 let nonblocking = leg.stream().set_nonblocking(true);
                 let token = Token(key.slot as usize);
                 let registered = nonblocking.and_then(|()| {
@@ -327,17 +398,40 @@ impl Worker {
             }
             return;
         }
+        if !(pair.host_present)() {
+            // The desktop left while the pair was on its way here.
+            for key in [phone_key, host_key] {
+                self.close(key, CloseCode::PeerDropped, "host left", true);
+            }
+            return;
+        }
+        let idle_due = self.now() + self.timings.idle_ms / 2;
+        for key in [phone_key, host_key] {
+            if let Some(leg) = self.leg(key) {
+                leg.idle_armed = true;
+            }
+            self.timers.schedule(idle_due, key, TimerKind::Idle);
+        }
         // Bytes the relay threads had read past the attach are parsed first; then both legs
         // are read (an edge-triggered registration may not report data that arrived before).
         for key in [phone_key, host_key] {
             self.guarded(key, |worker| {
+                worker.turn_controls = 0;
+                worker.reading = true;
                 worker.process_carried(key);
+                worker.reading = false;
                 worker.read(key);
             });
         }
     }
 
-    fn make_leg(&self, key: LegKey, handoff: LegHandOff, kind: &'static str) -> Leg {
+    fn make_leg(
+        &self,
+        key: LegKey,
+        handoff: LegHandOff,
+        kind: &'static str,
+        host: std::sync::Arc<str>,
+    ) -> Leg {
         let direction = if kind == "phone" { 0 } else { 1 };
         let filled = handoff.buffered.len();
         Leg {
@@ -349,6 +443,15 @@ impl Worker {
             filled,
             needed: 0,
             output: Output::default(),
+            cursor: FrameCursor::default(),
+            stream_in: None,
+            controls: None,
+            unparsed: false,
+            parse_from: 0,
+            last_arrival_ms: self.now(),
+            idle_armed: false,
+            idle_pinged: false,
+            host,
             state: LegState::Open,
             paused: false,
             last_progress_ms: 0,
@@ -400,9 +503,48 @@ impl Worker {
         leg.partial = Vec::new();
         leg.filled = 0;
         leg.needed = 0;
+        leg.unparsed = false;
+        let peer = leg.peer;
+        if leg.stream_in.take().is_some() {
+            // It was in the middle of a frame to its peer, which can never be finished: the
+            // peer gets what was queued for it and then loses its connection (no close frame
+            // may follow half a frame).
+            if let Some(peer) = peer {
+                self.abort(peer, CloseCode::PeerDropped);
+            }
+        }
+        if peer.is_some_and(|peer| self.leg(peer).is_some_and(|p| p.stream_in.is_some())) {
+            // Its peer was in the middle of a frame to it (a large frame forwarded as it
+            // arrives): the same, for this leg.
+            return self.abort(key, code);
+        }
         self.push_output(key, &close_frame(Some(code.code()), reason));
         self.metrics.close(code);
         self.flush(key);
+    }
+
+    /// Ends `key` without a close frame (it is in the middle of a frame that will never be
+    /// finished): what is queued for it is still written, then the connection is dropped.
+    fn abort(&mut self, key: LegKey, code: CloseCode) {
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if leg.is_open() {
+            leg.state = LegState::Closing { linger: false };
+            leg.partial = Vec::new();
+            leg.filled = 0;
+            leg.needed = 0;
+            leg.unparsed = false;
+            self.metrics.close(code);
+        }
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if leg.output.is_empty() {
+            self.remove(key);
+        } else {
+            self.flush(key);
+        }
     }
 
     /// The leg's peer is told it left (4408), unless the peer is already closing.
@@ -435,21 +577,49 @@ impl Worker {
         }
     }
 
+    /// Owes `key`'s socket `frame` (a pong, the relay's ping): it replaces the control frame
+    /// that waited, if any, and goes out at the next frame boundary of the leg's output.
+    fn queue_control(&mut self, key: LegKey, frame: ControlFrame) {
+        if let Some(leg) = self.leg(key) {
+            leg.controls
+                .get_or_insert_with(Box::default)
+                .replace_next(frame);
+        }
+    }
+
     // -----------------------------------------------------------------------------------------
     // Writing.
 
-    /// Writes the leg's pending output; on progress, a peer paused by this output may read
-    /// again.
+    /// Writes the leg's pending output and control frames. When that brings the output under
+    /// the bound, a peer paused by it goes on the backlog: it is never read from here (the
+    /// rule of the loop).
     fn flush(&mut self, key: LegKey) {
         let now = self.now();
         let linger_ms = self.timings.linger_ms;
+        let bound = self.output_bound();
         let Some(leg) = self.leg(key) else {
             return;
         };
-        if leg.output.is_empty() {
+        if leg.output.is_empty() && leg.controls.is_none() {
             return;
         }
-        let flushed = leg.output.flush(leg.socket.stream());
+        let flushed = match leg.controls.as_deref_mut() {
+            Some(controls) => leg
+                .output
+                .flush(leg.socket.stream(), controls, &mut leg.cursor),
+            None => leg.output.flush(
+                leg.socket.stream(),
+                &mut Controls::default(),
+                &mut leg.cursor,
+            ),
+        };
+        if leg
+            .controls
+            .as_ref()
+            .is_some_and(|controls| controls.is_empty())
+        {
+            leg.controls = None;
+        }
         let empty = match flushed {
             Flushed::Failed => return self.gone(key),
             Flushed::Blocked => return,
@@ -459,7 +629,10 @@ impl Worker {
             }
         };
         let (state, pending, peer) = (leg.state, leg.output.len(), leg.peer);
-        if empty {
+        // A closing leg is done once its output is out (a control frame still owed then can
+        // only be one that must wait for a frame boundary that will never come).
+        let drained = empty || (pending == 0 && !leg.is_open());
+        if drained {
             match state {
                 LegState::Open => {}
                 LegState::Closing { linger: false } => return self.remove(key),
@@ -475,18 +648,25 @@ impl Worker {
             }
         }
         if let Some(peer) = peer {
-            if may_read(pending, PENDING_OUTPUT_BOUND) {
-                let resumed = match self.leg(peer) {
-                    Some(p) if p.paused => {
-                        p.paused = false;
-                        true
-                    }
-                    _ => false,
-                };
-                if resumed {
-                    self.read(peer);
-                }
+            if may_read(pending, bound) {
+                self.resume(peer);
             }
+        }
+    }
+
+    /// A leg paused by its peer's output may read again: it goes on the backlog, to be read in
+    /// its own turn.
+    fn resume(&mut self, key: LegKey) {
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        if !leg.paused {
+            return;
+        }
+        leg.paused = false;
+        if !leg.backlogged {
+            leg.backlogged = true;
+            self.backlog.push_back(key);
         }
     }
 
@@ -502,6 +682,7 @@ impl Worker {
         let peer = peer.filter(|peer| self.slots_open(*peer));
         let mut failed = false;
         let mut rest = Vec::new();
+        let mut owes_control = false;
         if let Some(peer) = peer {
             let now = self.now();
             // Most reads hold a frame or two: their slices live on the stack.
@@ -522,12 +703,23 @@ impl Worker {
             };
             let mut written = 0;
             if let Some(leg) = self.leg(peer) {
-                if leg.output.is_empty() {
+                owes_control = leg.controls.is_some();
+                // A control frame owed to the peer goes first: the frames are queued behind it.
+                if leg.output.is_empty() && !owes_control {
                     match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
                             if n > 0 {
                                 leg.last_progress_ms = now;
+                            }
+                            let mut left = n;
+                            for slice in slices {
+                                let k = left.min(slice.len());
+                                leg.cursor.consume(&slice[..k]);
+                                left -= k;
+                                if left == 0 {
+                                    break;
+                                }
                             }
                         }
                         Err(_) => failed = true,
@@ -553,6 +745,9 @@ impl Worker {
                 self.gone(peer);
             } else if !rest.is_empty() {
                 self.push_output(peer, &rest);
+                if owes_control {
+                    self.flush(peer);
+                }
             }
         }
     }
@@ -564,8 +759,18 @@ impl Worker {
     // -----------------------------------------------------------------------------------------
     // Reading.
 
-    /// Reads `key` until `WouldBlock`, backpressure, the end of its turn, or its end.
+    /// Reads `key` until `WouldBlock`, backpressure, the end of its turn (reads or control
+    /// frames), or its end.
     fn read(&mut self, key: LegKey) {
+        debug_assert!(!self.reading, "a handler re-entered another's");
+        self.reading = true;
+        self.read_turn(key);
+        self.reading = false;
+    }
+
+    fn read_turn(&mut self, key: LegKey) {
+        self.turn_controls = 0;
+        let bound = self.output_bound();
         for _ in 0..READS_PER_TURN {
             let Some(leg) = self.leg(key) else {
                 return;
@@ -573,12 +778,14 @@ impl Worker {
             if !leg.is_open() {
                 return self.discard(key);
             }
+            // Paused only by the peer's output (the data it would forward), never by its own:
+            // the two directions of a pair stay independent.
             let peer = leg.peer;
             let peer_pending = match peer {
                 Some(peer) => self.leg(peer).map_or(0, |p| p.output.len()),
                 None => 0,
             };
-            if !may_read(peer_pending, PENDING_OUTPUT_BOUND) {
+            if !may_read(peer_pending, bound) {
                 if let Some(leg) = self.leg(key) {
                     leg.paused = true;
                 }
@@ -586,6 +793,9 @@ impl Worker {
             }
             if !self.read_step(key) {
                 return;
+            }
+            if self.turn_controls >= CONTROL_FRAMES_PER_TURN {
+                break;
             }
         }
         if let Some(leg) = self.leg(key) {
@@ -596,43 +806,81 @@ impl Worker {
         }
     }
 
+    /// Something arrived on `key`: it is alive (the idle window starts again).
+    fn arrived(&mut self, key: LegKey) {
+        let now = self.now();
+        if let Some(leg) = self.leg(key) {
+            leg.last_arrival_ms = now;
+            leg.idle_pinged = false;
+            // The relay's own ping, not sent yet, is no longer needed.
+            if let Some(controls) = leg.controls.as_deref_mut() {
+                if controls.next_is(PING) {
+                    controls.drop_next();
+                }
+                if controls.is_empty() {
+                    leg.controls = None;
+                }
+            }
+        }
+    }
+
     /// One read and the frames it completes; `false` when reading has to stop.
     fn read_step(&mut self, key: LegKey) -> bool {
-        if self.buf.len() != READ_BUFFER_BYTES {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_len = self.read_buffer_bytes();
+        if self.buf.len() != buffer_len {
+            self.buf = vec![0; buffer_len];
         }
-        let buffer_len = self.buf.len();
         let Some(leg) = self.leg(key) else {
             return false;
         };
-        if leg.needed > buffer_len {
-            // A frame larger than the shared buffer grows in the leg's own partial buffer,
-            // read straight into it, and is given back once forwarded.
-            let needed = leg.needed;
-            if leg.partial.len() < needed {
-                leg.partial.resize(needed, 0);
-            }
-            let filled = leg.filled;
+        if leg.unparsed {
+            // Frames left from the last turn: parsed, from where it stopped, before anything
+            // more is read.
+            leg.unparsed = false;
+            let from = std::mem::take(&mut leg.parse_from);
+            let work = std::mem::take(&mut leg.partial);
+            let filled = std::mem::take(&mut leg.filled);
+            leg.needed = 0;
+            self.process_own(key, work, filled, from);
+            return true;
+        }
+        if let Some(stream) = leg.stream_in {
+            // The payload of a large frame: forwarded as it arrives, unmasked in place; what
+            // follows it in the same read is parsed as usual.
             let hangup = leg.hangup_seen;
-            match read_once(leg.socket.stream(), &mut leg.partial[filled..needed]) {
+            let mut work = std::mem::take(&mut self.buf);
+            let Some(leg) = self.leg(key) else {
+                self.buf = work;
+                return false;
+            };
+            let outcome = read_once(leg.socket.stream(), &mut work);
+            let more = match outcome {
                 ReadOutcome::Bytes(n) => {
-                    leg.filled += n;
-                    if leg.filled < needed {
-                        // A short read drained the socket: the next bytes bring a new edge.
-                        return n == needed - filled || hangup;
+                    let k = stream.left.min(n);
+                    unmask_at(&mut work[..k], stream.mask, stream.offset);
+                    leg.stream_in = (k < stream.left).then_some(StreamIn {
+                        left: stream.left - k,
+                        offset: stream.offset + k,
+                        ..stream
+                    });
+                    self.arrived(key);
+                    self.staged.clear();
+                    self.staged.push(0..k);
+                    self.count_bytes(key, k as u64);
+                    if let Some(at) = self.process(key, &mut work[..n], k) {
+                        self.keep_unparsed(key, work[at..n].to_vec(), 0);
                     }
-                    let mut work = std::mem::take(&mut leg.partial);
-                    leg.filled = 0;
-                    leg.needed = 0;
-                    self.process(key, &mut work[..needed]);
-                    true
+                    n == work.len() || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
+                    self.buf = work;
                     self.gone(key);
-                    false
+                    return false;
                 }
-            }
+            };
+            self.buf = work;
+            more
         } else {
             let have = leg.filled;
             let mut work = std::mem::take(&mut self.buf);
@@ -649,12 +897,16 @@ impl Worker {
                     leg.partial = Vec::new();
                     leg.filled = 0;
                     leg.needed = 0;
-                    self.process(key, &mut work[..have + n]);
+                    self.arrived(key);
+                    if let Some(at) = self.process(key, &mut work[..have + n], 0) {
+                        self.keep_unparsed(key, work[at..have + n].to_vec(), 0);
+                    }
                     // A read shorter than the space drained the socket (as nginx assumes):
                     // bytes that arrive later bring a new edge, so the read that would only
                     // say `WouldBlock` is saved. Not once the peer has hung up: its end of
-                    // stream may have come with the data, in the same edge.
-                    n == space || hangup
+                    // stream may have come with the data, in the same edge. Not when the
+                    // turn's control budget left frames unparsed either.
+                    n == space || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
@@ -677,24 +929,68 @@ impl Worker {
             leg.partial = Vec::new();
             return;
         }
-        let mut work = std::mem::take(&mut leg.partial);
+        let work = std::mem::take(&mut leg.partial);
         let filled = leg.filled;
         leg.filled = 0;
-        self.process(key, &mut work[..filled]);
+        self.process_own(key, work, filled, 0);
     }
 
-    /// Handles every whole frame at the front of `work`; keeps the rest as the leg's partial
-    /// frame.
-    fn process(&mut self, key: LegKey, work: &mut [u8]) {
-        let mut at = 0;
+    /// Processes `work[from..filled]`, a buffer of the leg's own; what the control budget left
+    /// unparsed stays in it (no copy).
+    fn process_own(&mut self, key: LegKey, mut work: Vec<u8>, filled: usize, from: usize) {
+        if let Some(at) = self.process(key, &mut work[..filled], from) {
+            work.truncate(filled);
+            self.keep_unparsed(key, work, at);
+        }
+    }
+
+    /// The turn's control budget ran out at `bytes[from..]`: those frames wait, unparsed, for
+    /// the leg's next turn (behind the other ready legs). They arrived: the memory is theirs.
+    fn keep_unparsed(&mut self, key: LegKey, bytes: Vec<u8>, from: usize) {
+        if let Some(leg) = self.leg(key) {
+            if leg.is_open() && from < bytes.len() {
+                leg.filled = bytes.len();
+                leg.partial = bytes;
+                leg.parse_from = from;
+                leg.needed = 0;
+                leg.unparsed = true;
+            }
+        }
+    }
+
+    /// Handles whole frames at the front of `work` (until the turn's control budget runs out);
+    /// keeps the rest as the leg's partial frame (or unparsed frames). The data frames are
+    /// forwarded first, then the pong owed (if any) is written.
+    ///
+    /// Starts at `from`; returns where it stopped when the control budget ran out (the caller
+    /// keeps `work[at..]` unparsed).
+    fn process(&mut self, key: LegKey, work: &mut [u8], from: usize) -> Option<usize> {
+        let stopped = self.process_frames(key, work, from);
+        if self.leg(key).is_some_and(|leg| leg.controls.is_some()) {
+            self.flush(key);
+        }
+        stopped
+    }
+
+    fn process_frames(&mut self, key: LegKey, work: &mut [u8], from: usize) -> Option<usize> {
+        let buffer_len = self.read_buffer_bytes();
+        let mut at = from;
+        let mut stopped = None;
         let mut frames = 0u64;
         let mut bytes = 0u64;
-        self.staged.clear();
+        // `staged` may already hold the payload of a frame streamed in this read.
         loop {
+            let budget_spent = self.turn_controls >= CONTROL_FRAMES_PER_TURN;
             let Some(leg) = self.leg(key) else {
-                return;
+                self.staged.clear();
+                return None;
             };
             if !leg.is_open() {
+                break;
+            }
+            if budget_spent && at < work.len() {
+                // The turn's budget is spent: the rest waits for the leg's next turn.
+                stopped = Some(at);
                 break;
             }
             match leg.parser.parse(&mut work[at..]) {
@@ -718,14 +1014,12 @@ impl Worker {
                             self.staged.push(start..payload.end);
                         }
                         FrameKind::Ping => {
-                            let mut head = [0u8; 10];
-                            let head_len = server_header(0x8a, payload.len(), &mut head);
-                            let mut pong = head[..head_len].to_vec();
-                            pong.extend_from_slice(&work[payload]);
-                            self.push_output(key, &pong);
-                            self.flush(key);
+                            // Owed, not written here: one pong per leg at most, the latest
+                            // ping's, written once the staged frames are forwarded.
+                            self.turn_controls += 1;
+                            self.queue_control(key, ControlFrame::new(PONG, &work[payload]));
                         }
-                        FrameKind::Pong => {}
+                        FrameKind::Pong => self.turn_controls += 1,
                         FrameKind::Close { .. } => {
                             self.forward(key, work);
                             self.close_peer(key);
@@ -739,35 +1033,46 @@ impl Worker {
                                 }
                             }
                             self.count(key, frames, bytes);
-                            return;
+                            return None;
                         }
                     }
                 }
                 Parsed::Incomplete { needed } => {
-                    let rest = &work[at..];
-                    let leg = match self.leg(key) {
-                        Some(leg) => leg,
-                        None => return,
-                    };
-                    if !rest.is_empty() {
-                        let mut partial = Vec::with_capacity(if needed > READ_BUFFER_BYTES {
-                            needed
-                        } else {
-                            rest.len()
-                        });
-                        partial.extend_from_slice(rest);
-                        leg.partial = partial;
+                    let leg = self.leg(key)?;
+                    if needed > buffer_len {
+                        if let Some(start) = leg.parser.begin_stream(&work[at..]) {
+                            // Larger than the read buffer: its header goes to the peer now
+                            // and its payload as it arrives (memory follows the bytes that
+                            // arrived, never the length the header declares).
+                            let payload_start = at + start.header_len;
+                            let have = work.len() - payload_start;
+                            unmask_at(&mut work[payload_start..], start.mask, 0);
+                            let mut head = [0u8; 10];
+                            let head_len = server_header(start.first, start.payload_len, &mut head);
+                            let frame_start = payload_start - head_len;
+                            work[frame_start..payload_start].copy_from_slice(&head[..head_len]);
+                            leg.stream_in = Some(StreamIn {
+                                left: start.payload_len - have,
+                                mask: start.mask,
+                                offset: have,
+                            });
+                            frames += 1;
+                            bytes += have as u64;
+                            self.staged.push(frame_start..work.len());
+                            break;
+                        }
                     }
+                    // Only what arrived is kept: at most a frame that fits the read buffer.
+                    let rest = &work[at..];
+                    leg.partial = rest.to_vec();
                     leg.filled = rest.len();
                     leg.needed = needed;
                     break;
                 }
                 Parsed::Violation(violation) => {
                     self.forward(key, work);
-                    let (id, kind) = match self.leg(key) {
-                        Some(leg) => (leg.socket.id, leg.kind),
-                        None => return,
-                    };
+                    let leg = self.leg(key)?;
+                    let (id, kind) = (leg.socket.id, leg.kind);
                     log::info!(
                         "orca_relay_splice_protocol_violation conn={id} rule={} kind={kind}",
                         violation.name()
@@ -776,16 +1081,24 @@ impl Worker {
                     self.close(key, code, violation.name(), true);
                     self.close_peer(key);
                     self.count(key, frames, bytes);
-                    return;
+                    return None;
                 }
             }
         }
         self.forward(key, work);
         self.count(key, frames, bytes);
+        stopped
+    }
+
+    /// Streamed payload bytes forwarded (the frame itself was counted when it began).
+    fn count_bytes(&mut self, key: LegKey, bytes: u64) {
+        if let Some(leg) = self.leg(key) {
+            self.uncounted[leg.direction].1 += bytes;
+        }
     }
 
     fn count(&mut self, key: LegKey, frames: u64, bytes: u64) {
-        if frames == 0 {
+        if frames == 0 && bytes == 0 {
             return;
         }
         if let Some(leg) = self.leg(key) {
@@ -811,8 +1124,9 @@ impl Worker {
     /// A closing leg: what the peer still sends is read and thrown away (so a client in the
     /// middle of a large write can finish it and read our close frame), until it closes.
     fn discard(&mut self, key: LegKey) {
-        if self.buf.len() != READ_BUFFER_BYTES {
-            self.buf = vec![0; READ_BUFFER_BYTES];
+        let buffer_len = self.read_buffer_bytes();
+        if self.buf.len() != buffer_len {
+            self.buf = vec![0; buffer_len];
         }
         for _ in 0..READS_PER_TURN {
             let mut work = std::mem::take(&mut self.buf);
@@ -863,6 +1177,7 @@ impl Worker {
 
     fn fire(&mut self, key: LegKey, kind: TimerKind, now: u64) {
         let wedge_ms = self.timings.wedge_ms;
+        let idle_ms = self.timings.idle_ms;
         let Some(leg) = self.leg(key) else {
             return;
         };
@@ -885,7 +1200,49 @@ impl Worker {
                 }
                 self.wedged(key);
             }
+            TimerKind::Idle => {
+                if !leg.is_open() {
+                    leg.idle_armed = false;
+                    return;
+                }
+                if leg.paused {
+                    // Not read while its peer's output is at the bound: what it sent (the
+                    // answer to our ping too) waits unread in the kernel, so its silence cannot
+                    // be judged. It counts as heard from; once resumed it gets a whole window.
+                    // (The wedge window ends a pair whose reader stopped, TCP keepalive one
+                    // whose end vanished.)
+                    leg.last_arrival_ms = now;
+                    leg.idle_pinged = false;
+                }
+                match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
+                    IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
+                    IdleStep::Ping { then } => {
+                        leg.idle_pinged = true;
+                        self.timers.schedule(then, key, TimerKind::Idle);
+                        self.queue_control(key, ControlFrame::new(PING, IDLE_PING_PAYLOAD));
+                        self.flush(key);
+                    }
+                    IdleStep::Silent => self.silent(key),
+                }
+            }
         }
+    }
+
+    /// Nothing at all arrived on `key` for the idle window, not even the answer to the relay's
+    /// ping: it is gone (a phone that roamed away sends no FIN). It is closed 4408 and its
+    /// peer told (4408), which frees the pair's units and the phone's place.
+    fn silent(&mut self, key: LegKey) {
+        let idle_ms = self.timings.idle_ms;
+        let Some(leg) = self.leg(key) else {
+            return;
+        };
+        log::info!(
+            "orca_relay_splice_idle conn={} kind={} idle_ms={idle_ms}",
+            leg.socket.id,
+            leg.kind,
+        );
+        self.close_peer(key);
+        self.close(key, CloseCode::PeerDropped, "silent", true);
     }
 
     /// `key` did not drain its output within the wedge window: it is dropped, and the leg

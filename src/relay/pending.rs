@@ -1,0 +1,970 @@
+//! The pending plane: every WebSocket connection from its accept until its credential is
+//! checked, on the `acceptor` thread, whatever its path (SPEC §12 "Unauthenticated means
+//! pending").
+//!
+//! One `mio` loop (epoll, edge-triggered) owns the listener and every pending socket. A pending
+//! socket holds no unit of the connection cap, no relay thread and no phone place: only an
+//! entry here (a few hundred bytes plus what it has sent, bounded) and its descriptor. It goes
+//! through:
+//! 1. **head**: the upgrade request, read into a buffer that grows with what arrived (at most
+//!    [`head::MAX_HEAD_BYTES`]), checked by the pure `upgrade::check`; every refusal is answered
+//!    with its status before the close (400, 404, 408, 414, 426, 431, 503, 401);
+//! 2. a **desktop control** carries its credential in the head: the token is verified here
+//!    (from the cached keys; a token whose key needs a JWKS fetch is verified on one
+//!    `upgrade-verify` thread at a time, so the loop never waits on the network), and only then
+//!    does the connection take its unit and its thread permit, get its 101 and its relay thread
+//!    (`control.rs`);
+//! 3. a **phone or data leg** gets its 101 and then sends its credential as its first frame,
+//!    read by `splice_reader::FirstFrameReader` (at most a few KiB, never the declared length):
+//!    pings are answered, nothing else is; `phone.rs` / `data.rs` check the credential and only
+//!    then take the unit, the permit (a phone's thread) and the phone place. A leg gets a few
+//!    reads and answered pings per loop turn, then waits in the backlog behind the others.
+//!
+//! **Deadlines.** One absolute deadline per socket, fixed when it is accepted:
+//! [`upgrade::UPGRADE_DEADLINE`] (5 s) for the head and the whole pending life. At the 101 it
+//! can only come closer: a splice leg's first frame is due `ORCA_RELAY_FIRST_FRAME_MS` (2 s)
+//! after its upgrade and never later than that. The loop sleeps until the nearest deadline
+//! (a min-heap); bytes, pings and answered pongs never move one. A head that was partly sent
+//! gets 408, a first frame that is late 4401.
+//!
+//! **The bound.** At most `ORCA_RELAY_PENDING_UPGRADES_MAX` sockets. When full, the oldest
+//! (the one closest to its deadline, so the one whose shedding costs least) is shed, counted,
+//! to make room: clients that never finish cannot lock out a desktop that sends its head at
+//! once. Only a socket whose token is on the verifier thread is not sheddable; if every entry is
+//! (a table of one), the newcomer is dropped, counted.
+//!
+//! Never: blocks on a socket (every write here is non-blocking and small: a 101, a refusal, a
+//! pong, a close frame fit a fresh socket's send buffer; one that does not fit ends the
+//! connection), waits on the network or the database, or holds the cell's lock across I/O.
+//! `EINTR` is retried on every accept, read, write and poll.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use super::socket::Socket;
+use super::splice_reader::{FirstFrame, FirstFrameReader};
+use super::upgrade::{self, Refusal, Route, Upgrade};
+use super::{Phase, RelayContext};
+use crate::auth::{AuthError, HostClaims};
+use crate::clock;
+use crate::http::head::{self, HeadError};
+use crate::protocol::CloseCode;
+
+const LISTENER: Token = Token(usize::MAX - 1);
+const WAKER: Token = Token(usize::MAX);
+/// Accepts per loop turn before the pending sockets get their turn (the listener is then
+/// polled again at once).
+const ACCEPTS_PER_TURN: usize = 128;
+/// One read of a head takes at most this.
+const HEAD_CHUNK: usize = 2 * 1024;
+/// The loop's wait when the listener keeps failing (not a descriptor shortage): no spinning.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Reads of a splice leg's first frame per loop turn, and pings it may have answered in one: a
+/// leg that sends faster than the loop parses (a flood of pongs needs no reading) waits in the
+/// backlog behind the others, so it never holds the loop (accepts, other legs, deadlines).
+const FIRST_FRAME_READS_PER_TURN: usize = 4;
+const PINGS_PER_TURN: usize = 16;
+
+/// A connection the pending plane has finished with and handed on: the socket (non-blocking
+/// still), its id, and the bytes its first-frame reader holds.
+pub struct PendingLeg {
+    pub id: u64,
+    pub stream: TcpStream,
+    pub reader: FirstFrameReader,
+}
+
+/// The `acceptor` thread body: the pending plane, until `stop` is set (the listener is woken by
+/// a connection from the shutdown path). Pending sockets are then closed (a splice leg waiting
+/// for its first frame with 4503).
+pub fn run(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
+    match Plane::new(listener, context, stop) {
+        Ok(mut plane) => plane.run(),
+        Err(e) => log::error!("orca_relay_acceptor_failed error={e}"),
+    }
+}
+
+struct Entry {
+    stream: TcpStream,
+    id: u64,
+    /// Accept order: the shedding order.
+    seq: u64,
+    deadline: Instant,
+    stage: Stage,
+    /// Its turn's budget ran out with bytes perhaps still in the socket: it is in the backlog.
+    backlogged: bool,
+}
+
+enum Stage {
+    /// The upgrade head is arriving; `scanned` bytes were searched for its end already.
+    Head { buf: Vec<u8>, scanned: usize },
+    /// A control's head whose token needs the JWKS fetched: on the verifier thread, or queued
+    /// for it.
+    Verifying {
+        upgrade: Upgrade,
+        token: String,
+        tail: Vec<u8>,
+    },
+    /// A splice leg after its 101, until its first frame.
+    FirstFrame {
+        route: Route,
+        reader: FirstFrameReader,
+    },
+}
+
+/// A verifier thread's answer: (slot, seq, the verdict).
+type Verdict = (usize, u64, Result<HostClaims, AuthError>);
+
+struct Plane {
+    poll: Poll,
+    listener: TcpListener,
+    context: RelayContext,
+    stop: Arc<AtomicBool>,
+    entries: Vec<Option<Entry>>,
+    free: Vec<usize>,
+    /// Entries in the table.
+    live: usize,
+    /// Sheddable entries by accept order: seq → slot.
+    order: BTreeMap<u64, usize>,
+    deadlines: BinaryHeap<Reverse<(Instant, usize, u64)>>,
+    next_seq: u64,
+    bound: usize,
+    /// One descriptor kept in reserve: when the process is out of descriptors (EMFILE,
+    /// ENFILE) it is given up for a moment so that the waiting connection can be accepted,
+    /// answered 503 and closed, instead of staying in the backlog until the client gives up.
+    spare: Option<std::fs::File>,
+    /// The listener may hold more connections than the last turn accepted.
+    listener_ready: bool,
+    accept_failing: bool,
+    spawn_failing: bool,
+    /// Controls whose token needs a JWKS fetch: one on the verifier thread, the rest queued.
+    verifying: Option<(usize, u64)>,
+    verify_queue: VecDeque<(usize, u64)>,
+    verdicts: (Sender<Verdict>, Receiver<Verdict>),
+    waker: Arc<Waker>,
+    scratch: Vec<u8>,
+    /// Legs whose turn's budget ran out (slot, seq): read again next turn, since an
+    /// edge-triggered registration does not report the bytes they left in the socket.
+    backlog: VecDeque<(usize, u64)>,
+}
+
+impl Plane {
+    fn new(
+        listener: TcpListener,
+        context: RelayContext,
+        stop: Arc<AtomicBool>,
+    ) -> io::Result<Plane> {
+        let _ = crate::http::server::raise_backlog(&listener);
+        listener.set_nonblocking(true)?;
+        let poll = Poll::new()?;
+        poll.registry().register(
+            &mut SourceFd(&listener.as_raw_fd()),
+            LISTENER,
+            Interest::READABLE,
+        )?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let bound = context.pending_upgrades_max.max(1);
+        Ok(Plane {
+            poll,
+            listener,
+            context,
+            stop,
+            entries: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            order: BTreeMap::new(),
+            deadlines: BinaryHeap::new(),
+            next_seq: 0,
+            bound,
+            spare: open_spare(),
+            listener_ready: true,
+            accept_failing: false,
+            spawn_failing: false,
+            verifying: None,
+            verify_queue: VecDeque::new(),
+            verdicts: mpsc::channel(),
+            waker,
+            scratch: vec![0; HEAD_CHUNK],
+            backlog: VecDeque::new(),
+        })
+    }
+
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            let next_deadline = self
+                .deadlines
+                .peek()
+                .map(|Reverse((due, _, _))| due.saturating_duration_since(clock::instant()));
+            let timeout = if self.listener_ready || !self.backlog.is_empty() {
+                Some(Duration::ZERO)
+            } else if self.accept_failing {
+                // The listener is retried after a short wait, never in a spin.
+                Some(next_deadline.map_or(ACCEPT_BACKOFF, |due| due.min(ACCEPT_BACKOFF)))
+            } else {
+                next_deadline
+            };
+            match self.poll.poll(&mut events, timeout) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    log::error!("orca_relay_acceptor_poll_failed error={e}");
+                    clock::sleep(ACCEPT_BACKOFF);
+                    continue;
+                }
+            }
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
+            let mut verdicts = false;
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.listener_ready = true,
+                    WAKER => verdicts = true,
+                    Token(slot) => self.progress(slot),
+                }
+            }
+            if verdicts {
+                self.take_verdicts();
+            }
+            self.serve_backlog();
+            if self.listener_ready || self.accept_failing {
+                self.accept_some();
+            }
+            self.expire_due();
+            self.publish();
+        }
+        self.close_all();
+    }
+
+    fn publish(&self) {
+        self.context.pending_now.store(self.live, Ordering::Release);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Accepting.
+
+    fn accept_some(&mut self) {
+        for _ in 0..ACCEPTS_PER_TURN {
+            let stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.listener_ready = false;
+                    return;
+                }
+                Err(e) if crate::http::server::accept_error_is_per_connection(&e) => continue,
+                Err(e) => {
+                    if !self.accept_failing {
+                        log::warn!("orca_relay_accept_failed error={e}");
+                        self.accept_failing = true;
+                    }
+                    if out_of_descriptors(&e) && self.spare.take().is_some() {
+                        if let Ok((stream, _)) = self.listener.accept() {
+                            refuse_at_accept(&self.context, stream, "descriptors");
+                        }
+                        self.spare = open_spare();
+                    }
+                    // Retried after a short wait (the poll's timeout), never in a spin.
+                    self.listener_ready = false;
+                    return;
+                }
+            };
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            self.accept_recovered();
+            if self.spare.is_none() {
+                self.spare = open_spare();
+            }
+            self.admit(stream);
+        }
+        // More may be waiting: the next turn polls without waiting.
+        self.listener_ready = true;
+    }
+
+    fn accept_recovered(&mut self) {
+        if self.accept_failing {
+            log::info!("orca_relay_accept_recovered");
+            self.accept_failing = false;
+        }
+    }
+
+    /// Takes a new connection into the table, shedding the oldest pending one when full.
+    fn admit(&mut self, stream: TcpStream) {
+        if self.live >= self.bound {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                self.context
+                    .metrics
+                    .dropped_at_accept("pending_upgrades_full");
+                return;
+            };
+            if let Some(entry) = self.take(oldest) {
+                let _ = entry.stream.shutdown(std::net::Shutdown::Both);
+            }
+            self.context.metrics.pending_shed();
+        }
+        let _ = stream.set_nodelay(true);
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            self.entries.len() - 1
+        });
+        if self
+            .poll
+            .registry()
+            .register(
+                &mut SourceFd(&stream.as_raw_fd()),
+                Token(slot),
+                Interest::READABLE,
+            )
+            .is_err()
+        {
+            self.free.push(slot);
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let deadline = clock::instant() + upgrade::UPGRADE_DEADLINE;
+        self.live += 1;
+        self.entries[slot] = Some(Entry {
+            stream,
+            id: self.context.next_connection_id(),
+            seq,
+            deadline,
+            stage: Stage::Head {
+                buf: Vec::new(),
+                scanned: 0,
+            },
+            backlogged: false,
+        });
+        self.order.insert(seq, slot);
+        self.deadlines.push(Reverse((deadline, slot, seq)));
+        // What arrived with the connection is read at once.
+        self.progress(slot);
+    }
+
+    /// Removes an entry from the table and the poll; the caller decides its socket's fate.
+    fn take(&mut self, slot: usize) -> Option<Entry> {
+        let entry = self.entries.get_mut(slot)?.take()?;
+        self.live -= 1;
+        self.order.remove(&entry.seq);
+        let _ = self
+            .poll
+            .registry()
+            .deregister(&mut SourceFd(&entry.stream.as_raw_fd()));
+        self.free.push(slot);
+        Some(entry)
+    }
+
+    fn entry(&mut self, slot: usize) -> Option<&mut Entry> {
+        self.entries.get_mut(slot)?.as_mut()
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reading.
+
+    fn progress(&mut self, slot: usize) {
+        let Some(entry) = self.entry(slot) else {
+            return;
+        };
+        match entry.stage {
+            Stage::Head { .. } => self.read_head(slot),
+            Stage::FirstFrame { .. } => self.read_first_frame(slot),
+            // Nothing is read while the token is being checked; the bytes wait in the kernel.
+            Stage::Verifying { .. } => {}
+        }
+    }
+
+    fn read_head(&mut self, slot: usize) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let outcome = {
+            let Some(entry) = self.entry(slot) else {
+                self.scratch = scratch;
+                return;
+            };
+            let Stage::Head { buf, scanned } = &mut entry.stage else {
+                self.scratch = scratch;
+                return;
+            };
+            read_head_bytes(&entry.stream, buf, scanned, &mut scratch)
+        };
+        self.scratch = scratch;
+        match outcome {
+            HeadProgress::Waiting => {}
+            HeadProgress::Gone => drop(self.take(slot)),
+            HeadProgress::Failed(error) => {
+                if let Some(entry) = self.take(slot) {
+                    match Refusal::for_head_error(error) {
+                        Some(refusal) => refuse(&self.context, entry.stream, &refusal),
+                        None => drop(entry),
+                    }
+                }
+            }
+            HeadProgress::Complete(head, tail) => self.head_complete(slot, head, tail),
+        }
+    }
+
+    /// A whole head: the upgrade is decided (see the module header).
+    fn head_complete(&mut self, slot: usize, head: head::Head, tail: Vec<u8>) {
+        let refusal = match self.context.phase.get() {
+            Phase::SERVING => None,
+            Phase::STARTING => Some(Refusal::unavailable("starting")),
+            _ => Some(Refusal::unavailable("draining")),
+        };
+        let checked = match refusal {
+            Some(refusal) => Err(refusal),
+            None => upgrade::check(&head),
+        };
+        let upgrade = match checked {
+            Ok(upgrade) => upgrade,
+            Err(refusal) => return self.refuse_slot(slot, &refusal),
+        };
+        match upgrade.route {
+            Route::Control => self.control_head(slot, upgrade, tail),
+            _ => self.splice_head(slot, upgrade, tail),
+        }
+    }
+
+    fn refuse_slot(&mut self, slot: usize, refusal: &Refusal) {
+        if let Some(entry) = self.take(slot) {
+            refuse(&self.context, entry.stream, refusal);
+        }
+    }
+
+    /// A desktop control's head: its token decides.
+    fn control_head(&mut self, slot: usize, upgrade: Upgrade, tail: Vec<u8>) {
+        let token = match crate::auth::parse_bearer(upgrade.authorization.as_deref()) {
+            Ok(token) => token.to_string(),
+            Err(e) => return self.refuse_slot(slot, &unauthorized(&e)),
+        };
+        match self.context.verifier.verify_host_token_cached(&token) {
+            Some(verdict) => self.control_verified(slot, upgrade, tail, verdict),
+            None => {
+                let Some(entry) = self.entry(slot) else {
+                    return;
+                };
+                let seq = entry.seq;
+                entry.stage = Stage::Verifying {
+                    upgrade,
+                    token,
+                    tail,
+                };
+                self.verify_queue.push_back((slot, seq));
+                self.start_verifying();
+            }
+        }
+    }
+
+    /// Hands the next queued token to the verifier thread, if it is free.
+    fn start_verifying(&mut self) {
+        while self.verifying.is_none() {
+            let Some((slot, seq)) = self.verify_queue.pop_front() else {
+                return;
+            };
+            let token = match self.entry(slot) {
+                Some(Entry {
+                    seq: current,
+                    stage: Stage::Verifying { token, .. },
+                    ..
+                }) if *current == seq => token.clone(),
+                _ => continue,
+            };
+            // The cache may have what it needs by now (another fetch completed).
+            if let Some(verdict) = self.context.verifier.verify_host_token_cached(&token) {
+                self.apply_verdict(slot, seq, verdict);
+                continue;
+            }
+            let verifier = self.context.verifier.clone();
+            let answers = self.verdicts.0.clone();
+            let waker = self.waker.clone();
+            let spawned = crate::threads::spawn_with_stack(
+                "upgrade-verify",
+                crate::threads::RELAY_STACK_BYTES,
+                move || {
+                    let verdict = verifier.verify_host_token(&token);
+                    let _ = answers.send((slot, seq, verdict));
+                    let _ = waker.wake();
+                },
+            );
+            match spawned {
+                Ok(_) => {
+                    // In flight: not sheddable (the thread answers for it).
+                    self.order.remove(&seq);
+                    self.verifying = Some((slot, seq));
+                }
+                Err(_) => {
+                    self.context.metrics.dropped_at_accept("thread_spawn");
+                    self.refuse_slot(slot, &Refusal::unavailable("threads"));
+                }
+            }
+        }
+    }
+
+    fn take_verdicts(&mut self) {
+        while let Ok((slot, seq, verdict)) = self.verdicts.1.try_recv() {
+            if self.verifying == Some((slot, seq)) {
+                self.verifying = None;
+            }
+            self.apply_verdict(slot, seq, verdict);
+        }
+        self.start_verifying();
+    }
+
+    fn apply_verdict(&mut self, slot: usize, seq: u64, verdict: Result<HostClaims, AuthError>) {
+        let current = self.entry(slot).is_some_and(|entry| {
+            entry.seq == seq && matches!(entry.stage, Stage::Verifying { .. })
+        });
+        if !current {
+            // It reached its deadline (or was shed) meanwhile.
+            return;
+        }
+        let Some(entry) = self.entry(slot) else {
+            return;
+        };
+        let stage = std::mem::replace(
+            &mut entry.stage,
+            Stage::Head {
+                buf: Vec::new(),
+                scanned: 0,
+            },
+        );
+        if let Stage::Verifying { upgrade, tail, .. } = stage {
+            self.control_verified(slot, upgrade, tail, verdict);
+        }
+    }
+
+    /// A control's token was checked: refused (401), or the connection takes its unit and its
+    /// thread and is upgraded.
+    fn control_verified(
+        &mut self,
+        slot: usize,
+        upgrade: Upgrade,
+        tail: Vec<u8>,
+        verdict: Result<HostClaims, AuthError>,
+    ) {
+        let claims = match verdict {
+            Ok(claims) => claims,
+            Err(e) => return self.refuse_slot(slot, &unauthorized(&e)),
+        };
+        let context = &self.context;
+        // Under pool pressure, a hello the cell cannot admit without the database (memory or
+        // a booking) is shed rather than queued behind the pool (SPEC §5.3).
+        let shed = super::shed_under_pool_pressure(
+            context.store.has_waiters(),
+            context.mode.raw_is_reserve(),
+            || {
+                context.cell.remembers(&claims.relay_host_id)
+                    || context.bookings.holds(
+                        &claims.user_id,
+                        &claims.relay_host_id,
+                        context.clock.now_ms(),
+                    )
+            },
+        );
+        if shed {
+            return self.refuse_slot(slot, &Refusal::unavailable("pool_pressure"));
+        }
+        // Authenticated: the connection cap and the thread permits count from here on.
+        let Some(unit) = context.slots.try_take() else {
+            return self.refuse_slot(slot, &Refusal::unavailable("connection_cap"));
+        };
+        let Some(permit) = context.thread_permits.try_take() else {
+            return self.refuse_slot(slot, &Refusal::unavailable("threads"));
+        };
+        let Some(entry) = self.take(slot) else {
+            return;
+        };
+        if !write_now(
+            &entry.stream,
+            upgrade::switching_protocols(&upgrade.key).as_bytes(),
+        ) {
+            return;
+        }
+        let spawned = super::spawn_control(
+            &self.context,
+            entry.id,
+            entry.stream,
+            tail,
+            claims,
+            unit,
+            permit,
+        );
+        self.note_spawn(spawned);
+    }
+
+    fn note_spawn(&mut self, spawned: io::Result<()>) {
+        match spawned {
+            Ok(()) => self.spawn_failing = false,
+            Err(e) => {
+                self.context.metrics.dropped_at_accept("thread_spawn");
+                if !self.spawn_failing {
+                    log::warn!("orca_relay_thread_spawn_failed error={e}");
+                    self.spawn_failing = true;
+                }
+            }
+        }
+    }
+
+    /// A phone's or data leg's head: upgraded at once (its credential is its first frame), if
+    /// the cell could take it at all.
+    fn splice_head(&mut self, slot: usize, upgrade: Upgrade, tail: Vec<u8>) {
+        let context = &self.context;
+        // Only a check, nothing is taken: the unit is taken once the first frame authenticates.
+        if context.slots.used() >= context.slots.cap() {
+            return self.refuse_slot(slot, &Refusal::unavailable("connection_cap"));
+        }
+        if matches!(upgrade.route, Route::Phone { .. })
+            && context.thread_permits.used() >= context.thread_permits.max()
+        {
+            return self.refuse_slot(slot, &Refusal::unavailable("threads"));
+        }
+        let first_frame = Duration::from_millis(context.timings.first_frame_ms);
+        let Some(entry) = self.entry(slot) else {
+            return;
+        };
+        if !write_now(
+            &entry.stream,
+            upgrade::switching_protocols(&upgrade.key).as_bytes(),
+        ) {
+            drop(self.take(slot));
+            return;
+        }
+        // The first frame is due FIRST_FRAME_MS after the upgrade, and never after the deadline
+        // set at accept: the deadline only ever comes closer.
+        entry.deadline = entry.deadline.min(clock::instant() + first_frame);
+        let (deadline, seq) = (entry.deadline, entry.seq);
+        entry.stage = Stage::FirstFrame {
+            route: upgrade.route,
+            reader: FirstFrameReader::new(tail, crate::protocol::SPLICE_MAX_FRAME_BYTES),
+        };
+        self.deadlines.push(Reverse((deadline, slot, seq)));
+        self.read_first_frame(slot);
+    }
+
+    /// Legs whose budget ran out last turn get their next turn, once each.
+    fn serve_backlog(&mut self) {
+        for _ in 0..self.backlog.len() {
+            let Some((slot, seq)) = self.backlog.pop_front() else {
+                return;
+            };
+            match self.entry(slot) {
+                Some(entry) if entry.seq == seq => entry.backlogged = false,
+                _ => continue,
+            }
+            self.progress(slot);
+        }
+    }
+
+    /// The leg's turn is over with bytes perhaps left in its socket: it goes on the backlog.
+    fn defer(&mut self, slot: usize) {
+        if let Some(entry) = self.entry(slot) {
+            if !entry.backlogged {
+                entry.backlogged = true;
+                let seq = entry.seq;
+                self.backlog.push_back((slot, seq));
+            }
+        }
+    }
+
+    fn read_first_frame(&mut self, slot: usize) {
+        let (mut reads, mut pings) = (0, 0);
+        loop {
+            let Some(entry) = self.entry(slot) else {
+                return;
+            };
+            let Stage::FirstFrame { reader, .. } = &mut entry.stage else {
+                return;
+            };
+            // What is buffered first (the head's tail), then what the socket has.
+            match reader.take_frame() {
+                FirstFrame::NeedMore => {}
+                FirstFrame::Ping(payload) => {
+                    if !write_now(&entry.stream, &server_frame(0x8A, &payload)) {
+                        // A client that does not read its pongs while pending is dropped.
+                        drop(self.take(slot));
+                        return;
+                    }
+                    pings += 1;
+                    if pings == PINGS_PER_TURN {
+                        return self.defer(slot);
+                    }
+                    continue;
+                }
+                FirstFrame::Closed => {
+                    if let Some(entry) = self.take(slot) {
+                        let _ = write_now(&entry.stream, &server_frame(0x88, &[]));
+                        close_later(&self.context, entry.stream);
+                    }
+                    return;
+                }
+                FirstFrame::Refused(code) => {
+                    if let Some(entry) = self.take(slot) {
+                        close_pending(&self.context, entry.stream, code, "first frame");
+                    }
+                    return;
+                }
+                FirstFrame::Text(text) => return self.authenticate(slot, text),
+            }
+            if reads == FIRST_FRAME_READS_PER_TURN {
+                return self.defer(slot);
+            }
+            reads += 1;
+            match reader.fill(&entry.stream) {
+                Ok(0) => {
+                    drop(self.take(slot));
+                    return;
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => {
+                    drop(self.take(slot));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A splice leg's first frame: its credential is checked by its endpoint.
+    fn authenticate(&mut self, slot: usize, text: String) {
+        let Some(entry) = self.take(slot) else {
+            return;
+        };
+        let Stage::FirstFrame { route, reader } = entry.stage else {
+            return;
+        };
+        let leg = PendingLeg {
+            id: entry.id,
+            stream: entry.stream,
+            reader,
+        };
+        match route {
+            Route::Phone { relay_host_id } => {
+                let spawned = super::phone::authenticate(&self.context, leg, &relay_host_id, &text);
+                if let Some(spawned) = spawned {
+                    self.note_spawn(spawned);
+                }
+            }
+            Route::DataLeg { conn_id } => {
+                super::data::authenticate(&self.context, leg, &conn_id, &text)
+            }
+            Route::Control => {}
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Deadlines and the end.
+
+    fn expire_due(&mut self) {
+        let now = clock::instant();
+        while let Some(Reverse((due, slot, seq))) = self.deadlines.peek().copied() {
+            if due > now {
+                return;
+            }
+            self.deadlines.pop();
+            let current = self
+                .entry(slot)
+                .is_some_and(|entry| entry.seq == seq && entry.deadline == due);
+            if !current {
+                continue;
+            }
+            // A token still on the verifier thread stays `verifying` until its answer comes
+            // (and is ignored): one thread at a time, whatever expires.
+            let Some(entry) = self.take(slot) else {
+                continue;
+            };
+            match entry.stage {
+                Stage::Head { buf, .. } => match Refusal::for_head_error(HeadError::TimedOut {
+                    partial: !buf.is_empty(),
+                }) {
+                    Some(refusal) => refuse(&self.context, entry.stream, &refusal),
+                    None => drop(entry.stream),
+                },
+                Stage::Verifying { .. } => drop(entry.stream),
+                Stage::FirstFrame { .. } => close_pending(
+                    &self.context,
+                    entry.stream,
+                    CloseCode::BadOuterCredential,
+                    "first frame late",
+                ),
+            }
+        }
+        self.start_verifying();
+    }
+
+    fn close_all(&mut self) {
+        for slot in 0..self.entries.len() {
+            if let Some(entry) = self.take(slot) {
+                if let Stage::FirstFrame { .. } = entry.stage {
+                    close_pending(&self.context, entry.stream, CloseCode::Draining, "draining");
+                }
+            }
+        }
+        self.context.pending_now.store(0, Ordering::Release);
+    }
+}
+
+/// How reading a head went.
+enum HeadProgress {
+    /// Not whole yet; the socket has nothing more now.
+    Waiting,
+    /// The client closed or reset.
+    Gone,
+    Failed(HeadError),
+    /// The head, and what followed it in the buffer.
+    Complete(head::Head, Vec<u8>),
+}
+
+/// Reads what the socket has into `buf` (never past [`head::MAX_HEAD_BYTES`]) and parses the
+/// head once its end has arrived.
+fn read_head_bytes(
+    stream: &TcpStream,
+    buf: &mut Vec<u8>,
+    scanned: &mut usize,
+    scratch: &mut [u8],
+) -> HeadProgress {
+    loop {
+        // The end of the head is searched in what is new (the last 3 bytes again), so a head
+        // trickled byte by byte is not parsed again for every byte.
+        let from = scanned.saturating_sub(3);
+        let ended = buf[from..]
+            .windows(2)
+            .any(|pair| pair == b"\n\n" || pair == b"\n\r");
+        *scanned = buf.len();
+        if ended {
+            match head::parse_head(buf) {
+                Ok(Some((parsed, len))) => {
+                    return HeadProgress::Complete(parsed, buf.split_off(len))
+                }
+                Ok(None) => {}
+                Err(error) => return HeadProgress::Failed(error),
+            }
+        }
+        if buf.len() >= head::MAX_HEAD_BYTES {
+            return HeadProgress::Failed(head::oversized(buf));
+        }
+        let want = (head::MAX_HEAD_BYTES - buf.len()).min(scratch.len());
+        match (&*stream).read(&mut scratch[..want]) {
+            Ok(0) => return HeadProgress::Gone,
+            Ok(n) => buf.extend_from_slice(&scratch[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return HeadProgress::Waiting,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return HeadProgress::Gone,
+        }
+    }
+}
+
+/// The 401 for a token that did not verify.
+fn unauthorized(error: &AuthError) -> Refusal {
+    Refusal {
+        status: 401,
+        reason: error.reason_code(),
+        answer: "bad_outer_credential",
+        retry_after_s: None,
+    }
+}
+
+/// Writes `bytes` without waiting; true only if all of them went out.
+pub(super) fn write_now(stream: &TcpStream, bytes: &[u8]) -> bool {
+    let mut written = 0;
+    while written < bytes.len() {
+        match (&*stream).write(&bytes[written..]) {
+            Ok(0) => return false,
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// A server frame (unmasked) of a control opcode: close `0x88`, pong `0x8A`; `payload` is at
+/// most 125 bytes.
+fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len().min(125);
+    let mut out = Vec::with_capacity(2 + len);
+    out.push(first);
+    out.push(len as u8);
+    out.extend_from_slice(&payload[..len]);
+    out
+}
+
+/// Fails a pending leg (or one whose credential was just refused) with a close frame, written
+/// without waiting, counted; the TCP connection is dropped [`super::socket::CLOSE_LINGER`]
+/// later whatever the client does.
+pub(super) fn close_pending(
+    context: &RelayContext,
+    stream: TcpStream,
+    code: CloseCode,
+    reason: &str,
+) {
+    let _ = write_now(&stream, &close_frame(code, reason));
+    context.metrics.close(code);
+    close_later(context, stream);
+}
+
+/// [`close_pending`] for a leg already wrapped in its [`Socket`] (still non-blocking, written
+/// by nobody else yet).
+pub(super) fn close_pending_socket(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    code: CloseCode,
+    reason: &str,
+) {
+    let _ = write_now(socket.stream(), &close_frame(code, reason));
+    context.metrics.close(code);
+    context.reaper.schedule(socket, super::socket::CLOSE_LINGER);
+}
+
+fn close_frame(code: CloseCode, reason: &str) -> Vec<u8> {
+    let mut payload = code.code().to_be_bytes().to_vec();
+    payload.extend(reason.bytes().take(123));
+    server_frame(0x88, &payload)
+}
+
+fn close_later(context: &RelayContext, stream: TcpStream) {
+    context
+        .reaper
+        .schedule_stream(Arc::new(stream), super::socket::CLOSE_LINGER);
+}
+
+/// Refuses an upgrade: counted, answered (without waiting), our side closed, and the socket
+/// dropped [`upgrade::REFUSAL_LINGER`] later whatever the client sends. Every refusal of the
+/// WebSocket port goes through here.
+fn refuse(context: &RelayContext, stream: TcpStream, refusal: &Refusal) {
+    context
+        .metrics
+        .upgrade_refused(refusal.status, refusal.reason);
+    let _ = write_now(&stream, upgrade::refusal(refusal).as_bytes());
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    context
+        .reaper
+        .schedule_stream(Arc::new(stream), upgrade::REFUSAL_LINGER);
+}
+
+/// Refuses a connection at accept, before any head is read (a descriptor could not be had).
+fn refuse_at_accept(context: &RelayContext, stream: TcpStream, reason: &'static str) {
+    let _ = stream.set_nonblocking(true);
+    refuse(context, stream, &Refusal::unavailable(reason));
+}
+
+fn open_spare() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
+fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE) | Some(libc::ENFILE)
+    )
+}
