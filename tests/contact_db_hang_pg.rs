@@ -10,6 +10,12 @@
 //! cells were held or tripped. Here a real director reaches PostgreSQL through a proxy that
 //! stops forwarding (a partition in which the proxy's kernel still acknowledges bytes), and a
 //! stand-in cell counts the seat-feed polls it gets meanwhile.
+//!
+//! With the cells listed by a thread of their own, a second gap (the nemesis's 30-minute run,
+//! seed 7): a cell that registered with a director just before the database stopped was not in
+//! that director's last list, so the director, up and in contact with it, did not poll it
+//! until the database came back, and the cell held past its window. A director polls a cell
+//! it saw register even when the database cannot list it.
 
 mod common;
 mod harness;
@@ -92,9 +98,17 @@ fn feed_polls(cell: &FakeServer) -> usize {
         .count()
 }
 
-#[test]
-fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
-    let database_url = common::pg::fresh_database("contact_db_hang");
+/// A director reaching its database through a [`HoldingProxy`], and a stand-in cell `cell_id`
+/// that answers the seat feed and counts the polls.
+struct Setup {
+    proxy: HoldingProxy,
+    cell: FakeServer,
+    director: Relay,
+    _jwks: FakeServer,
+}
+
+fn setup(name: &str, cell_id: &'static str, feed_poll_ms: u64) -> Setup {
+    let database_url = common::pg::fresh_database(name);
     let upstream: SocketAddr = {
         let config: postgres::Config = database_url.parse().expect("a database URL");
         let host = match &config.get_hosts()[0] {
@@ -112,12 +126,11 @@ fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
     );
     assert_ne!(through_proxy, database_url);
 
-    // A stand-in cell: it answers the seat feed and counts the polls.
-    let cell = FakeServer::start(|seen| {
+    let cell = FakeServer::start(move |seen| {
         if seen.path.starts_with("/internal/seats") {
             (
                 200,
-                serde_json::json!({"v":1,"cellId":"c-hang","incarnation":1,"seq":0,
+                serde_json::json!({"v":1,"cellId":cell_id,"incarnation":1,"seq":0,
                     "admitModeRaw":"reserve","admitModeEffective":"reserve","draining":false,
                     "counts":{},"full":[]})
                 .to_string(),
@@ -128,9 +141,9 @@ fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
     });
     let jwks = jwks_server();
     let jwks_url = format!("{}/jwks.json", jwks.url());
-    let poll = FEED_POLL_MS.to_string();
+    let poll = feed_poll_ms.to_string();
     let director = Relay::start_in(
-        Arc::new(TempDir::new("contact-db-hang")),
+        Arc::new(TempDir::new(name)),
         &[
             ("ORCA_RELAY_ROLE", "director"),
             ("DATABASE_URL", &through_proxy),
@@ -147,32 +160,81 @@ fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
         "{}",
         director.log_text()
     );
-    let registration = serde_json::json!({"v":1,"cellId":"c-hang","cellUrl":"ws://127.0.0.1:9",
-        "region":"test","incarnation":1,"internalUrl":cell.url()});
-    let (status, body) = director.post(
+    Setup {
+        proxy,
+        cell,
+        director,
+        _jwks: jwks,
+    }
+}
+
+fn register(setup: &Setup, cell_id: &str) {
+    let registration = serde_json::json!({"v":1,"cellId":cell_id,"cellUrl":"ws://127.0.0.1:9",
+        "region":"test","incarnation":1,"internalUrl":setup.cell.url()});
+    let (status, body) = setup.director.post(
         "/v1/admin/cells/register",
         Some(SERVICE_TOKEN),
         &registration.to_string(),
     );
     assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn a_director_keeps_polling_its_cells_while_its_database_hangs() {
+    let setup = setup("contact_db_hang", "c-hang", FEED_POLL_MS);
+    register(&setup, "c-hang");
+    let cell = &setup.cell;
     assert!(
-        wait_until(Duration::from_secs(10), || feed_polls(&cell) >= 3),
+        wait_until(Duration::from_secs(10), || feed_polls(cell) >= 3),
         "the director polls the registered cell"
     );
 
     // The database stops answering (nothing refused, nothing answered).
-    proxy.hold.store(true, Ordering::SeqCst);
+    setup.proxy.hold.store(true, Ordering::SeqCst);
     // Long enough for rounds to begin with a listing that now waits.
     orca_relay::clock::sleep(Duration::from_millis(5 * FEED_POLL_MS));
-    let before = feed_polls(&cell);
+    let before = feed_polls(cell);
     // An observation window: the polls must go on at their period (SPEC §11: a live cell's
     // contact interval stays within 2 x FEED_POLL_MS).
     orca_relay::clock::sleep(Duration::from_secs(3));
-    let during = feed_polls(&cell) - before;
-    proxy.hold.store(false, Ordering::SeqCst);
+    let during = feed_polls(cell) - before;
+    setup.proxy.hold.store(false, Ordering::SeqCst);
     assert!(
         during >= (3_000 / (2 * FEED_POLL_MS)) as usize,
         "{during} polls in 3 s while the database hung (period {FEED_POLL_MS} ms); director log:\n{}",
-        director.log_text()
+        setup.director.log_text()
+    );
+}
+
+/// The nemesis's 30-minute run (seed 7, t=1,083.8 s): the database stopped 120 ms after a cell
+/// registered, before the director's next listing. The period here is long (2 s), so the
+/// database stops well before the next listing; the director must poll the cell all the same,
+/// within two periods, and keep polling it through the outage.
+#[test]
+fn a_cell_that_registered_just_before_the_database_stopped_is_polled_through_the_outage() {
+    const PERIOD_MS: u64 = 2_000;
+    let setup = setup("contact_db_hang_new_cell", "c-new", PERIOD_MS);
+    // Let the lister take its first list (the cell is not in it), then register and stop the
+    // database at once.
+    assert!(
+        setup
+            .director
+            .wait_for_log("orca_relay_director_feed_poller_started", Duration::from_secs(30))
+            .is_some(),
+        "{}",
+        setup.director.log_text()
+    );
+    register(&setup, "c-new");
+    setup.proxy.hold.store(true, Ordering::SeqCst);
+    let cell = &setup.cell;
+    let polled = wait_until(Duration::from_millis(6 * PERIOD_MS), || feed_polls(cell) >= 2);
+    let polls = feed_polls(cell);
+    setup.proxy.hold.store(false, Ordering::SeqCst);
+    assert!(
+        polled,
+        "{polls} polls in {} ms of a cell that registered just before the database stopped \
+         (period {PERIOD_MS} ms); director log:\n{}",
+        6 * PERIOD_MS,
+        setup.director.log_text()
     );
 }
