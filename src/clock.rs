@@ -6,7 +6,7 @@
 //! clock is anchored once at start and then advanced by a monotonic `Instant`, so it never goes
 //! backwards when the wall clock is stepped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,6 +27,10 @@ pub type SharedClock = Arc<dyn Clock>;
 pub struct SystemClock {
     anchor_wall_ms: u64,
     anchor: Instant,
+    /// The test knob's offset ([`offset_system_clock`]): settable until the wall time is
+    /// first read, fixed after.
+    offset_ms: AtomicI64,
+    read: AtomicBool,
 }
 
 impl SystemClock {
@@ -43,8 +47,10 @@ impl SystemClock {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         SystemClock {
-            anchor_wall_ms: wall_ms.saturating_add_signed(offset_ms),
+            anchor_wall_ms: wall_ms,
             anchor: Instant::now(),
+            offset_ms: AtomicI64::new(offset_ms),
+            read: AtomicBool::new(false),
         }
     }
 }
@@ -58,7 +64,9 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> u64 {
-        self.anchor_wall_ms + self.monotonic_ms()
+        self.read.store(true, Ordering::Relaxed);
+        let offset_ms = self.offset_ms.load(Ordering::Relaxed);
+        self.anchor_wall_ms.saturating_add_signed(offset_ms) + self.monotonic_ms()
     }
 
     /// `CLOCK_MONOTONIC` since the clock was made: it advances while the process is stopped
@@ -80,17 +88,18 @@ pub fn system() -> SharedClock {
 /// clock had been stepped before it started (the process anchors wall time once, so a step
 /// during its life never reaches it). A test knob only (`ORCA_RELAY_TEST_CLOCK_OFFSET_MS`,
 /// read by the role's start): the fault-injection test runs a process whose clock disagrees
-/// with the database's and its peers'. Must run before anything reads [`system`]; an error
-/// when the clock was already read with another offset.
+/// with the database's and its peers'. Must run before anything reads the time of [`system`]
+/// (taking the handle is fine: the configuration's service tokens do); an error when the time
+/// was already read with another offset.
 pub fn offset_system_clock(offset_ms: i64) -> Result<(), String> {
-    let clock = SYSTEM.get_or_init(|| Arc::new(SystemClock::with_offset_ms(offset_ms)));
-    let applied_ms = clock.now_ms() as i64 - SystemClock::new().now_ms() as i64;
-    // The two readings are a few milliseconds apart at most; a different offset is minutes.
-    if (applied_ms - offset_ms).abs() > 1_000 {
+    let clock = SYSTEM.get_or_init(|| Arc::new(SystemClock::new()));
+    if clock.read.load(Ordering::Relaxed) && clock.offset_ms.load(Ordering::Relaxed) != offset_ms
+    {
         return Err(format!(
             "the system clock was read before its offset of {offset_ms} ms could be applied"
         ));
     }
+    clock.offset_ms.store(offset_ms, Ordering::Relaxed);
     Ok(())
 }
 
