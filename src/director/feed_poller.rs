@@ -1080,7 +1080,7 @@ impl FeedPoller {
         let (lister_stop, lister_stop_receiver) = mpsc::channel::<()>();
         let lister = {
             let (store, clock, list) = (config.store, config.clock.clone(), list.clone());
-            threads::spawn("feed-lister", move || {
+            threads::spawn_watched("feed-lister", move || {
                 run_lister(&store, &clock, &list, period, lister_stop_receiver)
             })?
         };
@@ -1096,9 +1096,10 @@ impl FeedPoller {
         };
         let coordinator = threads::spawn("feed-poller", move || {
             rounds.run(&list, stop_receiver);
-            // The lister ends after its current listing (bounded by the store's timeouts).
+            // The lister ends after its current listing; one that waits on a database that
+            // stopped answering is left to end with the process.
             drop(lister_stop);
-            threads::join_logged("feed-lister", lister);
+            lister.join_within("feed-lister", crate::roles::STOP_WAIT);
             // The queues are closed: each worker ends after its current poll (≤ 2 s).
             live.close();
             suspect.close();

@@ -142,8 +142,16 @@ pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, R
 pub struct Prober {
     pub readiness: crate::readiness::Readiness,
     pub stop: std::sync::mpsc::Sender<()>,
-    pub handle: std::thread::JoinHandle<()>,
+    pub handle: crate::threads::Watched<()>,
 }
+
+/// How long a stopping process waits for a thread that may be inside a database call (the
+/// readiness prober, the feed lister) before it leaves it to end with the process. A probe
+/// bounds its own HTTP call (2 s); a database call whose request the server's kernel took and
+/// whose answer never comes (a partition that healed after the server restarted, a stuck
+/// server or middlebox) has no client-side bound, and a drain's exit must not wait on it
+/// (found by the nemesis: two cells drained and never exited).
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
@@ -184,7 +192,7 @@ pub fn start_prober(
     let (stop, receiver) = std::sync::mpsc::channel();
     let prober_readiness = readiness.clone();
     let clock = clock.clone();
-    let handle = crate::threads::spawn("readiness", move || {
+    let handle = crate::threads::spawn_watched("readiness", move || {
         crate::readiness::run_prober(
             prober_readiness,
             probes,
@@ -436,7 +444,9 @@ pub fn finish_process(
     shutdown: &crate::lifecycle::Shutdown,
 ) {
     drop(prober.stop);
-    crate::threads::join_logged("readiness", prober.handle);
+    // A probe still waiting on a database that stopped answering is left to end with the
+    // process (STOP_WAIT).
+    prober.handle.join_within("readiness", STOP_WAIT);
     // A migrator still retrying against a dead database is left to end with the process.
     if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
         crate::threads::join_logged("migrator", migrator);
