@@ -93,8 +93,7 @@ pub fn system() -> SharedClock {
 /// was already read with another offset.
 pub fn offset_system_clock(offset_ms: i64) -> Result<(), String> {
     let clock = SYSTEM.get_or_init(|| Arc::new(SystemClock::new()));
-    if clock.read.load(Ordering::Relaxed) && clock.offset_ms.load(Ordering::Relaxed) != offset_ms
-    {
+    if clock.read.load(Ordering::Relaxed) && clock.offset_ms.load(Ordering::Relaxed) != offset_ms {
         return Err(format!(
             "the system clock was read before its offset of {offset_ms} ms could be applied"
         ));

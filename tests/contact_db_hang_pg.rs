@@ -16,6 +16,10 @@
 //! that director's last list, so the director, up and in contact with it, did not poll it
 //! until the database came back, and the cell held past its window. A director polls a cell
 //! it saw register even when the database cannot list it.
+//!
+//! And the same run's other defect: two cells drained and never exited, their readiness
+//! prober inside a database call that never returned, the drain's end joining it. A cell whose
+//! database hangs drains and exits.
 
 mod common;
 mod harness;
@@ -98,6 +102,17 @@ fn feed_polls(cell: &FakeServer) -> usize {
         .count()
 }
 
+/// The host and port of the test server behind `database_url`.
+fn upstream_of(database_url: &str) -> SocketAddr {
+    let config: postgres::Config = database_url.parse().expect("a database URL");
+    let host = match &config.get_hosts()[0] {
+        postgres::config::Host::Tcp(host) => host.clone(),
+        other => panic!("a TCP test server, not {other:?}"),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    format!("{host}:{port}").parse().expect("host:port")
+}
+
 /// A director reaching its database through a [`HoldingProxy`], and a stand-in cell `cell_id`
 /// that answers the seat feed and counts the polls.
 struct Setup {
@@ -109,15 +124,7 @@ struct Setup {
 
 fn setup(name: &str, cell_id: &'static str, feed_poll_ms: u64) -> Setup {
     let database_url = common::pg::fresh_database(name);
-    let upstream: SocketAddr = {
-        let config: postgres::Config = database_url.parse().expect("a database URL");
-        let host = match &config.get_hosts()[0] {
-            postgres::config::Host::Tcp(host) => host.clone(),
-            other => panic!("a TCP test server, not {other:?}"),
-        };
-        let port = config.get_ports().first().copied().unwrap_or(5432);
-        format!("{host}:{port}").parse().expect("host:port")
-    };
+    let upstream = upstream_of(&database_url);
     let proxy = HoldingProxy::start(upstream);
     let through_proxy = database_url.replacen(
         &format!("{}", upstream.port()),
@@ -219,7 +226,10 @@ fn a_cell_that_registered_just_before_the_database_stopped_is_polled_through_the
     assert!(
         setup
             .director
-            .wait_for_log("orca_relay_director_feed_poller_started", Duration::from_secs(30))
+            .wait_for_log(
+                "orca_relay_director_feed_poller_started",
+                Duration::from_secs(30)
+            )
             .is_some(),
         "{}",
         setup.director.log_text()
@@ -227,7 +237,9 @@ fn a_cell_that_registered_just_before_the_database_stopped_is_polled_through_the
     register(&setup, "c-new");
     setup.proxy.hold.store(true, Ordering::SeqCst);
     let cell = &setup.cell;
-    let polled = wait_until(Duration::from_millis(6 * PERIOD_MS), || feed_polls(cell) >= 2);
+    let polled = wait_until(Duration::from_millis(6 * PERIOD_MS), || {
+        feed_polls(cell) >= 2
+    });
     let polls = feed_polls(cell);
     setup.proxy.hold.store(false, Ordering::SeqCst);
     assert!(
@@ -237,4 +249,101 @@ fn a_cell_that_registered_just_before_the_database_stopped_is_polled_through_the
         6 * PERIOD_MS,
         setup.director.log_text()
     );
+}
+
+/// The nemesis's 30-minute run (its first): two cells drained and never exited; each one's
+/// `readiness` thread waited inside a database call (`do_epoll_wait`) and the drain's end was
+/// joining it. Here the cell's database stops answering (the proxy holds every byte), its
+/// prober's next probe waits, and the cell is sent SIGTERM: it must drain and exit.
+#[test]
+fn a_cell_whose_database_hangs_drains_and_exits() {
+    let database_url = common::pg::fresh_database("drain_db_hang");
+    let proxy = HoldingProxy::start(upstream_of(&database_url));
+    let through_proxy = database_url.replacen(
+        &format!(":{}", upstream_of(&database_url).port()),
+        &format!(":{}", proxy.addr.port()),
+        1,
+    );
+    let jwks = jwks_server();
+    let jwks_url = format!("{}/jwks.json", jwks.url());
+    let director = Relay::start_in(
+        Arc::new(TempDir::new("drain-db-hang-director")),
+        &[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("DATABASE_URL", &database_url),
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_JWKS_URL", &jwks_url),
+            ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+        ],
+    );
+    let director_url = director.http_url("");
+    let mut cell = Relay::start_in(
+        Arc::new(TempDir::new("drain-db-hang-cell")),
+        &[
+            ("ORCA_RELAY_ROLE", "cell"),
+            ("ORCA_RELAY_CELL_ID", "c-drain"),
+            ("DATABASE_URL", &through_proxy),
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_JWKS_URL", &jwks_url),
+            ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+            ("ORCA_RELAY_DIRECTOR_URLS", &director_url),
+            ("ORCA_RELAY_READINESS_PROBE_MS", "100"),
+            ("ORCA_RELAY_DRAIN_GRACE_MS", "500"),
+        ],
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || cell.get("/ready").0 == 200),
+        "the cell becomes ready: {}",
+        cell.log_text()
+    );
+    // The database stops answering; a probe that started since waits. Probes succeed every
+    // 100 ms until then, so a last success more than a second old is a probe that waits.
+    proxy.hold.store(true, Ordering::SeqCst);
+    let probe_waits = wait_until(Duration::from_secs(30), || {
+        let (_, metrics) = cell.get("/metrics");
+        metrics.lines().any(|line| {
+            line.starts_with("orca_relay_readiness_last_success_age_seconds{dependency=\"sql\"}")
+                && line
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .is_some_and(|age| age > 1.0)
+        })
+    });
+    assert!(probe_waits, "the SQL probe waits: {}", cell.log_text());
+    cell.signal("TERM");
+    let exited = cell.wait_exit(Duration::from_secs(30));
+    let waits = if exited.is_none() {
+        thread_waits(cell.pid())
+    } else {
+        String::new()
+    };
+    proxy.hold.store(false, Ordering::SeqCst);
+    assert!(
+        exited.is_some(),
+        "the drained cell did not exit within 30 s while its database hung; its threads \
+         wait in {waits}; its log:\n{}",
+        cell.log_text()
+    );
+}
+
+/// Each thread of process `pid` with where it waits in the kernel (`comm:wchan`).
+fn thread_waits(pid: u32) -> String {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return "(gone)".into();
+    };
+    let mut waits: Vec<String> = tasks
+        .filter_map(Result::ok)
+        .map(|task| {
+            let read = |name: &str| {
+                std::fs::read_to_string(task.path().join(name))
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string()
+            };
+            format!("{}:{}", read("comm"), read("wchan"))
+        })
+        .collect();
+    waits.sort();
+    waits.join(" ")
 }

@@ -66,7 +66,17 @@ pub struct CellSetup<'a> {
 struct Stoppable {
     name: &'static str,
     stop: Sender<()>,
-    handle: JoinHandle<()>,
+    handle: threads::Watched<()>,
+}
+
+impl Stoppable {
+    /// Tells the thread to stop and joins it, or leaves it to end with the process if it is
+    /// still inside a database call after [`super::FINAL_WRITE_WAIT`] (a drain's exit never
+    /// waits on a database that stopped answering).
+    fn stop_and_join(self) {
+        drop(self.stop);
+        self.handle.join_within(self.name, super::FINAL_WRITE_WAIT);
+    }
 }
 
 /// A running cell.
@@ -96,7 +106,7 @@ fn spawn_stoppable(
     body: impl FnOnce(mpsc::Receiver<()>) + Send + 'static,
 ) -> Result<Stoppable, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn(name, move || body(receiver))
+    let handle = threads::spawn_watched(name, move || body(receiver))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
     Ok(Stoppable { name, stop, handle })
 }
@@ -203,7 +213,7 @@ impl CellRuntime {
         };
         let claim_timings = config.timings.clone();
         let claim_clock = clock.clone();
-        let claim_loop = threads::spawn("claim-loop", move || {
+        let claim_loop = threads::spawn_watched("claim-loop", move || {
             claim_loop::run(row, &claim_timings, inbox, claim_clock, answers_tx)
         })
         .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
@@ -380,8 +390,7 @@ impl CellRuntime {
         // would write a tripped cell's `db` back, and its slot would stay taken for
         // `TRIP_SLOT_STALE_MS` after the process is gone.
         if let Some(watchdog) = take_stoppable(&mut stoppables, "watchdog") {
-            drop(watchdog.stop);
-            threads::join_logged(watchdog.name, watchdog.handle);
+            watchdog.stop_and_join();
         }
         // Final row write: `reserve` when the switch says so, which frees any slot (a draining
         // cell gets no new desktops: its feed says draining), else `db`.
@@ -400,11 +409,11 @@ impl CellRuntime {
             // This was the last handle: the claim loop carries out what is pending, then ends.
         }
         if let Some(claim_loop) = take_stoppable(&mut stoppables, "claim-loop") {
-            threads::join_logged(claim_loop.name, claim_loop.handle);
+            // Its stop sender is a stand-in: it ends once the last writer handle is gone.
+            claim_loop.stop_and_join();
         }
         for stoppable in stoppables.into_iter().rev() {
-            drop(stoppable.stop);
-            threads::join_logged(stoppable.name, stoppable.handle);
+            stoppable.stop_and_join();
         }
         // The heartbeat has stopped (a beat after this would register the cell again): leave
         // the fleet, so no director polls or places on this process any more.

@@ -153,6 +153,13 @@ pub struct Prober {
 /// (found by the nemesis: two cells drained and never exited).
 pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// How long a draining cell waits for each of its threads to end, the claim loop's final
+/// admit-effective write above all: the longest a store call takes on a database that answers
+/// (a pool checkout, a connect and a statement, 5 s each). A thread still inside a database
+/// call after that waits on one that stopped answering; it is left to end with the process
+/// (its row, unwritten, stops counting after `TRIP_SLOT_STALE_MS` as a killed cell's does).
+pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
 /// counts as failing until `migrated` is set.
