@@ -364,6 +364,10 @@ fn pointer(value: &serde_json::Value, path: &str) -> Option<u64> {
     value.pointer(path)?.as_u64()
 }
 
+/// How far ahead of the database's clock a row's stamp may seem (the stamp is the writing
+/// transaction's time, the sample's clock is read later: never ahead, in truth).
+const STAMP_AHEAD_TOLERANCE_MS: i64 = 1_000;
+
 /// One admit-effective row with the operator's record and its age on the database's clock.
 #[derive(Debug, Clone)]
 struct Row {
@@ -569,6 +573,20 @@ fn sample(
         .map_err(|e| e.to_string())?;
 
     // Checker 1: the seed's bound, deliberate `db` flips excepted.
+    // Slot liveness is judged on the database's clock, so every row is stamped by it: a row
+    // stamped ahead of it (a cell's own clock, five minutes fast) would count as a live holder
+    // for minutes after its cell stopped refreshing it, past `TRIP_SLOT_STALE_MS`.
+    for row in rows.iter().filter(|r| r.age_ms < -STAMP_AHEAD_TOLERANCE_MS) {
+        if state.reported.insert(format!("stamp:{}", row.cell)) {
+            history.violation(
+                Checker::Bound,
+                format!(
+                    "c{}'s admit-effective row is stamped {} ms ahead of the database's clock (mode {}): slot liveness is not judged on the database's clock",
+                    row.cell, -row.age_ms, row.mode
+                ),
+            );
+        }
+    }
     let all_holders = holders(&rows);
     let holders: BTreeSet<usize> = all_holders
         .iter()
