@@ -30,6 +30,8 @@ expect() {
 expect -rwxr-xr-x usr/bin/orca-relay
 expect -rw-r--r-- lib/systemd/system/orca-relay-cell.service
 expect -rw-r--r-- lib/systemd/system/orca-relay-director.service
+expect -rw-r--r-- lib/systemd/system/orca-relay-cell-ws.socket
+expect -rw-r--r-- lib/systemd/system/orca-relay-cell-http.socket
 expect -rw-r--r-- usr/lib/sysusers.d/orca-relay.conf
 expect -rw------- etc/orca-relay/cell.env
 expect -rw------- etc/orca-relay/director.env

@@ -23,6 +23,9 @@ usage:
                                 a phone peer: pipes stdin to the desktop and its answers to stdout
   orca-relay switch show | set --admit-mode reserve|db [--trip-slots N] | re-arm
                                 read or write this cell's switch file (next generation, atomic)
+  orca-relay handover [--binary PATH]
+                                replace the running relay with the binary on disk (and this
+                                environment) without closing a connection; systemctl reload
   orca-relay fleet status [--director URL] [--json]
                                 every cell the director knows, one table row each, and a
                                 summary line (dead-man states, trip slots taken)
@@ -140,6 +143,28 @@ the fleet was read; otherwise one line naming the cause (unreachable, no answer 
 401, another status, a bad answer) and exit 1.
 ";
 
+const HANDOVER_HELP: &str = "\
+usage: orca-relay handover [--binary PATH]
+
+Replaces the running relay (cell or combined) with the binary on disk without closing a
+connection: an upgrade, or a changed env file (a token rotation step, a new cap, a new log
+level), applied live. `systemctl reload orca-relay-cell` runs it. Run it with the relay's
+configuration (the unit's environment): the next process gets this command's environment.
+
+The running process is found through $ORCA_RELAY_DATA_DIR/handover.sock. The next process
+reads its configuration and opens its store; only then does the running one pause, pass over
+its listeners, every connection and its state, and exit once the next one has confirmed.
+Streams pause for well under a second. If anything fails before that (a configuration the
+next process refuses, a crash, a state it cannot read, 10 s without a confirmation), the
+running process keeps every connection and serves on.
+
+  --binary PATH   start this binary instead of the one this command runs from
+
+Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
+process owns everything; exit 1 with the cause otherwise. The listening addresses and the
+role cannot change this way: restart for those.
+";
+
 const CLIENT_PHONE_HELP: &str = "\
 usage: orca-relay client phone --cell URL --relay-host-id ID --invite TOKEN
 
@@ -161,6 +186,9 @@ pub enum Command {
     ClientPhone(Vec<(String, String)>),
     Switch(crate::switch_tool::SwitchAction),
     FleetStatus(crate::fleet_status::FleetStatusOptions),
+    Handover(crate::handover_command::HandoverOptions),
+    /// `run --take-over …`: the next process of a live handover (started by `handover`).
+    TakeOver(crate::roles::handover::TakeOver),
     Help,
     /// `--help` after a subcommand: that subcommand's help text.
     HelpFor(&'static str),
@@ -181,6 +209,7 @@ fn subcommand_help(args: &[String]) -> Option<&'static str> {
         "budget" => BUDGET_HELP,
         "switch" => SWITCH_HELP,
         "fleet" => FLEET_HELP,
+        "handover" => HANDOVER_HELP,
         "client" => match second {
             Some("host") => CLIENT_HOST_HELP,
             Some("phone") => CLIENT_PHONE_HELP,
@@ -199,6 +228,10 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     match first {
         None => Ok(Command::Run),
         Some("run") if args.len() == 1 => Ok(Command::Run),
+        Some("run") => parse_take_over(&args[1..]).map(Command::TakeOver),
+        Some("handover") => {
+            crate::handover_command::HandoverOptions::parse(&args[1..]).map(Command::Handover)
+        }
         Some("migrate") if args.len() == 1 => Ok(Command::Migrate),
         Some("check-config") if args.len() == 1 => Ok(Command::CheckConfig),
         Some("budget") => match args.get(1) {
@@ -225,6 +258,32 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
         Some("--version" | "-V") => Ok(Command::Version),
         Some(other) => Err(format!("unknown command {other:?}; see orca-relay --help")),
     }
+}
+
+/// `--take-over SOCKET --token TOKEN [--test-fault FAULT]`: how `handover` starts the next
+/// process (not for operators).
+fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
+    let flags = parse_flags(args)?;
+    let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
+    let token = flag(&flags, "token").ok_or("--take-over needs --token")?;
+    let fault = match flag(&flags, "test-fault") {
+        Some(name) => Some(
+            crate::roles::handover::Fault::parse(name)
+                .ok_or_else(|| format!("unknown --test-fault {name:?}"))?,
+        ),
+        None => None,
+    };
+    if let Some((name, _)) = flags
+        .iter()
+        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "token" | "test-fault"))
+    {
+        return Err(format!("unexpected argument --{name}"));
+    }
+    Ok(crate::roles::handover::TakeOver {
+        socket: socket.into(),
+        token: token.to_string(),
+        fault,
+    })
 }
 
 fn parse_flags(args: &[String]) -> Result<Vec<(String, String)>, String> {
@@ -273,6 +332,38 @@ pub fn execute(command: Command) -> i32 {
             code
         }
         Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
+        Command::Handover(options) => crate::handover_command::run(&options),
+        Command::TakeOver(take_over) => {
+            if take_over.fault == Some(crate::roles::handover::Fault::ExitAtStart) {
+                // A test's fault: a binary that exits at start.
+                return 3;
+            }
+            let config = match Config::from_env() {
+                Ok(config) => config,
+                Err(errors) => {
+                    let problems: Vec<String> = errors.0.iter().map(|e| e.to_string()).collect();
+                    let cause = format!(
+                        "the new process refused its configuration: {}",
+                        problems.join("; ")
+                    );
+                    crate::roles::handover::report_failed(
+                        &take_over.socket,
+                        &take_over.token,
+                        &cause,
+                    );
+                    return 1;
+                }
+            };
+            match crate::roles::take_over(config, take_over) {
+                Ok(()) => 0,
+                Err(e) => {
+                    if crate::roles::handover::committed() {
+                        eprintln!("orca-relay: {e}");
+                    }
+                    1
+                }
+            }
+        }
         Command::Migrate => with_config(|config| {
             crate::roles::migrate(&config).map_err(|e| e.to_string())?;
             eprintln!("orca-relay: migrations applied");

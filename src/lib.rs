@@ -6,6 +6,7 @@
 // Floor 1: plain values and helpers.
 pub mod budget;
 pub mod capacity;
+pub mod carry;
 pub mod clock;
 pub mod config;
 pub mod database_tls;
@@ -16,9 +17,11 @@ pub mod outbound;
 pub mod protocol;
 pub mod service_token;
 pub mod threads;
+pub mod wake;
 
 // Floor 2: the only SQL, token checks, HTTP plumbing, process lifecycle.
 pub mod auth;
+pub mod handover;
 pub mod http;
 pub mod lifecycle;
 pub mod store;
@@ -36,5 +39,6 @@ pub mod relay;
 pub mod cli;
 pub mod client;
 pub mod fleet_status;
+pub mod handover_command;
 pub mod roles;
 pub mod switch_tool;

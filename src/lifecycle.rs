@@ -60,16 +60,173 @@ fn status_message(status: &str) -> String {
     format!("STATUS={one_line}")
 }
 
+/// Tells systemd that `pid` is the unit's main process from now on (a live handover: the
+/// running process names the next one, which `NotifyAccess=main` then lets notify).
+pub fn notify_main_pid(pid: u32) {
+    notify(&format!("MAINPID={pid}"));
+}
+
+/// The `NOTIFY_SOCKET` a live handover's running process had: the next process notifies there
+/// whatever environment the `handover` command gave it.
+static ADOPTED_NOTIFY_SOCKET: std::sync::OnceLock<std::ffi::OsString> = std::sync::OnceLock::new();
+
+/// The watchdog interval a live handover's running process had (`WATCHDOG_USEC` is set for
+/// the unit's main process only, never for `ExecReload=`).
+static ADOPTED_WATCHDOG_USEC: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// Adopts the running process's `NOTIFY_SOCKET` and watchdog interval (the next process of a
+/// live handover, once).
+pub fn adopt_systemd(notify_socket: Option<&str>, watchdog_usec: Option<u64>) {
+    if let Some(socket) = notify_socket.filter(|s| !s.is_empty()) {
+        let _ = ADOPTED_NOTIFY_SOCKET.set(socket.into());
+    }
+    if let Some(usec) = watchdog_usec.filter(|usec| *usec > 0) {
+        let _ = ADOPTED_WATCHDOG_USEC.set(usec);
+    }
+}
+
+/// The `NOTIFY_SOCKET` in force: adopted from a handover, else the environment's.
+pub fn notify_socket() -> Option<std::ffi::OsString> {
+    ADOPTED_NOTIFY_SOCKET
+        .get()
+        .cloned()
+        .or_else(|| std::env::var_os("NOTIFY_SOCKET"))
+        .filter(|socket| !socket.is_empty())
+}
+
+/// The watchdog interval in force, in microseconds (what a handover passes on).
+pub fn watchdog_usec() -> Option<u64> {
+    ADOPTED_WATCHDOG_USEC
+        .get()
+        .copied()
+        .or_else(|| watchdog_interval_from_env().map(|d| d.as_micros() as u64))
+}
+
+/// Waits until systemd has processed every notification sent before (`BARRIER=1`, systemd
+/// 246+): a descriptor sent with the message is closed by systemd once it got there. Used
+/// before the running process of a handover exits, so that systemd follows `MAINPID=` first.
+/// `Ok` without systemd.
+pub fn notify_barrier(timeout: Duration) -> io::Result<()> {
+    let Some(socket) = notify_socket() else {
+        return Ok(());
+    };
+    let address = parse_notify_socket(&socket)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "unsupported NOTIFY_SOCKET"))?;
+    let mut pipe = [0; 2];
+    // SAFETY: pipe2(2) writes two descriptors into the array.
+    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: two fresh descriptors.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(pipe[0]), OwnedFd::from_raw_fd(pipe[1])) };
+    let sender = UnixDatagram::unbound()?;
+    send_with_fd(&sender, &address, b"BARRIER=1", &write_end)?;
+    drop(write_end);
+    let mut pollfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(&read_end),
+        events: 0,
+        revents: 0,
+    };
+    let deadline = crate::clock::instant() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(crate::clock::instant());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "no barrier"));
+        }
+        // SAFETY: one valid pollfd; POLLHUP is reported once every write end is closed.
+        let ready = unsafe {
+            libc::poll(
+                &mut pollfd,
+                1,
+                left.as_millis().clamp(1, i32::MAX as u128) as i32,
+            )
+        };
+        if ready > 0 {
+            return Ok(());
+        }
+        if ready < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return Err(io::Error::last_os_error());
+        }
+    }
+}
+
+/// One datagram with one descriptor (`SCM_RIGHTS`) to the notify socket.
+fn send_with_fd(
+    sender: &UnixDatagram,
+    address: &NotifyAddress,
+    message: &[u8],
+    fd: &impl std::os::fd::AsRawFd,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: sockaddr_un is plain old data.
+    let mut target: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    target.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let (name, offset): (&[u8], usize) = match address {
+        NotifyAddress::Path(path) => (path.as_os_str().as_bytes(), 0),
+        // An abstract name starts with a NUL byte.
+        NotifyAddress::Abstract(name) => (name.as_slice(), 1),
+    };
+    if name.len() + offset >= target.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "NOTIFY_SOCKET too long",
+        ));
+    }
+    for (slot, byte) in target.sun_path[offset..].iter_mut().zip(name) {
+        *slot = *byte as libc::c_char;
+    }
+    let length =
+        std::mem::size_of::<libc::sa_family_t>() + offset + name.len() + usize::from(offset == 0);
+    let mut iov = libc::iovec {
+        iov_base: message.as_ptr() as *mut libc::c_void,
+        iov_len: message.len(),
+    };
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: plain old data; every pointer below outlives the call.
+    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+    header.msg_name = &mut target as *mut libc::sockaddr_un as *mut libc::c_void;
+    header.msg_namelen = length as libc::socklen_t;
+    header.msg_iov = &mut iov;
+    header.msg_iovlen = 1;
+    header.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    header.msg_controllen = space as _;
+    let raw = fd.as_raw_fd();
+    // SAFETY: the control buffer holds one cmsghdr with one descriptor.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&header);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as _;
+        std::ptr::copy_nonoverlapping(
+            &raw as *const i32 as *const u8,
+            libc::CMSG_DATA(cmsg),
+            std::mem::size_of::<i32>(),
+        );
+    }
+    loop {
+        // SAFETY: a message whose buffers live for the call.
+        let sent = unsafe { libc::sendmsg(sender.as_raw_fd(), &header, libc::MSG_NOSIGNAL) };
+        if sent >= 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
 /// Sends `message` to `$NOTIFY_SOCKET`; a no-op when it is unset or empty. A failure is
 /// logged, never fatal: the relay works without systemd, and systemd's own timeouts report a
 /// unit that never became ready.
 fn notify(message: &str) {
-    let Some(socket) = std::env::var_os("NOTIFY_SOCKET") else {
+    let Some(socket) = notify_socket() else {
         return;
     };
-    if socket.is_empty() {
-        return;
-    }
     if let Err(error) = send_notification(&socket, message) {
         let state = message.split('=').next().unwrap_or(message);
         log::warn!("orca_relay_sd_notify_failed state={state} error={error}");
@@ -142,8 +299,16 @@ fn send_to_abstract(_sender: &UnixDatagram, _name: &[u8], _message: &str) -> io:
 }
 
 /// The watchdog timeout systemd set for us (`WatchdogSec=`), from `WATCHDOG_USEC` and
-/// `WATCHDOG_PID`; `None` when the watchdog is off or meant for another process.
+/// `WATCHDOG_PID` (or adopted from a live handover's running process); `None` when the
+/// watchdog is off or meant for another process.
 pub fn watchdog_interval() -> Option<Duration> {
+    if let Some(usec) = ADOPTED_WATCHDOG_USEC.get() {
+        return Some(Duration::from_micros(*usec));
+    }
+    watchdog_interval_from_env()
+}
+
+fn watchdog_interval_from_env() -> Option<Duration> {
     let usec = std::env::var("WATCHDOG_USEC").ok();
     let pid = std::env::var("WATCHDOG_PID").ok();
     parse_watchdog_interval(usec.as_deref(), pid.as_deref(), std::process::id())
@@ -177,6 +342,87 @@ pub fn parse_watchdog_interval(
 /// late ping never trips it.
 pub fn watchdog_send_period(interval: Duration) -> Duration {
     interval / 2
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listeners from systemd (LISTEN_FDS)
+// ---------------------------------------------------------------------------------------------
+
+/// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
+const LISTEN_FDS_START: i32 = 3;
+
+/// The named descriptors systemd passed, if they are meant for `our_pid`: `LISTEN_PID` must
+/// name it, `LISTEN_FDS` count them from 3, `LISTEN_FDNAMES` name them (colon-separated, in
+/// the same order). `Ok(empty)` when nothing was passed; `Err` names what is wrong.
+pub fn parse_listen_fds(
+    listen_pid: Option<&str>,
+    listen_fds: Option<&str>,
+    names: Option<&str>,
+    our_pid: u32,
+) -> Result<Vec<(i32, String)>, String> {
+    let Some(count) = listen_fds.map(str::trim).filter(|s| !s.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    let pid = listen_pid.map(str::trim).unwrap_or("");
+    if pid.parse::<u32>().ok() != Some(our_pid) {
+        // Meant for another process (a parent that did not clear them): not ours.
+        return Ok(Vec::new());
+    }
+    let count: i32 = count
+        .parse()
+        .ok()
+        .filter(|n| (0..=64).contains(n))
+        .ok_or_else(|| format!("invalid LISTEN_FDS={count:?}: expected 0 to 64"))?;
+    let names: Vec<&str> = names.unwrap_or("").split(':').collect();
+    Ok((0..count)
+        .map(|index| {
+            let name = names
+                .get(index as usize)
+                .copied()
+                .filter(|n| !n.is_empty())
+                .unwrap_or("unknown");
+            (LISTEN_FDS_START + index, name.to_string())
+        })
+        .collect())
+}
+
+/// The listening sockets systemd passed by name (`ws`, `http`, from the optional socket units),
+/// taken over by this process (close-on-exec). A descriptor that is not a listening TCP socket
+/// is an error naming it.
+pub fn listeners_from_systemd() -> Result<Vec<(String, std::net::TcpListener)>, String> {
+    use std::os::fd::FromRawFd;
+    let passed = parse_listen_fds(
+        std::env::var("LISTEN_PID").ok().as_deref(),
+        std::env::var("LISTEN_FDS").ok().as_deref(),
+        std::env::var("LISTEN_FDNAMES").ok().as_deref(),
+        std::process::id(),
+    )?;
+    let mut listeners = Vec::new();
+    for (fd, name) in passed {
+        let mut accepting: libc::c_int = 0;
+        let mut length = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt into an int we own; fails cleanly on a descriptor that is not a
+        // socket.
+        let ok = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ACCEPTCONN,
+                &mut accepting as *mut libc::c_int as *mut libc::c_void,
+                &mut length,
+            )
+        } == 0;
+        if !ok || accepting == 0 {
+            return Err(format!(
+                "descriptor {fd} ({name}) from systemd is not a listening socket"
+            ));
+        }
+        // SAFETY: F_SETFD on a descriptor systemd gave us.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        // SAFETY: systemd passed this descriptor to this process, which now owns it.
+        listeners.push((name, unsafe { std::net::TcpListener::from_raw_fd(fd) }));
+    }
+    Ok(listeners)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -509,6 +755,26 @@ mod tests {
             watchdog_send_period(Duration::from_secs(30)),
             Duration::from_secs(15)
         );
+    }
+
+    #[test]
+    fn listen_fds_are_ours_only_and_named_in_order() {
+        let ours = 4242;
+        assert_eq!(parse_listen_fds(None, None, None, ours), Ok(vec![]));
+        assert_eq!(
+            parse_listen_fds(Some("4242"), Some("2"), Some("ws:http"), ours),
+            Ok(vec![(3, "ws".to_string()), (4, "http".to_string())])
+        );
+        assert_eq!(
+            parse_listen_fds(Some("4243"), Some("2"), Some("ws:http"), ours),
+            Ok(vec![]),
+            "another process's descriptors"
+        );
+        assert_eq!(
+            parse_listen_fds(Some("4242"), Some("2"), None, ours),
+            Ok(vec![(3, "unknown".to_string()), (4, "unknown".to_string())])
+        );
+        assert!(parse_listen_fds(Some("4242"), Some("lots"), None, ours).is_err());
     }
 
     #[test]

@@ -253,6 +253,84 @@ impl Registry {
     }
 }
 
+/// A counter or histogram as a live handover carries it: the next process goes on counting
+/// from the running one's totals.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeriesRecord {
+    pub name: String,
+    pub help: String,
+    pub labels: Vec<(String, String)>,
+    /// A counter's value; a histogram's per-bucket counts (the overflow last) and sum.
+    pub value: u64,
+    #[serde(default)]
+    pub bounds: Vec<u64>,
+    #[serde(default)]
+    pub buckets: Vec<u64>,
+}
+
+impl Registry {
+    /// Every counter and histogram (gauges are recomputed by the next process).
+    pub fn record(&self) -> Vec<SeriesRecord> {
+        let families = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        let mut records = Vec::new();
+        for (name, family) in families.iter() {
+            for (labels, counter) in &family.counters {
+                records.push(SeriesRecord {
+                    name: name.clone(),
+                    help: family.help.clone(),
+                    labels: labels.clone(),
+                    value: counter.get(),
+                    bounds: Vec::new(),
+                    buckets: Vec::new(),
+                });
+            }
+            for (labels, histogram) in &family.histograms {
+                let inner = &histogram.0;
+                records.push(SeriesRecord {
+                    name: name.clone(),
+                    help: family.help.clone(),
+                    labels: labels.clone(),
+                    value: inner.sum.load(Ordering::Relaxed),
+                    bounds: inner.bounds.clone(),
+                    buckets: inner
+                        .buckets
+                        .iter()
+                        .map(|bucket| bucket.load(Ordering::Relaxed))
+                        .collect(),
+                });
+            }
+        }
+        records
+    }
+
+    /// Adds a handover's totals to this registry's series (created if need be).
+    pub fn restore(&self, records: &[SeriesRecord]) {
+        for record in records {
+            let pairs: Vec<(&str, &str)> = record
+                .labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            if record.bounds.is_empty() {
+                self.counter(&record.name, &record.help, &pairs)
+                    .add(record.value);
+                continue;
+            }
+            let histogram = self.histogram(&record.name, &record.help, &pairs, &record.bounds);
+            let inner = &histogram.0;
+            if inner.bounds != record.bounds || inner.buckets.len() != record.buckets.len() {
+                // Other bounds in this build: the totals do not map bucket by bucket.
+                continue;
+            }
+            for (bucket, count) in inner.buckets.iter().zip(&record.buckets) {
+                bucket.fetch_add(*count, Ordering::Relaxed);
+            }
+            inner.sum.fetch_add(record.value, Ordering::Relaxed);
+        }
+    }
+}
+
 fn render_labels(labels: &Labels) -> String {
     if labels.is_empty() {
         return String::new();

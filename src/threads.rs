@@ -64,6 +64,11 @@ where
 }
 
 impl<T> Watched<T> {
+    /// Joins the thread, however long it takes (as [`join_logged`]).
+    pub fn join(self, name: &str) -> Option<T> {
+        join_logged(name, self.handle)
+    }
+
     /// Joins the thread if it ends within `wait` (its result, a panic logged as by
     /// [`join_logged`]); otherwise leaves it to end with the process, logs
     /// `orca_relay_thread_left thread=<name>` and returns `None`.
@@ -118,6 +123,10 @@ pub fn join_logged<T>(name: &str, handle: JoinHandle<T>) -> Option<T> {
 pub struct Permits {
     max: usize,
     used: std::sync::atomic::AtomicUsize,
+    /// Notified when the last permit is returned (a live handover waits for every relay thread
+    /// to have deposited its connection or ended).
+    idle: std::sync::Mutex<()>,
+    became_idle: std::sync::Condvar,
 }
 
 /// One taken permit; dropping it gives it back.
@@ -129,6 +138,8 @@ impl Permits {
         std::sync::Arc::new(Permits {
             max,
             used: std::sync::atomic::AtomicUsize::new(0),
+            idle: std::sync::Mutex::new(()),
+            became_idle: std::sync::Condvar::new(),
         })
     }
 
@@ -143,6 +154,13 @@ impl Permits {
             .map(|_| Permit(self.clone()))
     }
 
+    /// A permit even past `max`: for a connection that exists already and must keep a thread
+    /// (one resumed after a handover). New connections still see the bound.
+    pub fn take_forced(self: &std::sync::Arc<Self>) -> Permit {
+        self.used.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Permit(self.clone())
+    }
+
     pub fn used(&self) -> usize {
         self.used.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -150,13 +168,38 @@ impl Permits {
     pub fn max(&self) -> usize {
         self.max
     }
+
+    /// Waits until no permit is out, or `deadline` passes; returns whether none is.
+    pub fn wait_idle(&self, deadline: std::time::Instant) -> bool {
+        let mut guard = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.used() == 0 {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(crate::clock::instant());
+            if left.is_zero() {
+                return false;
+            }
+            guard = self
+                .became_idle
+                .wait_timeout(guard, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.0
+        let before = self
+            .0
             .used
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if before == 1 {
+            // Under the lock, so a waiter between its check and its wait cannot miss it.
+            let _guard = self.0.idle.lock().unwrap_or_else(|e| e.into_inner());
+            self.0.became_idle.notify_all();
+        }
     }
 }
 

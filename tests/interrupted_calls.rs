@@ -156,15 +156,22 @@ fn the_control_reader_retries_interrupted_reads_and_reads_the_frame() {
     server
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let (_socket, mut reader) =
-        orca_relay::relay::socket::Socket::new_control(1, server, Vec::new());
+    let socket = orca_relay::relay::socket::Socket::new_control(1, server);
+    let mut reader = orca_relay::relay::control_reader::Reader::new(
+        socket,
+        orca_relay::relay::control_reader::ControlFrames::new(Vec::new()),
+        orca_relay::relay::park::Quiesce::new().unwrap(),
+    );
     let writer = orca_relay::threads::spawn("test-late-writer", move || {
         orca_relay::clock::sleep(Duration::from_millis(500));
         std::io::Write::write_all(&mut client, &masked_text_frame("{\"type\":\"pong\"}")).unwrap();
         client
     })
     .unwrap();
-    let (event, signals) = interrupted(move || format!("{:?}", reader.read()));
+    let deadline = orca_relay::relay::control_reader::Deadline::At(
+        orca_relay::clock::instant() + Duration::from_secs(5),
+    );
+    let (event, signals) = interrupted(move || format!("{:?}", reader.read(deadline)));
     let _client = writer.join().unwrap();
     assert!(signals >= 10, "interrupted {signals} times");
     assert!(

@@ -152,6 +152,39 @@ fn cell_unit_has_every_required_key() {
 }
 
 #[test]
+fn the_cell_reloads_by_handing_over_and_names_its_notify_access() {
+    let unit = Unit::load(CELL_UNIT);
+    assert_eq!(unit.service("ExecReload"), "/usr/bin/orca-relay handover");
+    // The running process moves MainPID with MAINPID=; the unit says why main is enough.
+    assert!(unit.text.contains("MAINPID="), "NotifyAccess= comment");
+}
+
+#[test]
+fn the_optional_socket_units_pass_named_listeners_to_the_cell() {
+    for (path, name, port) in [
+        ("systemd/orca-relay-cell-ws.socket", "ws", "8080"),
+        ("systemd/orca-relay-cell-http.socket", "http", "8081"),
+    ] {
+        let unit = Unit::load(path);
+        assert_eq!(unit.value("Socket", "FileDescriptorName"), name, "{path}");
+        assert_eq!(
+            unit.value("Socket", "Service"),
+            "orca-relay-cell.service",
+            "{path}"
+        );
+        assert!(
+            unit.value("Socket", "ListenStream").ends_with(port),
+            "{path}"
+        );
+        assert_eq!(
+            unit.value("Install", "WantedBy"),
+            "sockets.target",
+            "{path}"
+        );
+    }
+}
+
+#[test]
 fn director_unit_has_every_required_key() {
     let unit = Unit::load(DIRECTOR_UNIT);
     check_common(&unit, "/etc/orca-relay/director.env");
@@ -213,11 +246,12 @@ fn the_service_user_is_created_by_the_package() {
     assert!(postinst.contains("systemd-sysusers orca-relay.conf"));
 }
 
-/// `systemd-analyze verify` on copies whose ExecStart points at a binary that exists here (the
-/// test binary itself). Fails, never skips, where systemd-analyze is missing (issue 20: it
-/// used to pass without checking anything); `scripts/test` installs it (Debian's `systemd`).
+/// `systemd-analyze verify` on copies whose ExecStart (and ExecReload) point at a binary that
+/// exists here (the test binary itself), the optional socket units included. Fails, never
+/// skips, where systemd-analyze is missing (issue 20: it used to pass without checking
+/// anything); `scripts/test` installs it (Debian's `systemd`).
 #[test]
-fn systemd_analyze_verify_accepts_both_units() {
+fn systemd_analyze_verify_accepts_every_unit() {
     let available = Command::new("systemd-analyze")
         .arg("--version")
         .output()
@@ -231,11 +265,17 @@ fn systemd_analyze_verify_accepts_both_units() {
     let dir = std::env::temp_dir().join(format!("orca-relay-units-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut copies = Vec::new();
-    for relative in [CELL_UNIT, DIRECTOR_UNIT] {
+    for relative in [
+        CELL_UNIT,
+        DIRECTOR_UNIT,
+        "systemd/orca-relay-cell-ws.socket",
+        "systemd/orca-relay-cell-http.socket",
+    ] {
         let unit = Unit::load(relative);
+        // ExecStart= and ExecReload= both name the binary.
         let text = unit.text.replace(
-            "ExecStart=/usr/bin/orca-relay",
-            &format!("ExecStart={}", executable.display()),
+            "=/usr/bin/orca-relay",
+            &format!("={}", executable.display()),
         );
         let copy = dir.join(unit.path.file_name().unwrap());
         std::fs::write(&copy, text).unwrap();
@@ -252,7 +292,7 @@ fn systemd_analyze_verify_accepts_both_units() {
     // names one of our units is a failure.
     let complaints: Vec<&str> = stderr
         .lines()
-        .filter(|l| l.contains("orca-relay-cell.service") || l.contains("orca-relay-director"))
+        .filter(|l| l.contains("orca-relay-cell") || l.contains("orca-relay-director"))
         .collect();
     assert!(
         complaints.is_empty(),

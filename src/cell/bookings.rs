@@ -200,6 +200,58 @@ impl Bookings {
     }
 }
 
+/// A booking as a live handover carries it: its key and the time left.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BookingRecord {
+    pub user_id: String,
+    pub relay_host_id: String,
+    pub epoch: i64,
+    pub expires_in_ms: u64,
+}
+
+impl Bookings {
+    /// The live bookings at `at`, for a handover.
+    pub fn record(&self, at: &crate::carry::Snapshot) -> Vec<BookingRecord> {
+        let mut records: Vec<BookingRecord> = self
+            .lock()
+            .iter()
+            .filter(|(_, booking)| booking.expires_at_ms > at.now_ms)
+            .map(|(key, booking)| BookingRecord {
+                user_id: key.user_id.clone(),
+                relay_host_id: key.relay_host_id.clone(),
+                epoch: key.epoch,
+                expires_in_ms: at.left_ms(booking.expires_at_ms),
+            })
+            .collect();
+        records.sort_by(|a, b| (&a.relay_host_id, a.epoch).cmp(&(&b.relay_host_id, b.epoch)));
+        records
+    }
+
+    /// Books what a handover carried, each with a unit of the cap (taken even past it: the
+    /// director was told `ok`), for the time it had left.
+    pub fn restore(&self, records: Vec<BookingRecord>, carry: &crate::carry::Carry) {
+        let mut book = self.lock();
+        for record in records {
+            let expires_at_ms = carry.deadline_ms(record.expires_in_ms);
+            if expires_at_ms <= carry.now_ms {
+                continue;
+            }
+            book.insert(
+                Key {
+                    user_id: record.user_id,
+                    relay_host_id: record.relay_host_id,
+                    epoch: record.epoch,
+                },
+                Booking {
+                    expires_at_ms,
+                    _unit: self.slots.take_forced(),
+                },
+            );
+        }
+    }
+}
+
 /// Removes the expired bookings (dropping each returns its unit); returns how many.
 fn drop_expired(book: &mut HashMap<Key, Booking>, now_ms: u64) -> usize {
     let before = book.len();

@@ -70,27 +70,45 @@ pub fn run(
     sample: impl Fn() -> Heartbeat,
     clock: SharedClock,
     stop: Receiver<()>,
+    last_beat: LastBeat,
 ) {
     let agent = ureq::AgentBuilder::new().timeout(HEARTBEAT_TIMEOUT).build();
     let failures = KeyedThrottle::new();
-    // When the last beat was sent and the `ready` it carried.
-    let mut last: Option<(std::time::Instant, bool)> = None;
     loop {
         let beat = sample();
-        let due = match last {
+        let due = match last_beat.get() {
             None => true,
             Some((sent_at, ready)) => {
                 ready != beat.ready || crate::clock::instant() >= sent_at + period
             }
         };
         if due {
-            last = Some((crate::clock::instant(), beat.ready));
+            last_beat.set(crate::clock::instant(), beat.ready);
             deliver(&sink, &agent, &beat, &failures, clock.as_ref());
         }
         match stop.recv_timeout(READY_WATCH.min(period)) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
+    }
+}
+
+/// When the last beat was sent and the `ready` it carried: shared with the cell, so a live
+/// handover carries the heartbeat's timer (the next process beats when this one would have).
+#[derive(Debug, Clone, Default)]
+pub struct LastBeat(std::sync::Arc<std::sync::Mutex<Option<(std::time::Instant, bool)>>>);
+
+impl LastBeat {
+    pub fn starting_at(last: Option<(std::time::Instant, bool)>) -> LastBeat {
+        LastBeat(std::sync::Arc::new(std::sync::Mutex::new(last)))
+    }
+
+    pub fn get(&self) -> Option<(std::time::Instant, bool)> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set(&self, at: std::time::Instant, ready: bool) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((at, ready));
     }
 }
 
@@ -332,6 +350,7 @@ mod tests {
                 sample,
                 crate::clock::system(),
                 stop_rx,
+                LastBeat::default(),
             )
         })
         .unwrap();

@@ -138,6 +138,47 @@ impl CellMode {
     }
 }
 
+/// The mode as a live handover carries it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModeRecord {
+    pub switch: crate::cell::switch::SwitchRecord,
+    pub raw_reserve: bool,
+    pub effective_reserve: bool,
+    /// `off`, `armed`, `held`, `tripped`.
+    pub dead_man: String,
+    /// The age of the effective last contact at the watchdog's last tick (0: none yet).
+    pub silence_started_ago_ms: Option<u64>,
+}
+
+impl CellMode {
+    pub fn record(&self, at: &crate::carry::Snapshot) -> ModeRecord {
+        let silence_started = self.silence_started_ms();
+        ModeRecord {
+            switch: self.switch().into(),
+            raw_reserve: self.raw_is_reserve(),
+            effective_reserve: self.effective_is_reserve(),
+            dead_man: self.dead_man().as_str().to_string(),
+            silence_started_ago_ms: (silence_started > 0).then(|| at.age_ms(silence_started)),
+        }
+    }
+
+    /// Takes a handover's mode (the window is the next process's own: its configuration's).
+    pub fn restore(&self, record: &ModeRecord, carry: &crate::carry::Carry) {
+        *self.lock_switch() = record.switch.into();
+        self.set_raw_reserve(record.raw_reserve);
+        self.set_effective_reserve(record.effective_reserve);
+        let view = DeadManView::ALL
+            .into_iter()
+            .find(|view| view.as_str() == record.dead_man)
+            .unwrap_or(DeadManView::Off);
+        self.set_dead_man(view);
+        if let Some(age) = record.silence_started_ago_ms {
+            self.set_silence_started_ms(carry.moment_ms(age));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

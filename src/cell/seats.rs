@@ -319,6 +319,113 @@ impl SeatLog {
     }
 }
 
+/// One change of the ring, as a live handover carries it (timestamps as they were reported).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeRecord {
+    pub seq: u64,
+    pub kind: String,
+    pub user_id: String,
+    pub relay_host_id: String,
+    pub epoch: i64,
+    pub generation: u64,
+    pub at_ms: u64,
+}
+
+/// A current seat of the feed, as a live handover carries it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FeedSeatRecord {
+    pub relay_host_id: String,
+    pub user_id: String,
+    pub epoch: i64,
+    pub generation: u64,
+    pub since_ms: u64,
+}
+
+/// The seat log as a live handover carries it: a director's cursor stays valid across it (the
+/// incarnation is kept, the sequence goes on).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeatLogRecord {
+    pub seq: u64,
+    pub current: Vec<FeedSeatRecord>,
+    pub ring: Vec<ChangeRecord>,
+}
+
+impl SeatLog {
+    pub fn record_state(&self) -> SeatLogRecord {
+        let inner = self.lock();
+        SeatLogRecord {
+            seq: inner.seq,
+            current: inner
+                .current
+                .iter()
+                .map(|((relay_host_id, user_id), seat)| FeedSeatRecord {
+                    relay_host_id: relay_host_id.clone(),
+                    user_id: user_id.clone(),
+                    epoch: seat.epoch,
+                    generation: seat.generation,
+                    since_ms: seat.since_ms,
+                })
+                .collect(),
+            ring: inner
+                .ring
+                .iter()
+                .map(|(seq, change)| ChangeRecord {
+                    seq: *seq,
+                    kind: change.kind.as_str().to_string(),
+                    user_id: change.user_id.clone(),
+                    relay_host_id: change.relay_host_id.clone(),
+                    epoch: change.epoch,
+                    generation: change.generation,
+                    at_ms: change.at_ms,
+                })
+                .collect(),
+        }
+    }
+
+    /// Rebuilds the log from a handover's record (the newest `capacity` changes are kept).
+    pub fn restore(&self, record: SeatLogRecord) {
+        let mut inner = self.lock();
+        inner.seq = record.seq;
+        inner.current = record
+            .current
+            .into_iter()
+            .map(|seat| {
+                (
+                    (seat.relay_host_id, seat.user_id),
+                    Current {
+                        epoch: seat.epoch,
+                        generation: seat.generation,
+                        since_ms: seat.since_ms,
+                    },
+                )
+            })
+            .collect();
+        inner.ring.clear();
+        let skip = record.ring.len().saturating_sub(self.capacity);
+        for change in record.ring.into_iter().skip(skip) {
+            let kind = match change.kind.as_str() {
+                "join" => ChangeKind::Join,
+                "leave" => ChangeKind::Leave,
+                _ => ChangeKind::Reserve,
+            };
+            inner.ring.push_back((
+                change.seq,
+                SeatChange {
+                    kind,
+                    user_id: change.user_id,
+                    relay_host_id: change.relay_host_id,
+                    epoch: change.epoch,
+                    generation: change.generation,
+                    at_ms: change.at_ms,
+                },
+            ));
+        }
+    }
+}
+
 /// The changes after `seq`, or `None` when the ring no longer holds all of them (or `seq` is
 /// from the future).
 fn changes_after(inner: &Inner, seq: u64) -> Option<Vec<SeatChange>> {

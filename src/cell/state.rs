@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use serde::{Deserialize, Serialize};
+
 use crate::clock::SharedClock;
 use crate::protocol::{INVITE_MAX_ATTEMPTS, INVITE_TTL_MS, MAX_PHONES_PER_HOST};
 
@@ -117,6 +119,9 @@ struct Inner<S: Peer> {
     invite_expiry: BTreeMap<(u64, u64), String>,
     next_invite: u64,
     pending: HashMap<String, Pending<S>>,
+    /// A live handover froze the attaches: no phone is admitted and no pending entry taken
+    /// until it ends, so what the handover carries of them cannot change under it.
+    frozen: bool,
 }
 
 impl<S: Peer> Inner<S> {
@@ -153,7 +158,13 @@ pub enum PhoneRefusal {
     HostOffline,
     BadCredential,
     TooManyPhones,
+    /// Not refused: a handover froze the attaches; the phone is carried and admitted after.
+    Frozen,
 }
+
+/// A handover froze the attaches (see [`CellState::freeze_attaches`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frozen;
 
 /// What a successful hello replaced.
 pub struct Seated<S> {
@@ -176,6 +187,7 @@ impl<S: Peer> CellState<S> {
                 invite_expiry: BTreeMap::new(),
                 next_invite: 0,
                 pending: HashMap::new(),
+                frozen: false,
             }),
             clock,
             next_conn: AtomicU64::new(1),
@@ -405,6 +417,9 @@ impl<S: Peer> CellState<S> {
     ) -> Result<(String, Control<S>), PhoneRefusal> {
         let now = self.now_ms();
         let mut inner = self.lock();
+        if inner.frozen {
+            return Err(PhoneRefusal::Frozen);
+        }
         let control = inner
             .seats
             .get(relay_host_id)
@@ -460,26 +475,72 @@ impl<S: Peer> CellState<S> {
     }
 
     /// A data leg authenticates: the ticket and generation must match the pending entry and
-    /// the host's live control.
-    pub fn take_pending(&self, conn_id: &str, ticket: &str, generation: u64) -> Option<Pending<S>> {
+    /// the host's live control. `Err(Frozen)` while a handover has the attaches frozen.
+    pub fn take_pending(
+        &self,
+        conn_id: &str,
+        ticket: &str,
+        generation: u64,
+    ) -> Result<Option<Pending<S>>, Frozen> {
         let mut inner = self.lock();
+        if inner.frozen {
+            return Err(Frozen);
+        }
         let matches = inner.pending.get(conn_id).is_some_and(|pending| {
             crate::http::constant_time_eq(pending.ticket.as_bytes(), ticket.as_bytes())
                 && pending.generation == generation
         });
         if !matches {
-            return None;
+            return Ok(None);
         }
-        let pending = inner.pending.remove(conn_id)?;
+        let Some(pending) = inner.pending.remove(conn_id) else {
+            return Ok(None);
+        };
         let live = inner
             .seats
             .get(&pending.relay_host_id)
             .and_then(|seat| seat.control.as_ref())
             .is_some_and(|control| control.generation == generation);
         if live {
-            Some(pending)
+            Ok(Some(pending))
         } else {
-            None
+            Ok(None)
+        }
+    }
+
+    /// Freezes the attaches for a live handover: phones are not admitted and pending entries
+    /// not taken (both callers deposit their connection instead), and every waiting phone is
+    /// woken with `wake()` on its channel.
+    pub fn freeze_attaches(&self, wake: impl Fn() -> S::Attached) {
+        let mut inner = self.lock();
+        inner.frozen = true;
+        for pending in inner.pending.values() {
+            // A full channel already holds a leg or a wake: either wakes the phone.
+            let _ = pending.attach.try_send(wake());
+        }
+    }
+
+    /// The handover ended (either way): attaches go on.
+    pub fn thaw_attaches(&self) {
+        self.lock().frozen = false;
+    }
+
+    /// Whether a phone's pending entry is still waiting for its data leg.
+    pub fn pending_present(&self, conn_id: &str) -> bool {
+        self.lock().pending.contains_key(conn_id)
+    }
+
+    /// Puts a waiting phone's pending entry back (a phone resumed after a handover, with a
+    /// channel of its new thread).
+    pub fn restore_pending(&self, conn_id: &str, pending: Pending<S>) {
+        self.lock().pending.insert(conn_id.to_string(), pending);
+    }
+
+    /// A phone place for a phone a handover brought: counted even past the limit (it is
+    /// connected already); returned by [`CellState::release_phone`].
+    pub fn take_phone_place(&self, relay_host_id: &str) {
+        if let Some(seat) = self.lock().seats.get_mut(relay_host_id) {
+            seat.phones += 1;
         }
     }
 
@@ -489,6 +550,151 @@ impl<S: Peer> CellState<S> {
             .get(relay_host_id)
             .map(|seat| seat.phones)
             .unwrap_or(0)
+    }
+}
+
+/// A seat as a live handover carries it (its control, if any, travels as a connection; its
+/// phones as the phones' places).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeatRecord {
+    pub relay_host_id: String,
+    pub user_id: String,
+    pub epoch: i64,
+    pub generation: u64,
+    /// How long ago the host left (its memory's age); `None` while seated.
+    pub left_ago_ms: Option<u64>,
+    pub demoted: bool,
+}
+
+/// An invite as a live handover carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InviteRecord {
+    pub token: String,
+    pub relay_host_id: String,
+    pub expires_in_ms: u64,
+    pub attempts_left: u32,
+}
+
+/// The cell model as a live handover carries it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CellStateRecord {
+    pub seats: Vec<SeatRecord>,
+    /// Host by host, each host's oldest first (since state version 2; a version-1 document
+    /// has them in token order, which only decides which one a new invite replaces).
+    pub invites: Vec<InviteRecord>,
+    /// The counter of connection ids (`conn-open`), so ids stay unique.
+    pub next_conn: u64,
+}
+
+impl<S: Peer> CellState<S> {
+    /// What a handover carries of the model at `at` (pending entries and live controls travel
+    /// with their connections).
+    pub fn record(&self, at: &crate::carry::Snapshot) -> CellStateRecord {
+        let inner = self.lock();
+        let mut seats: Vec<SeatRecord> = inner
+            .seats
+            .iter()
+            .map(|(relay_host_id, seat)| SeatRecord {
+                relay_host_id: relay_host_id.clone(),
+                user_id: seat.user_id.clone(),
+                epoch: seat.epoch,
+                generation: seat.generation,
+                left_ago_ms: seat.left_at_ms.map(|left| at.age_ms(left)),
+                demoted: seat.demoted,
+            })
+            .collect();
+        seats.sort_by(|a, b| a.relay_host_id.cmp(&b.relay_host_id));
+        let invites: Vec<InviteRecord> = seats
+            .iter()
+            .filter_map(|record| inner.seats.get(&record.relay_host_id))
+            .flat_map(|seat| seat.invites.iter())
+            .filter_map(|token| {
+                let invite = inner.invites.get(token)?;
+                Some(InviteRecord {
+                    token: token.clone(),
+                    relay_host_id: invite.relay_host_id.clone(),
+                    expires_in_ms: at.left_ms(invite.expires_at_ms),
+                    attempts_left: invite.attempts_left,
+                })
+            })
+            .collect();
+        CellStateRecord {
+            seats,
+            invites,
+            next_conn: self.next_conn.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Rebuilds the model from a handover's record (into a cell that has none yet). Controls
+    /// are put back with [`CellState::restore_control`], phone places with
+    /// [`CellState::take_phone_place`].
+    pub fn restore(&self, record: CellStateRecord, carry: &crate::carry::Carry) {
+        let mut inner = self.lock();
+        for seat in record.seats {
+            inner.seats.insert(
+                seat.relay_host_id,
+                Seat {
+                    user_id: seat.user_id,
+                    epoch: seat.epoch,
+                    generation: seat.generation,
+                    control: None,
+                    phones: 0,
+                    left_at_ms: seat.left_ago_ms.map(|age| carry.moment_ms(age)),
+                    demoted: seat.demoted,
+                    invites: VecDeque::new(),
+                },
+            );
+        }
+        let inner = &mut *inner;
+        for invite in record.invites {
+            let Some(seat) = inner.seats.get_mut(&invite.relay_host_id) else {
+                continue;
+            };
+            // At most the host's bound (a version-1 process had none): the oldest go.
+            let replaced = if seat.invites.len() >= MAX_INVITES_PER_HOST {
+                seat.invites.pop_front()
+            } else {
+                None
+            };
+            seat.invites.push_back(invite.token.clone());
+            if let Some(oldest) = replaced {
+                inner.forget_invite(&oldest);
+            }
+            let expires_at_ms = carry.deadline_ms(invite.expires_in_ms);
+            let expiry = (expires_at_ms, inner.next_invite);
+            inner.next_invite += 1;
+            inner.invite_expiry.insert(expiry, invite.token.clone());
+            inner.invites.insert(
+                invite.token,
+                Invite {
+                    relay_host_id: invite.relay_host_id,
+                    expires_at_ms,
+                    attempts_left: invite.attempts_left,
+                    expiry,
+                },
+            );
+        }
+        self.next_conn
+            .fetch_max(record.next_conn, Ordering::Relaxed);
+    }
+
+    /// Puts a carried control back in its seat (same host, same generation). False when the
+    /// seat does not know it.
+    pub fn restore_control(&self, control: Control<S>) -> bool {
+        let mut inner = self.lock();
+        let Some(seat) = inner
+            .seats
+            .get_mut(&control.relay_host_id)
+            .filter(|seat| seat.generation == control.generation && seat.control.is_none())
+        else {
+            return false;
+        };
+        seat.left_at_ms = None;
+        seat.control = Some(control);
+        true
     }
 }
 
@@ -526,6 +732,16 @@ impl ConnectionSlots {
                 }
                 Err(actual) => current = actual,
             }
+        }
+    }
+
+    /// A unit even past the cap: for a connection or booking a handover brought, which exists
+    /// already (the cap may have been lowered by the new configuration). New connections still
+    /// see the cap.
+    pub fn take_forced(self: &Arc<Self>) -> SlotGuard {
+        self.used.fetch_add(1, Ordering::AcqRel);
+        SlotGuard {
+            slots: self.clone(),
         }
     }
 

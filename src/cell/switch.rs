@@ -82,6 +82,42 @@ impl Switch {
     }
 }
 
+/// An applied switch as a live handover carries it (the next process applies nothing again
+/// unless the file has a higher generation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SwitchRecord {
+    pub generation: u64,
+    pub reserve: bool,
+    pub dead_man_trip_slots: Option<u32>,
+}
+
+impl From<Switch> for SwitchRecord {
+    fn from(switch: Switch) -> Self {
+        SwitchRecord {
+            generation: switch.generation,
+            reserve: switch.says_reserve(),
+            dead_man_trip_slots: switch.flags.dead_man_trip_slots,
+        }
+    }
+}
+
+impl From<SwitchRecord> for Switch {
+    fn from(record: SwitchRecord) -> Self {
+        Switch {
+            generation: record.generation,
+            flags: Flags {
+                admit_mode: if record.reserve {
+                    AdmitMode::Reserve
+                } else {
+                    AdmitMode::Db
+                },
+                dead_man_trip_slots: record.dead_man_trip_slots,
+            },
+        }
+    }
+}
+
 /// Why a switch object is void. Each has a short cause code for the log line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SwitchError {
@@ -205,6 +241,14 @@ impl SwitchWatcher {
             cell_id: cell_id.into(),
             applied: Switch::default(),
             last_complaint: Complaint::default(),
+        }
+    }
+
+    /// A watcher that goes on from `applied` (a live handover's).
+    pub fn resuming(cell_id: impl Into<String>, applied: Switch) -> Self {
+        SwitchWatcher {
+            applied,
+            ..SwitchWatcher::new(cell_id)
         }
     }
 
@@ -345,16 +389,18 @@ pub fn read_switch_file(path: &Path) -> Result<Vec<u8>, LocalFileError> {
 }
 
 /// The body of the `switch-watcher` thread: reads `path` every `period`, publishes each newly
-/// applied switch, and returns when `stop` receives or its sender is dropped. Nothing is
-/// published for the starting defaults; consumers start on `Switch::default()` too.
+/// applied switch, and returns when `stop` receives or its sender is dropped, with the switch
+/// it applied last. Nothing is published for the starting switch (`applied`: the defaults, or
+/// what a live handover carried), which consumers start on too.
 pub fn run_switch_watcher(
     path: &Path,
     cell_id: &str,
     period: Duration,
     publish: impl Fn(Switch),
     stop: Receiver<()>,
-) {
-    let mut watcher = SwitchWatcher::new(cell_id);
+    applied: Switch,
+) -> Switch {
+    let mut watcher = SwitchWatcher::resuming(cell_id, applied);
     loop {
         let event = watcher.poll(read_switch_file(path));
         if let Some(switch) = event.applied {
@@ -362,7 +408,7 @@ pub fn run_switch_watcher(
         }
         match stop.recv_timeout(period) {
             Err(RecvTimeoutError::Timeout) => continue,
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return watcher.applied(),
         }
     }
 }
@@ -771,14 +817,30 @@ mod tests {
         let (stop_tx, stop_rx) = mpsc::channel();
         // The stop signal is already queued: the body polls once, then returns.
         stop_tx.send(()).unwrap();
+        let applied = run_switch_watcher(
+            &path,
+            "c7",
+            Duration::from_secs(60),
+            move |switch| sink.lock().unwrap().push(switch),
+            stop_rx,
+            Switch::default(),
+        );
+        assert_eq!(*published.lock().unwrap(), vec![reserve(4, None)]);
+        assert_eq!(applied, reserve(4, None), "what it applied comes back");
+        // Started from a carried switch of the same generation, it applies nothing again.
+        let again = Arc::new(Mutex::new(Vec::new()));
+        let sink = again.clone();
+        let (stop_tx, stop_rx) = mpsc::channel();
+        stop_tx.send(()).unwrap();
         run_switch_watcher(
             &path,
             "c7",
             Duration::from_secs(60),
             move |switch| sink.lock().unwrap().push(switch),
             stop_rx,
+            applied,
         );
-        assert_eq!(*published.lock().unwrap(), vec![reserve(4, None)]);
+        assert!(again.lock().unwrap().is_empty());
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -106,16 +106,21 @@ impl EffectiveRowStore for StoreRow {
     }
 }
 
-/// The body of the `claim-loop` thread; ends when the watchdog drops its handle.
+/// The body of the `claim-loop` thread; ends when the watchdog drops its handle, giving the
+/// writer back (a live handover carries what it knows).
 pub fn run(
-    row: StoreRow,
-    timings: &Timings,
+    mut writer: CellAdmitEffectiveWriter<StoreRow>,
     inbox: WriterInbox,
     clock: SharedClock,
     answers: Sender<ClaimResult>,
-) {
-    let mut writer = CellAdmitEffectiveWriter::new(row, WriterTimings::from_timings(timings));
+) -> CellAdmitEffectiveWriter<StoreRow> {
     run_claim_loop(&mut writer, inbox, clock.as_ref(), move |result| {
         let _ = answers.send(result);
     });
+    writer
+}
+
+/// A fresh writer for this cell's row.
+pub fn writer(row: StoreRow, timings: &Timings) -> CellAdmitEffectiveWriter<StoreRow> {
+    CellAdmitEffectiveWriter::new(row, WriterTimings::from_timings(timings))
 }

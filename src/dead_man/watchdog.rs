@@ -48,6 +48,9 @@ pub struct Watchdog {
     /// Starts re-registration of memory- and booking-admitted controls after a trip.
     pub on_trip: Box<dyn Fn() + Send>,
     pub registry: Registry,
+    /// The window to go on with (a live handover's, or this process's own after a failed
+    /// one); `None` starts a fresh one.
+    pub window: Option<Window>,
 }
 
 fn view(state: DeadManState) -> DeadManView {
@@ -60,9 +63,14 @@ fn view(state: DeadManState) -> DeadManView {
 }
 
 impl Watchdog {
-    /// The thread body; returns when `stop` receives or its sender is dropped.
-    pub fn run(self, stop: Receiver<()>) {
-        let mut window = Window::new(&self.cell_id, &self.timings);
+    /// The thread body; returns when `stop` receives or its sender is dropped, with the window
+    /// as it stands and the channel of claim answers (a live handover carries the window and
+    /// the answers not taken yet).
+    pub fn run(mut self, stop: Receiver<()>) -> (Window, Receiver<ClaimResult>) {
+        let mut window = self
+            .window
+            .take()
+            .unwrap_or_else(|| Window::new(&self.cell_id, &self.timings));
         let period = tick_period(&self.timings);
         self.registry
             .gauge(
@@ -89,7 +97,7 @@ impl Watchdog {
         loop {
             match stop.recv_timeout(period) {
                 Err(RecvTimeoutError::Timeout) => {}
-                _ => return,
+                _ => return (window, self.answers),
             }
             let observed = pause.observe(self.clock.monotonic_ms());
             if let Some(gap_ms) = observed.pause_gap_ms {

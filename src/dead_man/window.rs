@@ -345,6 +345,83 @@ impl Window {
     }
 }
 
+/// The window as a live handover carries it: its generation, latch and held/permit
+/// bookkeeping, with every moment as its age. (The window length and the claim retry are the
+/// next process's own configuration.)
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WindowRecord {
+    pub generation: Option<u64>,
+    pub armed_ago_ms: u64,
+    pub tripped: bool,
+    pub slots: Option<u32>,
+    /// `off`, `armed`, `held`, `tripped`.
+    pub state: String,
+    pub silence_started_ago_ms: u64,
+    /// The silence whose held line was logged (its age).
+    pub held_logged_for_ago_ms: Option<u64>,
+    /// The last permit request: (the silence it was for, when it was asked), as ages.
+    pub last_request_ago_ms: Option<(u64, u64)>,
+}
+
+impl DeadManState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadManState::Off => "off",
+            DeadManState::Armed => "armed",
+            DeadManState::Held => "held",
+            DeadManState::Tripped => "tripped",
+        }
+    }
+
+    fn parse(text: &str) -> DeadManState {
+        match text {
+            "armed" => DeadManState::Armed,
+            "held" => DeadManState::Held,
+            "tripped" => DeadManState::Tripped,
+            _ => DeadManState::Off,
+        }
+    }
+}
+
+impl Window {
+    pub fn record(&self, at: &crate::carry::Snapshot) -> WindowRecord {
+        WindowRecord {
+            generation: self.generation,
+            armed_ago_ms: at.age_ms(self.armed_at_ms),
+            tripped: self.tripped,
+            slots: self.slots,
+            state: self.state.as_str().to_string(),
+            silence_started_ago_ms: at.age_ms(self.silence_started_ms),
+            held_logged_for_ago_ms: self.held_logged_for.map(|silence| at.age_ms(silence)),
+            last_request_ago_ms: self
+                .last_request
+                .map(|(silence, asked)| (at.age_ms(silence), at.age_ms(asked))),
+        }
+    }
+
+    /// This window (its length and retry from the configuration) in the state a handover
+    /// carried: the same generation, latch, held line and permit request, every moment moved to
+    /// this process's clock by its age, so the window, a held cell's next claim and the latch
+    /// go on as they were.
+    pub fn restored(mut self, record: &WindowRecord, carry: &crate::carry::Carry) -> Window {
+        self.generation = record.generation;
+        self.armed_at_ms = carry.moment_ms(record.armed_ago_ms);
+        self.tripped = record.tripped;
+        self.slots = record.slots;
+        self.state = DeadManState::parse(&record.state);
+        self.now_ms = carry.now_ms;
+        self.silence_started_ms = carry.moment_ms(record.silence_started_ago_ms);
+        self.held_logged_for = record
+            .held_logged_for_ago_ms
+            .map(|age| carry.moment_ms(age));
+        self.last_request = record
+            .last_request_ago_ms
+            .map(|(silence, asked)| (carry.moment_ms(silence), carry.moment_ms(asked)));
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -313,6 +313,54 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
     }
 }
 
+/// What the writer knows, as a live handover carries it: the last row written (its age) and
+/// the views that decide the next write, including a permit still held for the watchdog.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WriterRecord {
+    /// The mode of the last row written (`db`, `reserve`) and its age.
+    pub row: Option<(String, u64)>,
+    pub switch_says_reserve: bool,
+    pub raw_reserve: bool,
+    pub tripped: bool,
+    pub permit_hold: bool,
+}
+
+impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
+    pub fn record(&self, at: &crate::carry::Snapshot) -> WriterRecord {
+        WriterRecord {
+            row: self
+                .row
+                .map(|row| (row.mode.as_str().to_string(), at.age_ms(row.at_ms))),
+            switch_says_reserve: self.switch_says_reserve,
+            raw_reserve: self.raw_mode == Mode::Reserve,
+            tripped: self.tripped,
+            permit_hold: self.permit_hold,
+        }
+    }
+
+    /// Takes a handover's record: the row this cell wrote (so a refresh is due when it would
+    /// have been) and a permit still held.
+    pub fn restore(&mut self, record: &WriterRecord, carry: &crate::carry::Carry) {
+        self.row = record.row.as_ref().map(|(mode, age)| RowWritten {
+            mode: if mode == "reserve" {
+                Mode::Reserve
+            } else {
+                Mode::Db
+            },
+            at_ms: carry.moment_ms(*age),
+        });
+        self.switch_says_reserve = record.switch_says_reserve;
+        self.raw_mode = if record.raw_reserve {
+            Mode::Reserve
+        } else {
+            Mode::Db
+        };
+        self.tripped = record.tripped;
+        self.permit_hold = record.permit_hold;
+    }
+}
+
 /// A request for a trip slot, from the watchdog's [`Action::RequestPermit`].
 ///
 /// [`Action::RequestPermit`]: crate::dead_man::window::Action::RequestPermit

@@ -235,9 +235,11 @@ impl Drop for Live {
 /// A running HTTP listener.
 pub struct HttpServer {
     shared: Arc<Shared>,
-    /// A second handle on the listening socket, shut down by `stop` to wake the acceptor.
-    listener: TcpListener,
-    acceptor: JoinHandle<()>,
+    /// Wakes the acceptor out of its wait to stop it. (Not `shutdown(2)` on the listener: a
+    /// live handover's next process, or a systemd socket unit, shares it.)
+    wake: Arc<crate::wake::Wake>,
+    /// `None` once the acceptor has stopped.
+    acceptor: Option<JoinHandle<()>>,
 }
 
 impl HttpServer {
@@ -248,9 +250,10 @@ impl HttpServer {
         handler: Handler,
         registry: &Registry,
     ) -> std::io::Result<HttpServer> {
-        listener.set_nonblocking(false)?;
+        // The acceptor waits in `poll` beside its wake; the accept itself never blocks.
+        listener.set_nonblocking(true)?;
         let _ = raise_backlog(&listener);
-        let handle = listener.try_clone()?;
+        let wake = crate::wake::Wake::new()?;
         let table = ConnectionTable::new(settings.connections_max);
         let shared = Arc::new(Shared {
             handler,
@@ -264,12 +267,15 @@ impl HttpServer {
         });
         let acceptor = {
             let shared = shared.clone();
-            crate::threads::spawn("http-acceptor", move || run_acceptor(listener, shared))?
+            let wake = wake.clone();
+            crate::threads::spawn("http-acceptor", move || {
+                run_acceptor(listener, shared, &wake)
+            })?
         };
         Ok(HttpServer {
             shared,
-            listener: handle,
-            acceptor,
+            wake,
+            acceptor: Some(acceptor),
         })
     }
 
@@ -277,15 +283,35 @@ impl HttpServer {
     /// (their answers say `Connection: close`), and joins: the acceptor, then every connection
     /// thread (for at most [`STOP_WAIT`]).
     pub fn stop(self) {
-        use std::os::fd::AsRawFd;
+        self.stop_closing(false);
+    }
+
+    /// Stops as a live handover's running process does before it exits: as [`HttpServer::stop`],
+    /// except that a connection still waiting for its first request head is served, not closed
+    /// (the next process shares the listener; the client chose this process by chance).
+    pub fn stop_for_handover(self) {
+        self.stop_closing(true);
+    }
+
+    /// Stops accepting (the acceptor returns at once and closes its listener: the port stops
+    /// taking connections unless another process holds it too, a live handover's next process
+    /// or a socket unit, which then goes on accepting). Connections already accepted are
+    /// served on.
+    pub fn stop_accepting(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
-        // Shutting the listening socket down wakes a blocked accept (Linux: EINVAL), and the
-        // port stops taking connections.
-        // SAFETY: shutdown(2) on a descriptor this server owns.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        crate::threads::join_logged("http-acceptor", self.acceptor);
-        drop(self.listener);
-        self.shared.table.close();
+        self.wake.set();
+        if let Some(acceptor) = self.acceptor.take() {
+            crate::threads::join_logged("http-acceptor", acceptor);
+        }
+    }
+
+    fn stop_closing(mut self, serve_fresh: bool) {
+        self.stop_accepting();
+        if serve_fresh {
+            self.shared.table.close_idle();
+        } else {
+            self.shared.table.close();
+        }
         self.shared.spares.stop();
         let deadline = clock::instant() + STOP_WAIT;
         let mut live = self.shared.live.lock().unwrap_or_else(|e| e.into_inner());
@@ -315,14 +341,21 @@ pub fn accept_error_is_per_connection(error: &std::io::Error) -> bool {
     ) || matches!(error.raw_os_error(), Some(libc::EPROTO) | Some(libc::EPERM))
 }
 
-fn run_acceptor(listener: TcpListener, shared: Arc<Shared>) {
+fn run_acceptor(listener: TcpListener, shared: Arc<Shared>, wake: &crate::wake::Wake) {
     static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
     // Resource exhaustion is logged once per run of failures, not per attempt.
     let mut accept_failing = false;
     let mut spawn_failing = false;
     loop {
+        if !crate::wake::wait_acceptable(&listener, wake) {
+            return;
+        }
         let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                stream
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) if accept_error_is_per_connection(&e) => continue,
             Err(e) => {
                 if shared.stopping.load(Ordering::Acquire) {
@@ -338,9 +371,8 @@ fn run_acceptor(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        if shared.stopping.load(Ordering::Acquire) {
-            return;
-        }
+        // A connection accepted is served, even while stopping: with a shared listener (a
+        // live handover) dropping it would fail a request the other process would have served.
         if accept_failing {
             log::info!("orca_relay_http_accept_recovered");
             accept_failing = false;

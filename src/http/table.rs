@@ -38,6 +38,8 @@ struct State {
 struct Entry {
     stream: Arc<TcpStream>,
     waiting_seq: Option<u64>,
+    /// It has been served a request (it waits now between keep-alive requests).
+    served: bool,
 }
 
 /// What [`ConnectionTable::admit`] did.
@@ -103,6 +105,7 @@ impl ConnectionTable {
                 Entry {
                     stream: stream.clone(),
                     waiting_seq: Some(seq),
+                    served: false,
                 },
             );
             Ticket {
@@ -126,6 +129,34 @@ impl ConnectionTable {
             let ids: Vec<u64> = std::mem::take(&mut state.waiting).into_values().collect();
             ids.iter()
                 .filter_map(|id| state.entries.remove(id).map(|entry| entry.stream))
+                .collect()
+        };
+        for stream in streams {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl ConnectionTable {
+    /// Closes the table as a live handover's exit does: nothing more is admitted and no
+    /// connection waits for another request, but a connection still waiting for its first
+    /// head is left to be served (it was accepted from a listener the next process shares,
+    /// and its client expects an answer); idle keep-alive connections are shut down.
+    pub fn close_idle(&self) {
+        let streams: Vec<Arc<TcpStream>> = {
+            let mut state = self.lock();
+            state.closed = true;
+            let idle: Vec<(u64, u64)> = state
+                .waiting
+                .iter()
+                .filter(|(_, id)| state.entries.get(id).is_some_and(|entry| entry.served))
+                .map(|(seq, id)| (*seq, *id))
+                .collect();
+            idle.iter()
+                .filter_map(|(seq, id)| {
+                    state.waiting.remove(seq);
+                    state.entries.remove(id).map(|entry| entry.stream)
+                })
                 .collect()
         };
         for stream in streams {
@@ -169,6 +200,7 @@ impl Ticket {
         let Some(entry) = state.entries.get_mut(&self.id) else {
             return false;
         };
+        entry.served = true;
         let previous = entry.waiting_seq.replace(seq);
         if let Some(previous) = previous {
             state.waiting.remove(&previous);

@@ -301,6 +301,82 @@ fn run_probe(probe: &Probe, panicked: &'static str) -> Result<(), ProbeFailure> 
     catch_unwind(AssertUnwindSafe(probe)).unwrap_or(Err(panicked.into()))
 }
 
+/// One dependency as a live handover carries it: its last success as an age (so a grace window
+/// keeps its deadline), its last failure, and the status last reported (so no crossing is
+/// logged twice).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DependencyRecord {
+    pub dependency: String,
+    pub last_success_ago_ms: Option<u64>,
+    pub last_failure: Option<String>,
+    /// `healthy`, `grace` or `down`, with the failure reported then.
+    pub reported: String,
+    pub reported_failure: Option<String>,
+}
+
+/// Readiness as a live handover carries it (the phase is the next process's own).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReadinessRecord {
+    pub dependencies: Vec<DependencyRecord>,
+}
+
+impl Readiness {
+    pub fn state_record(&self, at: &crate::carry::Snapshot) -> ReadinessRecord {
+        let inner = self.lock();
+        let dependencies = Dependency::ALL
+            .iter()
+            .map(|dependency| {
+                let state = inner.snapshot.dependency(*dependency);
+                let (reported, reported_failure) = match inner.reported[dependency.index()] {
+                    DependencyStatus::Healthy => ("healthy", None),
+                    DependencyStatus::InGrace { failure } => ("grace", Some(failure.to_string())),
+                    DependencyStatus::Down { failure } => ("down", Some(failure.to_string())),
+                };
+                DependencyRecord {
+                    dependency: dependency.name().to_string(),
+                    last_success_ago_ms: state.last_success_ms.map(|at_ms| at.age_ms(at_ms)),
+                    last_failure: state.last_failure.map(str::to_string),
+                    reported: reported.to_string(),
+                    reported_failure,
+                }
+            })
+            .collect();
+        ReadinessRecord { dependencies }
+    }
+
+    /// Takes a handover's last-known-good state: a dependency inside its grace window stays in
+    /// it with the same deadline, and `/ready` answers as it did before the first probe here.
+    pub fn restore_state(&self, record: &ReadinessRecord, carry: &crate::carry::Carry) {
+        let mut inner = self.lock();
+        for dependency in Dependency::ALL {
+            let Some(carried) = record
+                .dependencies
+                .iter()
+                .find(|d| d.dependency == dependency.name())
+            else {
+                continue;
+            };
+            let state = inner.snapshot.dependency_mut(dependency);
+            if !state.configured {
+                continue;
+            }
+            state.last_success_ms = carried.last_success_ago_ms.map(|age| carry.moment_ms(age));
+            state.last_failure = carried.last_failure.as_deref().map(reason::intern);
+            let failure = carried
+                .reported_failure
+                .as_deref()
+                .map_or(reason::NOT_PROBED, reason::intern);
+            inner.reported[dependency.index()] = match carried.reported.as_str() {
+                "healthy" => DependencyStatus::Healthy,
+                "grace" => DependencyStatus::InGrace { failure },
+                _ => DependencyStatus::Down { failure },
+            };
+        }
+    }
+}
+
 /// Logs one readiness event at its level (`info` for recoveries, `warn` for failures).
 pub fn log_event(event: &ProbedEvent) {
     log::log!(event.event.level(), "{event}");

@@ -44,6 +44,38 @@ pub mod reason {
     pub const JWKS_PROBE_PANICKED: &str = "jwks_probe_panicked";
     /// The SQL probe closure panicked; the prober caught it and kept running.
     pub const SQL_PROBE_PANICKED: &str = "sql_probe_panicked";
+
+    /// A reason a live handover carried, as this process's own code: the known ones map to
+    /// their constants; another (from a newer build) is kept once, up to a small bound, then
+    /// read as `unknown`.
+    pub fn intern(text: &str) -> &'static str {
+        const KNOWN: [&str; 10] = [
+            NOT_PROBED,
+            JWKS_FETCH_FAILED,
+            JWKS_HTTP_FAILED,
+            JWKS_TIMED_OUT,
+            SQL_FAILED,
+            SQL_TIMED_OUT,
+            SQL_TLS_FAILED,
+            SQL_MIGRATIONS_PENDING,
+            JWKS_PROBE_PANICKED,
+            SQL_PROBE_PANICKED,
+        ];
+        if let Some(known) = KNOWN.iter().find(|known| **known == text) {
+            return known;
+        }
+        static OTHERS: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+        let mut others = OTHERS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(other) = others.iter().find(|other| **other == text) {
+            return other;
+        }
+        if others.len() >= 32 || text.len() > 64 {
+            return "unknown";
+        }
+        let kept: &'static str = Box::leak(text.to_string().into_boxed_str());
+        others.push(kept);
+        kept
+    }
 }
 
 /// A dependency `/ready` gates on.

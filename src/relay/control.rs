@@ -8,12 +8,14 @@
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
-use super::socket::{ReadEvent, Reader, Socket};
-use super::{read_first_text, RelayContext};
+use super::control_reader::{Deadline, ReadEvent, Reader};
+use super::park::{ClaimsRecord, ControlRecord, InviteBucket, Stage};
+use super::socket::Socket;
+use super::{read_first_text, FirstFrame, RelayContext, Served};
 use crate::auth::HostClaims;
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
@@ -24,11 +26,40 @@ use crate::protocol::{
 };
 use crate::store::LeaseOutcome;
 
-/// Serves one control socket until it closes.
-pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, claims: HostClaims) {
-    let text = match read_first_text(context, &mut reader) {
-        Ok(text) => text,
-        Err(code) => return context.close(&socket, code, "first frame"),
+/// Where a control's first frame stands: not read yet (`text: None`, by `deadline`), or read
+/// and not yet acted on (a handover carried it).
+pub struct First {
+    pub path: String,
+    pub text: Option<String>,
+    pub deadline: Instant,
+}
+
+/// Serves one control socket from its first frame until it closes (or a handover parks it).
+pub fn serve(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    mut reader: Reader,
+    claims: HostClaims,
+    first: First,
+) -> Served {
+    let text = match first.text {
+        Some(text) => text,
+        None => match read_first_text(&mut reader, first.deadline) {
+            FirstFrame::Text(text) => text,
+            FirstFrame::Refused(code) => {
+                context.close(&socket, code, "first frame");
+                return Served::Ended;
+            }
+            FirstFrame::Quiesce => {
+                return Served::parked(Stage::FirstFrame {
+                    path: first.path,
+                    claims: Some(ClaimsRecord::from(&claims)),
+                    reader: reader.record(),
+                    text: None,
+                    deadline: first.deadline,
+                })
+            }
+        },
     };
     let epoch = match serde_json::from_str::<HostToRelay>(&text) {
         Ok(HostToRelay::HostHello {
@@ -36,7 +67,10 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             relay_host_id,
             assignment_epoch,
         }) if relay_host_id == claims.relay_host_id && assignment_epoch >= 0 => assignment_epoch,
-        _ => return context.close(&socket, CloseCode::BadOuterCredential, "bad hello"),
+        _ => {
+            context.close(&socket, CloseCode::BadOuterCredential, "bad hello");
+            return Served::Ended;
+        }
     };
 
     let now = context.clock.now_ms();
@@ -88,7 +122,8 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                 Ok(DbVerdict::WrongCell) => {
                     context.metrics.admission("database", "wrong_cell");
                     context.cell.demote(&claims.relay_host_id);
-                    return context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                    context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                    return Served::Ended;
                 }
                 Err(e) => {
                     context.metrics.admission("database", "error");
@@ -101,7 +136,8 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
                             e.log_fields()
                         );
                     }
-                    return context.close(&socket, CloseCode::LimitExceeded, "try again");
+                    context.close(&socket, CloseCode::LimitExceeded, "try again");
+                    return Served::Ended;
                 }
             }
         }
@@ -141,22 +177,59 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
     let ack = protocol::to_json(&RelayToHost::HostHelloAck { v: 1, generation });
     if socket.send(Message::text(ack)).is_err() {
         finish(context, &claims, epoch, generation);
-        return;
+        return Served::Ended;
     }
     log::debug!(
         "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path={}",
         claims.relay_host_id,
         admitted_via.as_str()
     );
+    let invites = InviteRate::new(context.clock.now_ms());
+    run(
+        context,
+        &socket,
+        reader,
+        claims,
+        (epoch, generation),
+        invites,
+    )
+}
 
-    let _ = socket
-        .stream()
-        .set_read_timeout(Some(Duration::from_millis(context.timings.silence_ms)));
-    let mut invites = InviteRate::new(context.clock.now_ms());
+/// A seated control resumed after a handover: its read loop, where it was. (Its seat already
+/// holds it: restored from the handover's state, or never left in this process.)
+pub fn resume(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    reader: Reader,
+    control: ControlRecord,
+    invites: InviteBucket,
+) -> Served {
+    let claims = HostClaims::from(&control.claims);
+    let invites = InviteRate::resumed(context.clock.now_ms(), invites);
+    run(
+        context,
+        &socket,
+        reader,
+        claims,
+        (control.epoch, control.generation),
+        invites,
+    )
+}
+
+/// The read loop of a seated control, until it closes or a handover parks it.
+fn run(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    mut reader: Reader,
+    claims: HostClaims,
+    (epoch, generation): (i64, u64),
+    mut invites: InviteRate,
+) -> Served {
+    let silence = Duration::from_millis(context.timings.silence_ms);
     loop {
-        match reader.read() {
+        match reader.read(Deadline::Silence(silence)) {
             ReadEvent::Message(Message::Text(text)) => {
-                handle_message(context, &socket, &claims, text.as_str(), &mut invites)
+                handle_message(context, socket, &claims, text.as_str(), &mut invites)
             }
             ReadEvent::Message(Message::Binary(_)) => {
                 log::info!(
@@ -166,25 +239,48 @@ pub fn serve(context: &RelayContext, socket: Arc<Socket>, mut reader: Reader, cl
             }
             ReadEvent::Message(_) => {}
             ReadEvent::TimedOut => {
-                context.close(&socket, CloseCode::PeerDropped, "silent");
+                context.close(socket, CloseCode::PeerDropped, "silent");
                 break;
             }
             ReadEvent::TooBig => {
-                context.close(&socket, CloseCode::TooBig, "frame too large");
+                context.close(socket, CloseCode::TooBig, "frame too large");
                 reader.drain_after_close();
                 break;
             }
             ReadEvent::Protocol => {
-                context.close(&socket, CloseCode::ProtocolError, "protocol error");
+                context.close(socket, CloseCode::ProtocolError, "protocol error");
                 break;
             }
             ReadEvent::Gone => break,
+            ReadEvent::Quiesce => {
+                // A control being closed (replaced, drained) is not carried: it ends here.
+                let seated = context
+                    .cell
+                    .control(&claims.relay_host_id)
+                    .filter(|control| control.generation == generation);
+                let Some(seated) = seated.filter(|_| !socket.is_closing()) else {
+                    break;
+                };
+                return Served::parked(Stage::Control {
+                    control: ControlRecord {
+                        claims: ClaimsRecord::from(&claims),
+                        epoch,
+                        generation,
+                        admitted_via: seated.admitted_via.into(),
+                        lease_id: seated.lease_id,
+                    },
+                    reader: reader.record(),
+                    silence_deadline: reader.silence_deadline(silence),
+                    invites: invites.bucket(context.clock.now_ms()),
+                });
+            }
         }
         if socket.is_closing() {
             break;
         }
     }
     finish(context, &claims, epoch, generation);
+    Served::Ended
 }
 
 fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u64) {
@@ -229,6 +325,27 @@ impl InviteRate {
         InviteRate {
             available: INVITE_CREATE_BURST,
             refilled_at_ms: now_ms,
+        }
+    }
+
+    /// The bucket as a handover carries it (its refill moment as an instant).
+    pub fn bucket(&self, now_ms: u64) -> InviteBucket {
+        let ago = Duration::from_millis(now_ms.saturating_sub(self.refilled_at_ms));
+        let now = crate::clock::instant();
+        InviteBucket {
+            available: self.available,
+            refilled_at: now.checked_sub(ago).unwrap_or(now),
+        }
+    }
+
+    /// The bucket a handover carried, at `now_ms`.
+    pub fn resumed(now_ms: u64, bucket: InviteBucket) -> InviteRate {
+        let ago = crate::clock::instant()
+            .saturating_duration_since(bucket.refilled_at)
+            .as_millis() as u64;
+        InviteRate {
+            available: bucket.available.min(INVITE_CREATE_BURST),
+            refilled_at_ms: now_ms.saturating_sub(ago),
         }
     }
 
@@ -302,13 +419,16 @@ fn handle_message(
     }
 }
 
-/// The `pinger` thread body: every `ping_ms`, a ping to every control that is not mid-write.
-pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
+/// The `pinger` thread body: from `next` on, every `ping_ms`, a ping to every control that is
+/// not mid-write. Returns when stopped, with when the next ping was due (a handover carries
+/// it).
+pub fn run_pinger(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
     let period = Duration::from_millis(context.timings.ping_ms);
     loop {
-        match stop.recv_timeout(period) {
+        let wait = next.saturating_duration_since(crate::clock::instant());
+        match stop.recv_timeout(wait) {
             Err(RecvTimeoutError::Timeout) => {}
-            _ => return,
+            _ => return next,
         }
         let ping = protocol::to_json(&RelayToHost::Ping {
             t: context.clock.now_ms(),
@@ -317,20 +437,29 @@ pub fn run_pinger(context: RelayContext, stop: Receiver<()>) {
             let _ = control.socket.try_send(Message::text(ping.clone()));
         }
         context.cell.expire(context.timings.seat_memory_ms);
+        next = crate::clock::instant() + period;
     }
 }
 
 /// The `lease-renewer` thread body: every `lease_renew_ms`, renews the lease of every
-/// database-admitted control; a moved placement closes that control 4503.
-pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>) {
+/// database-admitted control; a moved placement closes that control 4503. From `next` on;
+/// returns when stopped, with when the next renewal was due (a handover carries it).
+pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
     let period = Duration::from_millis(context.timings.lease_renew_ms);
     let mut renew_failures = crate::logging::FailureThrottle::new();
     loop {
-        match stop.recv_timeout(period) {
+        let wait = next.saturating_duration_since(crate::clock::instant());
+        match stop.recv_timeout(wait) {
             Err(RecvTimeoutError::Timeout) => {}
-            _ => return,
+            _ => return next,
         }
+        next = crate::clock::instant() + period;
         for control in context.cell.controls() {
+            // A pass over thousands of leases takes a while: a stop (a drain, a handover) is
+            // heard between two renewals; the pass is then due again at once.
+            if !matches!(stop.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
+                return crate::clock::instant();
+            }
             let Some(lease_id) = control.lease_id.as_deref() else {
                 continue;
             };

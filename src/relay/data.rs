@@ -8,6 +8,7 @@
 //! channel, and from there with the pair to a splice worker (`relay/splice/`).
 
 use super::pending::{close_pending, close_pending_socket, PendingLeg};
+use super::phone::Attach;
 use super::socket::Socket;
 use super::splice::LegHandOff;
 use super::{ConnectionHold, RelayContext};
@@ -36,13 +37,18 @@ pub(super) fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &st
     let Some(unit) = context.slots.try_take() else {
         return close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
     };
-    let Some(pending) = context.cell.take_pending(conn_id, &ticket, generation) else {
-        return close_pending(
-            context,
-            stream,
-            CloseCode::BadOuterCredential,
-            "unknown connection",
-        );
+    let pending = match context.cell.take_pending(conn_id, &ticket, generation) {
+        Ok(Some(pending)) => pending,
+        Ok(None) => {
+            return close_pending(
+                context,
+                stream,
+                CloseCode::BadOuterCredential,
+                "unknown connection",
+            )
+        }
+        // Attaches freeze only while the acceptor is parked: not met here.
+        Err(_) => return close_pending(context, stream, CloseCode::LimitExceeded, "try again"),
     };
     let (buffered, parser) = reader.into_parts();
     let hold = ConnectionHold::new(unit, context.metrics.connections("data"));
@@ -52,15 +58,17 @@ pub(super) fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &st
         parser,
         release: vec![Box::new(hold)],
     };
-    if let Err(refused) = pending.attach.try_send(leg) {
+    if let Err(refused) = pending.attach.try_send(Attach::Leg(leg)) {
         // The phone's thread gave up: the leg (and the unit in it) goes.
-        let (std::sync::mpsc::TrySendError::Full(leg)
-        | std::sync::mpsc::TrySendError::Disconnected(leg)) = refused;
-        close_pending_socket(
-            context,
-            leg.socket.clone(),
-            CloseCode::PeerDropped,
-            "phone left",
-        );
+        let (std::sync::mpsc::TrySendError::Full(attach)
+        | std::sync::mpsc::TrySendError::Disconnected(attach)) = refused;
+        if let Attach::Leg(leg) = attach {
+            close_pending_socket(
+                context,
+                leg.socket.clone(),
+                CloseCode::PeerDropped,
+                "phone left",
+            );
+        }
     }
 }

@@ -145,6 +145,17 @@ pub enum Parsed {
     Violation(Violation),
 }
 
+/// What a parser carries across a handover: the fragmented message in progress, if any. (A
+/// parser that found a violation is not carried: its leg is closing.)
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ParserState {
+    /// The opcode of the open message (1 text, 2 binary), if one is open.
+    pub open_opcode: Option<u8>,
+    /// Its bytes so far.
+    pub open_len: usize,
+}
+
 /// Per-leg parser state: which data message is open, and a violation once found.
 #[derive(Debug, Clone)]
 pub struct FrameParser {
@@ -168,6 +179,34 @@ impl FrameParser {
             max_message,
             open: None,
             failed: None,
+        }
+    }
+
+    /// A parser in the state `state` (see [`FrameParser::state`]).
+    pub fn with_state(max_message: usize, state: ParserState) -> FrameParser {
+        let open = match state.open_opcode {
+            Some(1) => Some((Data::Text, state.open_len)),
+            Some(2) => Some((Data::Binary, state.open_len)),
+            _ => None,
+        };
+        FrameParser {
+            max_message,
+            open,
+            failed: None,
+        }
+    }
+
+    /// What a handover carries of this parser.
+    pub fn state(&self) -> ParserState {
+        match self.open {
+            Some((data, len)) => ParserState {
+                open_opcode: Some(match data {
+                    Data::Text => 1,
+                    _ => 2,
+                }),
+                open_len: len,
+            },
+            None => ParserState::default(),
         }
     }
 

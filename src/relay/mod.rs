@@ -15,8 +15,10 @@
 //! close (4429), never the process.
 
 pub mod control;
+pub mod control_reader;
 pub mod data;
 pub mod frames;
+pub mod park;
 pub mod pending;
 pub mod phone;
 pub mod socket;
@@ -26,9 +28,9 @@ pub mod upgrade;
 
 use std::net::{TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::auth::{HostClaims, Verifier};
 use crate::cell::bookings::Bookings;
@@ -41,10 +43,13 @@ use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
 use crate::store::Store;
 use crate::threads::{Permit, Permits};
+use control_reader::{ControlFrames, Deadline};
+use park::{Gate, Parked, ParkedConn, Quiesce, ReaderRecord, Stage, Wake};
 use socket::{Reaper, Socket};
+use upgrade::Route;
 
 impl Peer for Socket {
-    type Attached = splice::LegHandOff;
+    type Attached = phone::Attach;
     fn id(&self) -> u64 {
         self.id
     }
@@ -249,6 +254,8 @@ pub struct RelayContext {
     pub thread_permits: Arc<Permits>,
     /// Throttles the log lines of failed admission SQL across every relay thread.
     pub admission_failures: Arc<crate::logging::SharedThrottle>,
+    /// A live handover's hold on the relay threads (`relay/park.rs`).
+    pub quiesce: Arc<Quiesce>,
     next_id: Arc<AtomicU64>,
 }
 
@@ -268,6 +275,7 @@ impl RelayContext {
         registry: &Registry,
         splice: Arc<splice::SplicePlane>,
         thread_permits: Arc<Permits>,
+        quiesce: Arc<Quiesce>,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
         for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
@@ -368,6 +376,7 @@ impl RelayContext {
             splice,
             thread_permits,
             admission_failures: Arc::default(),
+            quiesce,
             next_id: Arc::new(AtomicU64::new(1)),
         }
     }
@@ -383,17 +392,34 @@ impl RelayContext {
     pub fn next_connection_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// The id the next connection will get (a handover carries it, so ids stay unique).
+    pub fn peek_next_connection_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Ids from `next` on (a received handover: above every carried connection's).
+    pub fn continue_ids_from(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+    }
 }
 
-/// The `acceptor` thread body: the pending plane (`pending.rs`) until `stop` is set (the
-/// listener is woken by a connection from the shutdown path).
-pub fn run_acceptor(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
-    pending::run(listener, context, stop)
+/// The `acceptor` thread body: the pending plane (`pending.rs`), starting with connections a
+/// handover carried (`carried`), until `stop` is set; then the listener and every pending
+/// connection are given back, as they were (a handover passes them on; a drain closes them,
+/// [`pending::close_parked`]).
+pub fn run_acceptor(
+    listener: TcpListener,
+    context: RelayContext,
+    stop: Arc<Wake>,
+    carried: Vec<Parked>,
+) -> (TcpListener, Vec<Parked>) {
+    pending::run(listener, context, stop, carried)
 }
 
 /// Starts the relay thread of an authenticated desktop control (its 101 is written): it reads
-/// the hello, is admitted (SPEC §5.3) and serves the control until it closes. The unit and the
-/// permit are released as the thread ends.
+/// the hello, is admitted (SPEC §5.3) and serves the control until it closes (or a handover
+/// parks it). The unit and the permit are released as the thread ends.
 fn spawn_control(
     context: &RelayContext,
     id: u64,
@@ -411,46 +437,241 @@ fn spawn_control(
             let _permit = permit;
             let _ = stream.set_nonblocking(false);
             let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-            // Control sockets read small JSON through tungstenite.
-            let (socket, reader) = Socket::new_control(id, stream, tail);
+            let socket = Socket::new_control(id, stream);
             let hold = ConnectionHold::new(unit, context.metrics.connections("control"));
-            run_guarded(&context, &socket, "control", Some(hold), |_| {
-                control::serve(&context, socket.clone(), reader, claims);
-                Served::Ended
-            });
+            let stage = Stage::FirstFrame {
+                path: "/v1/host/control".into(),
+                claims: Some(park::ClaimsRecord::from(&claims)),
+                reader: ReaderRecord {
+                    buffered: tail,
+                    ..ReaderRecord::default()
+                },
+                text: None,
+                deadline: clock_deadline(context.timings.first_frame_ms),
+            };
+            serve_stage(&context, socket, stage, Some(hold), None, None);
         },
     )
     .map(|_| ())
 }
 
-/// Runs a relay thread's body under `catch_unwind`: a panic costs the connection a 4429 and is
-/// logged. Unless the body handed the socket on, the socket is closed before its unit (in
-/// `hold`) is returned.
-fn run_guarded(
+/// Deposits a connection with the handover; one the handover no longer takes (it ended while
+/// this thread was on its way) goes on, on a new thread.
+fn deposit(context: &RelayContext, parked: Parked) {
+    match context.quiesce.deposit(parked) {
+        // Taken: this thread waits for the handover's end, then ends.
+        None => context.quiesce.hold(),
+        Some(parked) => {
+            let id = parked.id;
+            if let Err(e) = resume(context, parked, None) {
+                log::error!("orca_relay_resume_failed conn={id} error={e}");
+            }
+        }
+    }
+}
+
+fn clock_deadline(ms: u64) -> Instant {
+    crate::clock::instant() + Duration::from_millis(ms)
+}
+
+/// An admitted connection from `stage` on: its first frame, a seated control's read loop, a
+/// phone waiting for its data leg.
+fn serve_stage(
     context: &RelayContext,
-    socket: &Arc<Socket>,
+    socket: Arc<Socket>,
+    stage: Stage,
+    hold: Option<ConnectionHold>,
+    place: Option<phone::PhonePlace>,
+    waiting: Option<phone::Waiting>,
+) {
+    let kind = stage_kind(&stage);
+    serve_admitted(context, socket, kind, hold, |socket, hold| {
+        run_stage(context, socket, stage, hold, place, waiting)
+    });
+}
+
+/// Runs an admitted connection's relay-thread body under `catch_unwind`: a panic costs the
+/// connection a 4429 and is logged; a handover's quiesce deposits it with everything it holds.
+/// Unless the body handed the socket on (or parked it), the socket is closed before its unit
+/// (in `hold`) is returned.
+pub(crate) fn serve_admitted(
+    context: &RelayContext,
+    socket: Arc<Socket>,
     kind: &str,
     hold: Option<ConnectionHold>,
-    body: impl FnOnce(&mut Option<ConnectionHold>) -> Served,
+    body: impl FnOnce(Arc<Socket>, &mut Option<ConnectionHold>) -> Served,
 ) {
+    let id = socket.id;
     let mut hold = hold;
-    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(&mut hold)));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(socket.clone(), &mut hold)));
     match outcome {
         Ok(Served::HandedOff) => return,
+        Ok(Served::Parked { stage, place }) => {
+            let parked = Parked {
+                id,
+                conn: ParkedConn::Socket(socket),
+                stage: *stage,
+                hold,
+                place,
+            };
+            return deposit(context, parked);
+        }
         Ok(Served::Ended) => {}
         Err(_) => {
-            log::error!(
-                "orca_relay_connection_panicked conn={} kind={kind}",
-                socket.id
-            );
-            context.close(socket, CloseCode::LimitExceeded, "internal error");
+            log::error!("orca_relay_connection_panicked conn={id} kind={kind}");
+            context.close(&socket, CloseCode::LimitExceeded, "internal error");
         }
     }
     // Make sure the peer is gone before the unit is returned.
     if !socket.is_closing() {
-        context.close(socket, CloseCode::Normal, "");
+        context.close(&socket, CloseCode::Normal, "");
     }
     drop(hold);
+}
+
+fn stage_kind(stage: &Stage) -> &'static str {
+    match stage {
+        Stage::Upgrading { .. } => "upgrading",
+        Stage::FirstFrame { path, .. } => upgrade::route(path).map_or("unknown", |r| r.kind()),
+        Stage::Control { .. } => "control",
+        Stage::PhoneWaiting { .. } => "phone",
+    }
+}
+
+fn run_stage(
+    context: &RelayContext,
+    socket: Arc<Socket>,
+    stage: Stage,
+    hold: &mut Option<ConnectionHold>,
+    place: Option<phone::PhonePlace>,
+    waiting: Option<phone::Waiting>,
+) -> Served {
+    match stage {
+        Stage::FirstFrame {
+            path,
+            claims,
+            reader,
+            text,
+            deadline,
+        } => match upgrade::route(&path) {
+            Some(Route::Control) => {
+                let Some(claims) = claims else {
+                    context.close(&socket, CloseCode::LimitExceeded, "internal error");
+                    return Served::Ended;
+                };
+                let reader = control_reader::Reader::new(
+                    socket.clone(),
+                    ControlFrames::from_record(reader),
+                    context.quiesce.clone(),
+                );
+                control::serve(
+                    context,
+                    socket,
+                    reader,
+                    (&claims).into(),
+                    control::First {
+                        path,
+                        text,
+                        deadline,
+                    },
+                )
+            }
+            // A splice leg's first frame is read by the acceptor's pending loop, never here.
+            Some(Route::Phone { .. } | Route::DataLeg { .. }) | None => {
+                context.close(&socket, CloseCode::LimitExceeded, "internal error");
+                Served::Ended
+            }
+        },
+        Stage::Control {
+            control,
+            reader,
+            silence_deadline,
+            invites,
+        } => {
+            let reader = control_reader::Reader::resume(
+                socket.clone(),
+                reader,
+                context.quiesce.clone(),
+                silence_deadline,
+                Duration::from_millis(context.timings.silence_ms),
+            );
+            control::resume(context, socket, reader, control, invites)
+        }
+        Stage::PhoneWaiting {
+            phone,
+            reader,
+            attach_deadline,
+        } => {
+            let waiting =
+                waiting.unwrap_or_else(|| phone::restore_waiting(context, &socket, &phone));
+            phone::resume_waiting(
+                context,
+                socket,
+                reader,
+                hold,
+                place,
+                (phone, waiting),
+                attach_deadline,
+            )
+        }
+        Stage::Upgrading { .. } => {
+            context.close(&socket, CloseCode::LimitExceeded, "internal error");
+            Served::Ended
+        }
+    }
+}
+
+/// Resumes a deposited connection on a new relay thread: in this process after a failed
+/// handover, or in the next one (which holds each thread at `gate` until the handover has
+/// committed). A resumed connection always gets its thread: the permit is taken even past the
+/// bound, since the connection exists already. `Err` when no thread could be started.
+pub fn resume(
+    context: &RelayContext,
+    parked: Parked,
+    gate: Option<Arc<Gate>>,
+) -> std::io::Result<()> {
+    let permit = context.thread_permits.take_forced();
+    let thread_context = context.clone();
+    let id = parked.id;
+    // A waiting phone's pending entry is put back now, before any other resumed connection
+    // runs: a data leg resumed beside it must find the entry with a live channel.
+    let waiting = match (&parked.conn, &parked.stage) {
+        (ParkedConn::Socket(socket), Stage::PhoneWaiting { phone, .. }) => {
+            Some(phone::restore_waiting(context, socket, phone))
+        }
+        _ => None,
+    };
+    crate::threads::spawn_with_stack(
+        format!("relay-{id}"),
+        crate::threads::RELAY_STACK_BYTES,
+        move || {
+            let _permit = permit;
+            if let Some(gate) = gate {
+                if !gate.wait() {
+                    // The handover did not commit: this process touches nothing and exits.
+                    return;
+                }
+            }
+            let Parked {
+                id,
+                conn,
+                stage,
+                hold,
+                place,
+            } = parked;
+            match conn {
+                ParkedConn::Socket(socket) => {
+                    serve_stage(&thread_context, socket, stage, hold, place, waiting)
+                }
+                // A pending connection belongs to the acceptor's loop (`pending::run`).
+                ParkedConn::Pending(stream) => {
+                    log::error!("orca_relay_resume_misrouted conn={id}");
+                    drop(stream);
+                }
+            }
+        },
+    )
+    .map(|_| ())
 }
 
 /// How a connection's relay thread ended.
@@ -459,6 +680,21 @@ pub enum Served {
     Ended,
     /// The socket went to a splice worker with its unit; nothing more to do here.
     HandedOff,
+    /// A handover quiesced the cell at `stage`: the connection is deposited with its unit (and
+    /// a phone's place) for whoever resumes it.
+    Parked {
+        stage: Box<Stage>,
+        place: Option<phone::PhonePlace>,
+    },
+}
+
+impl Served {
+    pub fn parked(stage: Stage) -> Served {
+        Served::Parked {
+            stage: Box::new(stage),
+            place: None,
+        }
+    }
 }
 
 /// A connection's unit of the cap and its place in the connections gauge, released together
@@ -473,6 +709,17 @@ impl ConnectionHold {
     pub fn new(slot: SlotGuard, gauge: Gauge) -> ConnectionHold {
         gauge.inc();
         ConnectionHold { _slot: slot, gauge }
+    }
+
+    /// The unit and gauge of a connection a live handover brought: the unit is taken even
+    /// past the cap (the connection exists already).
+    pub fn carried(context: &RelayContext, kind: &str) -> ConnectionHold {
+        let gauge = context.metrics.connections(kind);
+        gauge.inc();
+        ConnectionHold {
+            _slot: context.slots.take_forced(),
+            gauge,
+        }
     }
 }
 
@@ -495,21 +742,27 @@ pub fn shed_under_pool_pressure(
     pool_has_waiters && !(raw_reserve && admissible_without_sql())
 }
 
-/// Reads the first frame of a control socket by the first-frame deadline (one instant from
-/// the upgrade, whatever arrives before it): it must be a text frame.
+/// How reading a splice leg's or a control's first frame ended.
+pub(crate) enum FirstFrame {
+    Text(String),
+    /// Refused with this code (late, not text, malformed, a rule broken).
+    Refused(CloseCode),
+    /// A handover quiesced the cell.
+    Quiesce,
+}
+
+/// Reads the first frame of a control socket by `deadline`: it must be a text frame.
 pub(crate) fn read_first_text(
-    context: &RelayContext,
-    reader: &mut socket::Reader,
-) -> Result<String, CloseCode> {
-    let deadline = crate::clock::instant() + Duration::from_millis(context.timings.first_frame_ms);
-    reader.set_deadline(Some(deadline));
-    let event = reader.read();
-    reader.set_deadline(None);
-    match event {
-        socket::ReadEvent::Message(tungstenite::Message::Text(text)) => Ok(text.to_string()),
-        socket::ReadEvent::TooBig => Err(CloseCode::TooBig),
-        socket::ReadEvent::Protocol => Err(CloseCode::ProtocolError),
-        _ => Err(CloseCode::BadOuterCredential),
+    reader: &mut control_reader::Reader,
+    deadline: Instant,
+) -> FirstFrame {
+    use control_reader::ReadEvent;
+    match reader.read(Deadline::At(deadline)) {
+        ReadEvent::Message(tungstenite::Message::Text(text)) => FirstFrame::Text(text.to_string()),
+        ReadEvent::TooBig => FirstFrame::Refused(CloseCode::TooBig),
+        ReadEvent::Protocol => FirstFrame::Refused(CloseCode::ProtocolError),
+        ReadEvent::Quiesce => FirstFrame::Quiesce,
+        _ => FirstFrame::Refused(CloseCode::BadOuterCredential),
     }
 }
 

@@ -37,13 +37,19 @@
 //! pong, a close frame fit a fresh socket's send buffer; one that does not fit ends the
 //! connection), waits on the network or the database, or holds the cell's lock across I/O.
 //! `EINTR` is retried on every accept, read, write and poll.
+//!
+//! **A live handover** stops the loop (`stop`) without closing anything: the listener and every
+//! pending connection are given back as they were ([`run`]'s answer: the head bytes that have
+//! arrived, a splice leg's first-frame reader, each deadline), and the loop of the process that
+//! goes on serving starts with them. A control whose token was on the verifier thread is
+//! carried as its head and verified again.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,6 +57,7 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use super::park::{self, Parked, ParkedConn, Wake};
 use super::socket::Socket;
 use super::splice_reader::{FirstFrame, FirstFrameReader};
 use super::upgrade::{self, Refusal, Route, Upgrade};
@@ -62,6 +69,7 @@ use crate::protocol::CloseCode;
 
 const LISTENER: Token = Token(usize::MAX - 1);
 const WAKER: Token = Token(usize::MAX);
+const STOP: Token = Token(usize::MAX - 2);
 /// Accepts per loop turn before the pending sockets get their turn (the listener is then
 /// polled again at once).
 const ACCEPTS_PER_TURN: usize = 128;
@@ -83,13 +91,59 @@ pub struct PendingLeg {
     pub reader: FirstFrameReader,
 }
 
-/// The `acceptor` thread body: the pending plane, until `stop` is set (the listener is woken by
-/// a connection from the shutdown path). Pending sockets are then closed (a splice leg waiting
-/// for its first frame with 4503).
-pub fn run(listener: TcpListener, context: RelayContext, stop: Arc<AtomicBool>) {
+/// The `acceptor` thread body: the pending plane, starting with the pending connections a
+/// handover carried (`carried`), until `stop` is set. Then the listener and every pending
+/// connection are given back as they were: a handover passes them on, a drain closes them
+/// ([`close_parked`]).
+pub fn run(
+    listener: TcpListener,
+    context: RelayContext,
+    stop: Arc<Wake>,
+    carried: Vec<Parked>,
+) -> (TcpListener, Vec<Parked>) {
+    let spare = match listener.try_clone() {
+        Ok(spare) => spare,
+        Err(e) => {
+            log::error!("orca_relay_acceptor_failed error={e}");
+            return (listener, carried);
+        }
+    };
     match Plane::new(listener, context, stop) {
-        Ok(mut plane) => plane.run(),
-        Err(e) => log::error!("orca_relay_acceptor_failed error={e}"),
+        Ok(mut plane) => {
+            drop(spare);
+            for parked in carried {
+                plane.adopt(parked);
+            }
+            plane.run();
+            let pending = plane.export();
+            (plane.listener, pending)
+        }
+        Err(e) => {
+            log::error!("orca_relay_acceptor_failed error={e}");
+            (spare, carried)
+        }
+    }
+}
+
+/// Closes the pending connections a stopped acceptor gave back (the drain): a splice leg
+/// waiting for its first frame with 4503, the others dropped.
+pub fn close_parked(context: &RelayContext, parked: Vec<Parked>) {
+    for parked in parked {
+        let ParkedConn::Pending(stream) = parked.conn else {
+            continue;
+        };
+        if let park::Stage::FirstFrame { .. } = parked.stage {
+            close_pending(context, stream, CloseCode::Draining, "draining");
+        }
+    }
+}
+
+/// The path a splice leg's route came from (carried with a pending leg).
+fn route_path(route: &Route) -> String {
+    match route {
+        Route::Control => "/v1/host/control".into(),
+        Route::Phone { relay_host_id } => format!("/v1/connect/{relay_host_id}"),
+        Route::DataLeg { conn_id } => format!("/v1/host/data/{conn_id}"),
     }
 }
 
@@ -108,11 +162,12 @@ enum Stage {
     /// The upgrade head is arriving; `scanned` bytes were searched for its end already.
     Head { buf: Vec<u8>, scanned: usize },
     /// A control's head whose token needs the JWKS fetched: on the verifier thread, or queued
-    /// for it.
+    /// for it. `raw` is the head and its tail as they arrived (what a handover carries).
     Verifying {
         upgrade: Upgrade,
         token: String,
         tail: Vec<u8>,
+        raw: Vec<u8>,
     },
     /// A splice leg after its 101, until its first frame.
     FirstFrame {
@@ -128,7 +183,7 @@ struct Plane {
     poll: Poll,
     listener: TcpListener,
     context: RelayContext,
-    stop: Arc<AtomicBool>,
+    stop: Arc<Wake>,
     entries: Vec<Option<Entry>>,
     free: Vec<usize>,
     /// Entries in the table.
@@ -158,11 +213,7 @@ struct Plane {
 }
 
 impl Plane {
-    fn new(
-        listener: TcpListener,
-        context: RelayContext,
-        stop: Arc<AtomicBool>,
-    ) -> io::Result<Plane> {
+    fn new(listener: TcpListener, context: RelayContext, stop: Arc<Wake>) -> io::Result<Plane> {
         let _ = crate::http::server::raise_backlog(&listener);
         listener.set_nonblocking(true)?;
         let poll = Poll::new()?;
@@ -171,6 +222,8 @@ impl Plane {
             LISTENER,
             Interest::READABLE,
         )?;
+        poll.registry()
+            .register(&mut SourceFd(&stop.raw_fd()), STOP, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let bound = context.pending_upgrades_max.max(1);
         Ok(Plane {
@@ -222,7 +275,7 @@ impl Plane {
                     continue;
                 }
             }
-            if self.stop.load(Ordering::Acquire) {
+            if self.stop.is_set() {
                 break;
             }
             let mut verdicts = false;
@@ -230,6 +283,7 @@ impl Plane {
                 match event.token() {
                     LISTENER => self.listener_ready = true,
                     WAKER => verdicts = true,
+                    STOP => {}
                     Token(slot) => self.progress(slot),
                 }
             }
@@ -243,7 +297,6 @@ impl Plane {
             self.expire_due();
             self.publish();
         }
-        self.close_all();
     }
 
     fn publish(&self) {
@@ -278,9 +331,6 @@ impl Plane {
                     return;
                 }
             };
-            if self.stop.load(Ordering::Acquire) {
-                return;
-            }
             self.accept_recovered();
             if self.spare.is_none() {
                 self.spare = open_spare();
@@ -411,12 +461,12 @@ impl Plane {
                     }
                 }
             }
-            HeadProgress::Complete(head, tail) => self.head_complete(slot, head, tail),
+            HeadProgress::Complete(head, raw, tail) => self.head_complete(slot, head, raw, tail),
         }
     }
 
     /// A whole head: the upgrade is decided (see the module header).
-    fn head_complete(&mut self, slot: usize, head: head::Head, tail: Vec<u8>) {
+    fn head_complete(&mut self, slot: usize, head: head::Head, raw: Vec<u8>, tail: Vec<u8>) {
         let refusal = match self.context.phase.get() {
             Phase::SERVING => None,
             Phase::STARTING => Some(Refusal::unavailable("starting")),
@@ -431,7 +481,7 @@ impl Plane {
             Err(refusal) => return self.refuse_slot(slot, &refusal),
         };
         match upgrade.route {
-            Route::Control => self.control_head(slot, upgrade, tail),
+            Route::Control => self.control_head(slot, upgrade, raw, tail),
             _ => self.splice_head(slot, upgrade, tail),
         }
     }
@@ -443,7 +493,7 @@ impl Plane {
     }
 
     /// A desktop control's head: its token decides.
-    fn control_head(&mut self, slot: usize, upgrade: Upgrade, tail: Vec<u8>) {
+    fn control_head(&mut self, slot: usize, upgrade: Upgrade, mut raw: Vec<u8>, tail: Vec<u8>) {
         let token = match crate::auth::parse_bearer(upgrade.authorization.as_deref()) {
             Ok(token) => token.to_string(),
             Err(e) => return self.refuse_slot(slot, &unauthorized(&e)),
@@ -455,10 +505,12 @@ impl Plane {
                     return;
                 };
                 let seq = entry.seq;
+                raw.extend_from_slice(&tail);
                 entry.stage = Stage::Verifying {
                     upgrade,
                     token,
                     tail,
+                    raw,
                 };
                 self.verify_queue.push_back((slot, seq));
                 self.start_verifying();
@@ -802,15 +854,129 @@ impl Plane {
         self.start_verifying();
     }
 
-    fn close_all(&mut self) {
+    /// Every pending connection, as it stands, for whoever serves next (the loop has
+    /// stopped: nothing is read, written or closed).
+    fn export(&mut self) -> Vec<Parked> {
+        let mut parked = Vec::new();
         for slot in 0..self.entries.len() {
-            if let Some(entry) = self.take(slot) {
-                if let Stage::FirstFrame { .. } = entry.stage {
-                    close_pending(&self.context, entry.stream, CloseCode::Draining, "draining");
-                }
-            }
+            let Some(entry) = self.take(slot) else {
+                continue;
+            };
+            let stage = match entry.stage {
+                Stage::Head { buf, .. } => park::Stage::Upgrading {
+                    received: buf,
+                    deadline: entry.deadline,
+                },
+                // Verified again by whoever serves next (its verifier thread's answer, if one
+                // comes, is for a loop that has stopped).
+                Stage::Verifying { raw, .. } => park::Stage::Upgrading {
+                    received: raw,
+                    deadline: entry.deadline,
+                },
+                Stage::FirstFrame { route, reader } => park::Stage::FirstFrame {
+                    path: route_path(&route),
+                    claims: None,
+                    reader: reader.record(),
+                    text: None,
+                    deadline: entry.deadline,
+                },
+            };
+            parked.push(Parked {
+                id: entry.id,
+                conn: ParkedConn::Pending(entry.stream),
+                stage,
+                hold: None,
+                place: None,
+            });
         }
+        self.verifying = None;
+        self.verify_queue.clear();
+        self.deadlines.clear();
+        self.backlog.clear();
         self.context.pending_now.store(0, Ordering::Release);
+        parked
+    }
+
+    /// Takes a pending connection a handover carried (or this process's own, after a failed
+    /// one) into the table, with its deadline, and goes on with it at once. Carried
+    /// connections are never shed to make room for each other.
+    fn adopt(&mut self, parked: Parked) {
+        let Parked {
+            id, conn, stage, ..
+        } = parked;
+        let ParkedConn::Pending(stream) = conn else {
+            return;
+        };
+        let (stage, deadline, text) = match stage {
+            park::Stage::Upgrading { received, deadline } => (
+                Stage::Head {
+                    buf: received,
+                    scanned: 0,
+                },
+                deadline,
+                None,
+            ),
+            park::Stage::FirstFrame {
+                path,
+                claims: None,
+                reader,
+                text,
+                deadline,
+            } => match upgrade::route(&path) {
+                Some(route @ (Route::Phone { .. } | Route::DataLeg { .. })) => (
+                    Stage::FirstFrame {
+                        route,
+                        reader: FirstFrameReader::from_record(
+                            reader,
+                            crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                        ),
+                    },
+                    deadline,
+                    text,
+                ),
+                _ => return,
+            },
+            _ => return,
+        };
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            self.entries.len() - 1
+        });
+        if self
+            .poll
+            .registry()
+            .register(
+                &mut SourceFd(&stream.as_raw_fd()),
+                Token(slot),
+                Interest::READABLE,
+            )
+            .is_err()
+        {
+            self.free.push(slot);
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.live += 1;
+        self.entries[slot] = Some(Entry {
+            stream,
+            id,
+            seq,
+            deadline,
+            stage,
+            backlogged: false,
+        });
+        self.order.insert(seq, slot);
+        self.deadlines.push(Reverse((deadline, slot, seq)));
+        match text {
+            // A version-1 process carried a first frame it had read and not acted on.
+            Some(text) => self.authenticate(slot, text),
+            None => self.progress(slot),
+        }
+        self.publish();
     }
 }
 
@@ -821,8 +987,8 @@ enum HeadProgress {
     /// The client closed or reset.
     Gone,
     Failed(HeadError),
-    /// The head, and what followed it in the buffer.
-    Complete(head::Head, Vec<u8>),
+    /// The head, its bytes, and what followed it in the buffer.
+    Complete(head::Head, Vec<u8>, Vec<u8>),
 }
 
 /// Reads what the socket has into `buf` (never past [`head::MAX_HEAD_BYTES`]) and parses the
@@ -844,7 +1010,8 @@ fn read_head_bytes(
         if ended {
             match head::parse_head(buf) {
                 Ok(Some((parsed, len))) => {
-                    return HeadProgress::Complete(parsed, buf.split_off(len))
+                    let tail = buf.split_off(len);
+                    return HeadProgress::Complete(parsed, std::mem::take(buf), tail);
                 }
                 Ok(None) => {}
                 Err(error) => return HeadProgress::Failed(error),

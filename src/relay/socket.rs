@@ -1,19 +1,21 @@
 //! One WebSocket connection: one descriptor, one reader, one locked writer.
 //!
-//! `tungstenite` has no read/write split, so a connection is two `WebSocketContext`s over the
-//! same `TcpStream` (std implements `Read` and `Write` for `&TcpStream`, so no second descriptor
-//! is needed):
-//! - the **reader** context belongs to the connection's own relay thread ([`Reader`]);
-//! - the **writer** context sits behind a mutex in [`Socket`]; every frame this process sends on
-//!   the connection (the peer's splice, the pinger, the cell logic, close frames) goes through
-//!   it, so frames never interleave. Data frames are written under that mutex straight from the
-//!   message (header and payload in one vectored write) rather than copied through
+//! A connection is one `TcpStream` (std implements `Read` and `Write` for `&TcpStream`, so no
+//! second descriptor is needed):
+//! - the **reader** belongs to the connection's own relay thread (a control's is
+//!   `relay/control_reader.rs`; a splice leg's first frame is read by the pending loop's
+//!   `relay/splice_reader.rs`), both over the pure frame parser of `relay/frames.rs`, so that a
+//!   live handover can carry what they hold;
+//! - the **writer** (a tungstenite `WebSocketContext`) sits behind a mutex in [`Socket`]; every
+//!   frame this process sends on the connection (the pinger, the cell logic, close frames) goes
+//!   through it, so frames never interleave. Data frames are written under that mutex straight
+//!   from the message (header and payload in one vectored write) rather than copied through
 //!   tungstenite's out buffer; control and close frames go through the writer context.
 //!
-//! The reader's automatic replies (pong, close) are written through the same mutex by
-//! [`ReadHalf`]'s `Write` impl. [`Socket::send`] has one deadline for the whole call (the
-//! wedge window from its start, checked before each write, never a fresh timeout per write); a
-//! writer that misses it marks the socket broken.
+//! The control reader's replies (pong, close) are written through the same mutex.
+//! [`Socket::send`] has one deadline for the whole call (the wedge window from its start,
+//! checked before each write, never a fresh timeout per write); a writer that misses it marks
+//! the socket broken.
 //!
 //! Cell-wide threads (the pinger, the lease renewer, the drain) never wait on one socket:
 //! [`Socket::try_send`] skips a socket another thread is writing, and otherwise writes the
@@ -34,7 +36,6 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
-use tungstenite::error::ProtocolError;
 use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
@@ -46,6 +47,9 @@ use crate::protocol::CloseCode;
 /// How long a rejected or closed peer has to answer our close frame before the TCP connection
 /// is dropped (SPEC §5.2: within 1 s).
 pub const CLOSE_LINGER: Duration = Duration::from_secs(1);
+
+/// How often the reaper retries a close frame whose socket another thread was writing.
+const CLOSE_RETRY: Duration = Duration::from_millis(10);
 
 /// Why a send failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,17 +83,6 @@ fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The tungstenite reader of a control socket. Idle control sockets are many and small: a
-/// 1 KiB read buffer (it grows for the rare large frame) keeps one near 20 KiB resident. Splice
-/// legs do not use tungstenite's reader at all (see `relay/splice_reader.rs`).
-fn control_reader_config() -> WebSocketConfig {
-    WebSocketConfig::default()
-        .read_buffer_size(1024)
-        .write_buffer_size(0)
-        .max_frame_size(Some(crate::protocol::CONTROL_MAX_FRAME_BYTES))
-        .max_message_size(Some(crate::protocol::CONTROL_MAX_FRAME_BYTES))
-}
-
 fn writer_config() -> WebSocketConfig {
     // The writer never reads: give it the smallest read buffer tungstenite accepts.
     WebSocketConfig::default()
@@ -113,19 +106,10 @@ impl Socket {
         })
     }
 
-    /// Wraps an upgraded stream. `tail` holds bytes that arrived after the request head.
-    pub fn new_control(id: u64, stream: TcpStream, tail: Vec<u8>) -> (Arc<Socket>, Reader) {
-        let socket = Socket::wrap(id, stream);
-        let context = WebSocketContext::from_partially_read(
-            tail,
-            Role::Server,
-            Some(control_reader_config()),
-        );
-        let reader = Reader {
-            context,
-            half: ReadHalf(socket.clone(), None),
-        };
-        (socket, reader)
+    /// Wraps an upgraded control socket. Its reader is built by the caller
+    /// (`relay/control_reader.rs`).
+    pub fn new_control(id: u64, stream: TcpStream) -> Arc<Socket> {
+        Socket::wrap(id, stream)
     }
 
     /// Wraps an upgraded splice leg (phone or host data). Its reader is built by the caller
@@ -253,9 +237,9 @@ impl Socket {
 
     /// Sends the close frame once (later calls do nothing) and schedules the TCP connection to
     /// be dropped after [`CLOSE_LINGER`]. Returns whether this call was the one that closed.
-    /// Never waits: with another thread mid-write (its frame cannot be interrupted), or a close
-    /// frame that does not fit in the socket's buffer now, the connection is shut down at once
-    /// instead (which also ends that other writer's wait).
+    /// Never waits: with another thread mid-write (its frame cannot be interrupted), the reaper
+    /// writes the close frame once that writer is done (within the linger); a close frame that
+    /// does not fit in the socket's buffer now shuts the connection down at once.
     pub fn close(self: &Arc<Self>, code: CloseCode, reason: &str, reaper: &Reaper) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
@@ -275,7 +259,15 @@ impl Socket {
                 poisoned.into_inner().broken = true;
                 false
             }
-            Err(TryLockError::WouldBlock) => false,
+            Err(TryLockError::WouldBlock) => {
+                // Another thread is writing this socket (a message, a ping): the reaper sends
+                // the close frame once it is done, within the linger.
+                reaper.send(
+                    Doomed::CloseFrame(self.clone(), close_frame_bytes(code.code(), reason)),
+                    CLOSE_RETRY,
+                );
+                return true;
+            }
         };
         if sent {
             reaper.schedule(self.clone(), CLOSE_LINGER);
@@ -283,6 +275,21 @@ impl Socket {
             self.shutdown();
         }
         true
+    }
+
+    /// The reaper's later attempt at a close frame `close` could not write: `Ok(true)` sent,
+    /// `Ok(false)` the writer is still busy, `Err(())` the connection is broken.
+    fn try_close_frame(&self, frame: &[u8]) -> Result<bool, ()> {
+        let mut writer = match self.writer.try_lock() {
+            Ok(writer) => writer,
+            Err(TryLockError::WouldBlock) => return Ok(false),
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        };
+        if !writer.broken && send_without_waiting(&self.stream, frame) {
+            return Ok(true);
+        }
+        writer.broken = true;
+        Err(())
     }
 
     /// Drops the TCP connection now (both directions); the reader thread wakes with an error.
@@ -459,118 +466,6 @@ fn read_retrying(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
-/// The reader's view of the stream: reads go straight to the socket (interrupted reads are
-/// retried here, so tungstenite never sees `EINTR`), writes (tungstenite's automatic pong and
-/// close replies) go through the writer mutex as whole buffers. With a deadline (the control's
-/// first frame), each read waits only for what is left of it, so a client that trickles its
-/// frame cannot stretch it (tungstenite reads a frame in as many reads as it takes).
-pub struct ReadHalf(Arc<Socket>, Option<std::time::Instant>);
-
-impl Read for ReadHalf {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if let Some(deadline) = self.1 {
-            let left = deadline.saturating_duration_since(clock::instant());
-            if left.is_zero() {
-                return Err(io::ErrorKind::TimedOut.into());
-            }
-            self.0.stream.set_read_timeout(Some(left))?;
-        }
-        read_retrying(&self.0.stream, buf)
-    }
-}
-
-impl Write for ReadHalf {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let writer = lock_writer(&self.0.writer);
-        if writer.broken {
-            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "socket wedged"));
-        }
-        Retrying(&self.0.stream, Deadline::after(self.0.send_timeout)).write_all(buf)?;
-        drop(writer);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The reading side, owned by the connection's relay thread.
-pub struct Reader {
-    context: WebSocketContext,
-    half: ReadHalf,
-}
-
-/// What one read produced.
-#[derive(Debug)]
-pub enum ReadEvent {
-    Message(Message),
-    /// No frame within the socket's read timeout.
-    TimedOut,
-    /// A frame larger than the endpoint allows.
-    TooBig,
-    /// The peer broke a rule of RFC 6455 (tungstenite's checks: masking, reserved bits and
-    /// opcodes, control frames, fragmentation, UTF-8 of text): fail it with 1002.
-    Protocol,
-    /// The peer closed or the connection failed; nothing more will be read.
-    Gone,
-}
-
-impl Reader {
-    pub fn read(&mut self) -> ReadEvent {
-        loop {
-            return match self.context.read(&mut self.half) {
-                Ok(Message::Close(_)) => {
-                    // tungstenite queued the close reply; it goes out through the writer mutex.
-                    self.half.0.closing.store(true, Ordering::Release);
-                    let _ = self.context.flush(&mut self.half);
-                    ReadEvent::Gone
-                }
-                Ok(message) => ReadEvent::Message(message),
-                Err(tungstenite::Error::Io(e))
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    ReadEvent::TimedOut
-                }
-                Err(tungstenite::Error::Capacity(_)) => ReadEvent::TooBig,
-                Err(tungstenite::Error::Protocol(
-                    ProtocolError::ResetWithoutClosingHandshake
-                    | ProtocolError::ReceivedAfterClosing,
-                )) => ReadEvent::Gone,
-                Err(tungstenite::Error::Protocol(_) | tungstenite::Error::Utf8(_)) => {
-                    ReadEvent::Protocol
-                }
-                // Not reached: `ReadHalf` retries interrupted reads itself. Were one to get
-                // through, tungstenite keeps its partial frame across an I/O error that
-                // consumed nothing (`FrameCodec::read_in` truncates back): read again.
-                Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::Interrupted => {
-                    continue
-                }
-                Err(_) => ReadEvent::Gone,
-            };
-        }
-    }
-
-    pub fn socket(&self) -> &Arc<Socket> {
-        &self.half.0
-    }
-
-    /// Every read from now on ends by `deadline` (`None`: the socket's own read timeout).
-    pub fn set_deadline(&mut self, deadline: Option<std::time::Instant>) {
-        self.half.1 = deadline;
-    }
-
-    /// After closing on an oversized frame, discards what the peer is still sending (for at
-    /// most [`CLOSE_LINGER`]) so that it can finish its write and read our close frame instead
-    /// of seeing its connection reset.
-    pub fn drain_after_close(&mut self) {
-        drain_for_linger(&self.half.0.stream);
-    }
-}
-
 /// Reads and discards what the peer still sends, for at most [`CLOSE_LINGER`]: after a 1009
 /// close, a client mid-way through an oversized frame can finish its write and read the close
 /// frame instead of seeing its connection reset.
@@ -605,6 +500,9 @@ enum Doomed {
     Socket(Arc<Socket>),
     /// A refused upgrade: our answer is written, our side shut down.
     Stream(Arc<TcpStream>),
+    /// A closing WebSocket connection whose close frame is still to be written (its writer
+    /// was busy): retried every `CLOSE_RETRY` for up to `CLOSE_LINGER`, then dropped.
+    CloseFrame(Arc<Socket>, Vec<u8>),
 }
 
 impl Doomed {
@@ -614,11 +512,38 @@ impl Doomed {
             Doomed::Stream(stream) => {
                 let _ = stream.shutdown(Shutdown::Both);
             }
+            Doomed::CloseFrame(socket, _) => socket.shutdown(),
+        }
+    }
+
+    /// Acts on a due entry at `now` (ms since the reaper's start); `Some` is what to do next
+    /// and when. `first_due` is when a close frame was first retried, for its give-up time.
+    fn act(self, now: u64, first_due: u64) -> Option<(u64, u64, Doomed)> {
+        let Doomed::CloseFrame(socket, frame) = self else {
+            self.shutdown();
+            return None;
+        };
+        match socket.try_close_frame(&frame) {
+            Ok(true) => Some((
+                now + CLOSE_LINGER.as_millis() as u64,
+                now,
+                Doomed::Socket(socket),
+            )),
+            Ok(false) if now < first_due + CLOSE_LINGER.as_millis() as u64 => Some((
+                now + CLOSE_RETRY.as_millis() as u64,
+                first_due,
+                Doomed::CloseFrame(socket, frame),
+            )),
+            _ => {
+                socket.shutdown();
+                None
+            }
         }
     }
 }
 
-struct Due(u64, Doomed);
+/// A reaper entry: when it is due, when it was first due (a retried close frame's start), what.
+struct Due(u64, u64, Doomed);
 
 impl PartialEq for Due {
     fn eq(&self, other: &Self) -> bool {
@@ -674,8 +599,10 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
     loop {
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
-            if let Some(Due(_, doomed)) = heap.pop() {
-                doomed.shutdown();
+            if let Some(Due(_, first, doomed)) = heap.pop() {
+                if let Some((due, first, doomed)) = doomed.act(now, first) {
+                    heap.push(Due(due, first, doomed));
+                }
             }
         }
         let wait = heap
@@ -683,10 +610,10 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
             .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
             .unwrap_or(Duration::from_secs(3600));
         match receiver.recv_timeout(wait) {
-            Ok((due, doomed)) => heap.push(Due(due, doomed)),
+            Ok((due, doomed)) => heap.push(Due(due, due, doomed)),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => {
-                for Due(_, doomed) in heap.drain() {
+                for Due(_, _, doomed) in heap.drain() {
                     doomed.shutdown();
                 }
                 return;
@@ -694,143 +621,34 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
         }
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::CONTROL_MAX_FRAME_BYTES;
-    use crate::relay::frames::encode_client_frame;
+    use std::io::Read;
 
-    /// A byte stream for a reader context: reads from the frames, swallows its replies.
-    struct Wire(io::Cursor<Vec<u8>>, Vec<u8>);
-
-    impl Read for Wire {
-        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            self.0.read(buf)
-        }
-    }
-
-    impl Write for Wire {
-        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-            self.1.extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-    }
-
-    fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        encode_client_frame(first, payload, [1, 2, 3, 4], &mut out);
-        out
-    }
-
-    /// What the control reader (configured as in production) makes of `stream`: the messages
-    /// it returned and the error that ended it.
-    fn control_reads(stream: Vec<u8>) -> (Vec<Message>, Option<tungstenite::Error>) {
-        let mut context = WebSocketContext::new(Role::Server, Some(control_reader_config()));
-        let mut wire = Wire(io::Cursor::new(stream), Vec::new());
-        let mut messages = Vec::new();
-        loop {
-            match context.read(&mut wire) {
-                Ok(Message::Close(frame)) => {
-                    messages.push(Message::Close(frame));
-                    return (messages, None);
-                }
-                Ok(message) => messages.push(message),
-                Err(error) => return (messages, Some(error)),
-            }
-        }
+    /// A connected pair: the relay's side wrapped as a control socket, and the peer's stream.
+    fn socket_pair() -> (Arc<Socket>, TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        (Socket::new_control(1, ours), peer)
     }
 
     #[test]
-    fn the_control_reader_enforces_the_rfc_6455_rules_of_the_splice_parser() {
-        use tungstenite::error::CapacityError;
-        let protocol = |e: &tungstenite::Error| {
-            matches!(
-                e,
-                tungstenite::Error::Protocol(p) if !matches!(p, ProtocolError::ResetWithoutClosingHandshake)
-            )
-        };
-        let capacity = |e: &tungstenite::Error| {
-            matches!(
-                e,
-                tungstenite::Error::Capacity(CapacityError::MessageTooLong { .. })
-            )
-        };
-        let mut high_bit = vec![0x82, 0xff, 0x80, 0, 0, 0, 0, 0, 0, 0];
-        high_bit.extend_from_slice(&[1, 2, 3, 4]);
-        let half = CONTROL_MAX_FRAME_BYTES / 2;
-        type Check = fn(&tungstenite::Error) -> bool;
-        let cases: Vec<(&str, Vec<u8>, Check)> = vec![
-            ("unmasked", vec![0x81, 0x01, b'x'], protocol),
-            ("rsv1", frame(0xc1, b"x"), protocol),
-            ("rsv3", frame(0x91, b"x"), protocol),
-            ("opcode 3", frame(0x83, b"x"), protocol),
-            ("opcode 11", frame(0x8b, b""), protocol),
-            ("ping 126 bytes", frame(0x89, &[0; 126]), protocol),
-            ("ping without FIN", frame(0x09, b""), protocol),
-            ("continuation first", frame(0x80, b"x"), protocol),
-            (
-                "text inside an open message",
-                [frame(0x01, b"a"), frame(0x81, b"b")].concat(),
-                protocol,
-            ),
-            ("64-bit length with the high bit set", high_bit, capacity),
-            (
-                "frame over 1 MiB",
-                frame(0x82, &vec![0; CONTROL_MAX_FRAME_BYTES + 1]),
-                capacity,
-            ),
-            (
-                "message over 1 MiB in fragments",
-                [frame(0x02, &vec![0; half]), frame(0x80, &vec![0; half + 1])].concat(),
-                capacity,
-            ),
-            ("close with one byte", frame(0x88, &[3]), protocol),
-            (
-                "close reason not UTF-8",
-                frame(0x88, &[0x03, 0xe8, 0xff]),
-                |e| matches!(e, tungstenite::Error::Utf8(_)),
-            ),
-            ("text not UTF-8", frame(0x81, &[0xff]), |e| {
-                matches!(e, tungstenite::Error::Utf8(_))
-            }),
-        ];
-        for (name, stream, expected) in cases {
-            let (messages, error) = control_reads(stream);
-            assert!(messages.is_empty(), "{name}: {messages:?}");
-            let error = error.unwrap_or_else(|| panic!("{name}: accepted"));
-            assert!(expected(&error), "{name}: {error:?}");
-        }
-        // An invalid close code is answered with a 1002 close rather than an error.
-        let (messages, _) = control_reads(frame(0x88, &1005u16.to_be_bytes()));
-        match messages.as_slice() {
-            [Message::Close(Some(close))] => assert_eq!(u16::from(close.code), 1002),
-            other => panic!("close 1005: {other:?}"),
-        }
-        // Legal traffic: fragments with a ping between them.
-        let (messages, error) = control_reads(
-            [
-                frame(0x01, b"{\"ty"),
-                frame(0x89, b"p"),
-                frame(0x80, b"pe\":1}"),
-            ]
-            .concat(),
-        );
-        assert!(matches!(
-            error,
-            Some(tungstenite::Error::Protocol(
-                ProtocolError::ResetWithoutClosingHandshake
-            ))
-        ));
+    fn a_close_while_another_thread_writes_still_sends_its_close_frame() {
+        let (reaper, _reaper_thread) = Reaper::start().unwrap();
+        let (socket, mut peer) = socket_pair();
+        // Another thread (a sender of this socket) holds the writer for a moment.
+        let writer = lock_writer(&socket.writer);
+        assert!(socket.close(CloseCode::PeerDropped, "replaced", &reaper));
+        drop(writer);
+        let mut bytes = Vec::new();
+        let _ = (&mut peer).take(64).read_to_end(&mut bytes);
+        let expected = close_frame_bytes(CloseCode::PeerDropped.code(), "replaced");
         assert_eq!(
-            messages,
-            vec![
-                Message::Ping(b"p".to_vec().into()),
-                Message::text("{\"type\":1}")
-            ]
+            bytes, expected,
+            "the close frame, then the end of the connection"
         );
     }
 }

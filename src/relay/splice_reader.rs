@@ -18,6 +18,7 @@ use std::net::TcpStream;
 use tungstenite::protocol::frame::coding::Data;
 
 use super::frames::{FrameKind, FrameParser, Parsed, Violation};
+use super::park::ReaderRecord;
 use crate::protocol::CloseCode;
 
 /// The most a first frame (header included) may take, and the most the reader buffers.
@@ -133,6 +134,26 @@ impl FirstFrameReader {
                     return FirstFrame::NeedMore;
                 }
             }
+        }
+    }
+
+    /// What a live handover carries of a leg still waiting for its first frame: the bytes
+    /// buffered and not consumed, and the parser's state.
+    pub fn record(&self) -> ReaderRecord {
+        ReaderRecord {
+            buffered: self.buf[self.start..].to_vec(),
+            parser: self.parser.state(),
+            message: None,
+        }
+    }
+
+    /// The reader a handover carried (its buffer is bounded as ever: what does not fit is
+    /// refused as a first frame over the bound would be).
+    pub fn from_record(record: ReaderRecord, max_message: usize) -> FirstFrameReader {
+        FirstFrameReader {
+            buf: record.buffered,
+            start: 0,
+            parser: FrameParser::with_state(max_message, record.parser),
         }
     }
 

@@ -3,38 +3,53 @@
 //! [`CellRuntime::start`] builds the cell's shared state and starts its named threads:
 //! `acceptor`, `pinger`, `lease-renewer`, `reaper`, `switch-watcher`, `watchdog`,
 //! `claim-loop`; [`CellRuntime::serve`] starts `heartbeat` once the startup registration has
-//! succeeded; relay threads come and go with connections, and a trip starts `reregister`. [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
+//! succeeded; relay threads come and go with connections, and a trip starts `reregister`.
+//! [`CellRuntime::route`] serves the cell's HTTP endpoints (`/internal/*`).
 //! [`CellRuntime::drain`] runs the SIGTERM sequence: the watchdog stops before the final
 //! admit-effective write, the claim loop ends after carrying it out, the other threads are
 //! joined in reverse start order, and the cell deregisters from its directors.
+//!
+//! A live handover (`roles/handover.rs`) uses the same parts in pieces: the running process
+//! stops its acceptor and its cell-wide threads ([`CellRuntime::quiesce_threads`], which give
+//! back their state: the next ping and lease renewal, the applied switch, the dead-man window,
+//! the admit-effective writer) and starts them again from that state if the handover fails
+//! ([`CellRuntime::restart_threads`]); the next process builds its cell from the handover's
+//! record ([`CellSetup::resume`]) and starts the same threads from it once the handover has
+//! committed ([`CellRuntime::resume_threads`]).
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
 use crate::auth::Verifier;
+use crate::carry::{Carry, Snapshot};
+use crate::cell::bookings::BookingRecord;
 use crate::cell::contact::Contact;
-use crate::cell::heartbeat::{self, Heartbeat, Sink};
+use crate::cell::heartbeat::{self, Heartbeat, LastBeat, Sink};
 use crate::cell::internal_api::{CellStatus, InternalApi, InternalApiParts};
-use crate::cell::mode::DeadManView;
+use crate::cell::mode::{DeadManView, ModeRecord};
+use crate::cell::seats::SeatLogRecord;
+use crate::cell::state::CellStateRecord;
 use crate::cell::status_report::{self, PoolReport, ReportFn, StatusReport};
-use crate::cell::switch::{run_switch_watcher, AdmitMode};
+use crate::cell::switch::{run_switch_watcher, AdmitMode, Switch};
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::dead_man::claim_loop::{self, StoreRow};
 use crate::dead_man::reregister::Reregistration;
 use crate::dead_man::watchdog::Watchdog;
-use crate::dead_man::writer::WriterHandle;
+use crate::dead_man::window::{ClaimResult, Window, WindowRecord};
+use crate::dead_man::writer::{CellAdmitEffectiveWriter, WriterHandle, WriterRecord};
 use crate::http::{Reply, Request};
 use crate::lifecycle::{Shutdown, ShutdownState};
 use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
+use crate::relay::park::{Parked, Quiesce, Wake};
 use crate::relay::socket::{Reaper, Socket};
 use crate::relay::splice::{SplicePlane, SpliceTimings};
 use crate::relay::{self, Phase, RelayContext};
@@ -61,6 +76,41 @@ pub struct CellSetup<'a> {
     pub incarnation: i64,
     /// Where heartbeats go: the directors over HTTP, or the store in the combined role.
     pub heartbeat: Sink,
+    /// A live handover's record of the cell, for the next process: the cell is built from it
+    /// and starts no thread until [`CellRuntime::resume_threads`].
+    pub resume: Option<(CellRecord, Carry)>,
+}
+
+/// The cell's part of a live handover's state document (connections travel apart, with their
+/// descriptors).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CellRecord {
+    pub model: CellStateRecord,
+    pub seat_log: SeatLogRecord,
+    pub bookings: Vec<BookingRecord>,
+    pub mode: ModeRecord,
+    pub contact_ago_ms: Option<u64>,
+    pub window: Option<WindowRecord>,
+    /// Claim answers the watchdog had not taken yet: (generation, silence's age, permit).
+    pub claim_answers: Vec<(u64, u64, bool)>,
+    pub writer: Option<WriterRecord>,
+    pub next_ping_in_ms: u64,
+    pub next_lease_renewal_in_ms: u64,
+    /// The last heartbeat: its age and the `ready` it carried.
+    pub last_heartbeat: Option<(u64, bool)>,
+    pub next_connection_id: u64,
+}
+
+/// The cell-wide threads' state when they are stopped for a live handover: what they go on
+/// from, here (the handover failed) or in the next process (as a [`CellRecord`]).
+pub struct CellThreadsState {
+    pub next_ping: Instant,
+    pub next_renewal: Instant,
+    pub switch: Switch,
+    pub window: Option<Window>,
+    pub writer: CellAdmitEffectiveWriter<StoreRow>,
+    pub answers: Vec<ClaimResult>,
 }
 
 struct Stoppable {
@@ -79,24 +129,88 @@ impl Stoppable {
     }
 }
 
+/// A stoppable thread that gives back what it ends with.
+struct Returning<T> {
+    stop: Sender<()>,
+    handle: threads::Watched<T>,
+}
+
+impl<T> Returning<T> {
+    /// Stops the thread and waits for what it gives back (a live handover needs it).
+    fn stop(self, name: &str) -> Option<T> {
+        drop(self.stop);
+        self.handle.join(name)
+    }
+
+    /// Stops the thread for a drain: joined within [`super::FINAL_WRITE_WAIT`], else left to
+    /// end with the process (it waits on a database that stopped answering).
+    fn stop_within(self, name: &str) {
+        drop(self.stop);
+        self.handle.join_within(name, super::FINAL_WRITE_WAIT);
+    }
+}
+
+/// The cell-wide threads a handover stops and starts again.
+struct CellThreads {
+    pinger: Returning<Instant>,
+    renewer: Returning<Instant>,
+    switch: Returning<Switch>,
+    watchdog: Returning<(Window, mpsc::Receiver<ClaimResult>)>,
+    claim_loop: threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
+    /// The claim loop's other writer handle (the drain's final write goes through it).
+    writer: WriterHandle,
+}
+
+/// What the cell-wide threads need to start, apart from their state.
+struct ThreadSetup {
+    switch_file: std::path::PathBuf,
+    switch_poll: Duration,
+    pool_max: u32,
+    pool_reserve_max: u32,
+    /// How long before a ping or a renewal is due at a fresh start.
+    ping: Duration,
+    renewal: Duration,
+}
+
+/// What a stopped acceptor gives back: its listener and its pending connections.
+type AcceptorEnd = (TcpListener, Vec<Parked>);
+
 /// A running cell.
 pub struct CellRuntime {
     pub context: RelayContext,
     pub contact: Contact,
     internal: Option<InternalApi>,
     ws_addr: SocketAddr,
-    acceptor_stop: Arc<AtomicBool>,
-    acceptor: Mutex<Option<JoinHandle<()>>>,
+    acceptor_stop: Arc<Wake>,
+    acceptor: Mutex<Option<JoinHandle<AcceptorEnd>>>,
+    /// Pending connections (no credential checked yet) for the next acceptor: a handover's,
+    /// or this process's own after a failed one.
+    carried_pending: Mutex<Vec<Parked>>,
+    /// The WebSocket listener while no acceptor runs on it (before a handover's commit, or
+    /// while one quiesces).
+    idle_listener: Mutex<Option<TcpListener>>,
     threads: Mutex<Vec<Stoppable>>,
+    cell_threads: Mutex<Option<CellThreads>>,
+    thread_setup: ThreadSetup,
+    /// The state a received handover's threads start from (taken by `resume_threads`).
+    resumed_state: Mutex<Option<CellThreadsState>>,
     reaper: Mutex<Option<JoinHandle<()>>>,
-    writer: Mutex<Option<WriterHandle>>,
     readiness: Readiness,
     /// Starts the `heartbeat` thread; taken by [`CellRuntime::serve`].
     heartbeat: Mutex<Option<PendingHeartbeat>>,
+    last_beat: LastBeat,
     reregister_stop: Arc<AtomicBool>,
+    reregistration: Arc<Mutex<Option<JoinHandle<()>>>>,
     drain_grace: Duration,
     /// Where the clean exit's deregistration goes (the heartbeat's directors, or the store).
     deregistration: Sink,
+    /// Held for the whole of a live handover: a drain waits for its outcome.
+    pub handover: Mutex<()>,
+    /// Set while a live handover has the cell frozen: bookings are refused (503).
+    pub frozen: Arc<AtomicBool>,
+    store: Store,
+    clock: SharedClock,
+    registry: Registry,
 }
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
@@ -111,9 +225,21 @@ fn spawn_stoppable(
     Ok(Stoppable { name, stop, handle })
 }
 
+fn spawn_returning<T: Send + 'static>(
+    name: &'static str,
+    body: impl FnOnce(mpsc::Receiver<()>) -> T + Send + 'static,
+) -> Result<Returning<T>, RunError> {
+    let (stop, receiver) = mpsc::channel();
+    let handle = threads::spawn_watched(name, move || body(receiver))
+        .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
+    Ok(Returning { stop, handle })
+}
+
 impl CellRuntime {
     /// Builds the cell and starts its threads. The acceptor answers 503 until
-    /// [`CellRuntime::serve`] is called (after the startup handshake).
+    /// [`CellRuntime::serve`] is called (after the startup handshake). With
+    /// [`CellSetup::resume`], the cell is rebuilt from a live handover's record and nothing is
+    /// started until [`CellRuntime::resume_threads`].
     pub fn start(setup: CellSetup<'_>) -> Result<CellRuntime, RunError> {
         let config = setup.config;
         let clock = setup.clock.clone();
@@ -135,6 +261,8 @@ impl CellRuntime {
         )
         .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
         let (connection_cap, relay_threads) = plan_capacity(config, &setup.registry);
+        let quiesce = Quiesce::new()
+            .map_err(|e| RunError(format!("cannot create the handover's eventfd: {e}")))?;
         let context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
@@ -149,110 +277,89 @@ impl CellRuntime {
             &setup.registry,
             splice.clone(),
             threads::Permits::new(relay_threads),
+            quiesce,
         );
         register_cell_metrics(&setup.registry, &setup.store, &context);
-        setup
-            .store
-            .set_pool_ceiling(if config.pool_reserve_max < config.pool_max {
-                // Until the watchdog's first tick says otherwise, assume the tighter bound.
-                config.pool_reserve_max
-            } else {
-                config.pool_max
-            });
-
-        let acceptor_stop = Arc::new(AtomicBool::new(false));
-        let acceptor = {
-            let context = context.clone();
-            let stop = acceptor_stop.clone();
-            let listener = setup.ws_listener;
-            threads::spawn("acceptor", move || {
-                relay::run_acceptor(listener, context, stop)
-            })
-            .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?
-        };
-
-        let mut started = Vec::new();
-        {
-            let context = context.clone();
-            started.push(spawn_stoppable("pinger", move |stop| {
-                relay::control::run_pinger(context, stop)
-            })?);
-        }
-        {
-            let context = context.clone();
-            started.push(spawn_stoppable("lease-renewer", move |stop| {
-                relay::control::run_lease_renewer(context, stop)
-            })?);
-        }
-        {
-            let mode = context.mode.clone();
-            let path = config.switch_file.clone();
-            let cell_id = config.cell_id.clone();
-            let period = Duration::from_millis(config.timings.switch_poll_ms);
-            started.push(spawn_stoppable("switch-watcher", move |stop| {
-                run_switch_watcher(
-                    &path,
-                    &cell_id,
-                    period,
-                    |switch| mode.set_switch(switch),
-                    stop,
-                )
-            })?);
-        }
-
-        // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
-        let (writer, inbox) = WriterHandle::channel();
-        let (answers_tx, answers_rx) = mpsc::channel();
-        let row = StoreRow {
-            store: setup.store.clone(),
-            cell_id: config.cell_id.clone(),
-            incarnation: setup.incarnation,
-            stale_ms: config.timings.trip_slot_stale_ms,
-            mode: context.mode.clone(),
-            registry: setup.registry.clone(),
-        };
-        let claim_timings = config.timings.clone();
-        let claim_clock = clock.clone();
-        let claim_loop = threads::spawn_watched("claim-loop", move || {
-            claim_loop::run(row, &claim_timings, inbox, claim_clock, answers_tx)
-        })
-        .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
-
         let contact = Contact::new();
-        let reregister_stop = Arc::new(AtomicBool::new(false));
-        let on_trip = {
-            let context = context.clone();
-            let stop = reregister_stop.clone();
-            Box::new(move || start_reregistration(&context, stop.clone()))
+        let acceptor_stop = Wake::new()
+            .map_err(|e| RunError(format!("cannot create the acceptor's eventfd: {e}")))?;
+
+        let thread_setup = ThreadSetup {
+            switch_file: config.switch_file.clone(),
+            switch_poll: Duration::from_millis(config.timings.switch_poll_ms),
+            pool_max: config.pool_max,
+            pool_reserve_max: config.pool_reserve_max,
+            ping: Duration::from_millis(config.timings.ping_ms),
+            renewal: Duration::from_millis(config.timings.lease_renew_ms),
         };
-        {
-            let watchdog = Watchdog {
-                cell_id: config.cell_id.clone(),
-                timings: config.timings.clone(),
-                clock: clock.clone(),
-                mode: context.mode.clone(),
-                contact: contact.clone(),
-                bookings: context.bookings.clone(),
-                writer: writer.clone(),
-                answers: answers_rx,
+        let make_writer = || {
+            let row = StoreRow {
                 store: setup.store.clone(),
-                pool_max: config.pool_max,
-                pool_reserve_max: config.pool_reserve_max,
-                on_trip,
+                cell_id: config.cell_id.clone(),
+                incarnation: setup.incarnation,
+                stale_ms: config.timings.trip_slot_stale_ms,
+                mode: context.mode.clone(),
                 registry: setup.registry.clone(),
             };
-            started.push(spawn_stoppable("watchdog", move |stop| watchdog.run(stop))?);
+            claim_loop::writer(row, &config.timings)
+        };
+        // A fresh start's writer; a received handover builds its own from the record.
+        let writer = setup.resume.is_none().then(make_writer);
+        let mut last_beat = None;
+        let mut resumed_state = None;
+        if let Some((record, carry)) = &setup.resume {
+            // The model first: seats, invites, the seat log, bookings (with their units), the
+            // mode and the last contact, each timer moved to this process's clock.
+            context.cell.restore(record.model.clone(), carry);
+            context.seats.restore(record.seat_log.clone());
+            context.bookings.restore(record.bookings.clone(), carry);
+            context.mode.restore(&record.mode, carry);
+            if let Some(age) = record.contact_ago_ms {
+                contact.record(carry.moment_ms(age));
+            }
+            context.continue_ids_from(record.next_connection_id);
+            let mut resumed_writer = make_writer();
+            if let Some(writer_record) = &record.writer {
+                resumed_writer.restore(writer_record, carry);
+            }
+            let window = record.window.as_ref().map(|window| {
+                Window::new(&config.cell_id, &config.timings).restored(window, carry)
+            });
+            let answers = record
+                .claim_answers
+                .iter()
+                .map(|(generation, silence_age, permit)| ClaimResult {
+                    generation: *generation,
+                    silence_started_ms: carry.moment_ms(*silence_age),
+                    permit: *permit,
+                })
+                .collect();
+            last_beat = record
+                .last_heartbeat
+                .map(|(age, ready)| (carry.instant_ago(age), ready));
+            resumed_state = Some(CellThreadsState {
+                next_ping: carry.deadline(record.next_ping_in_ms),
+                next_renewal: carry.deadline(record.next_lease_renewal_in_ms),
+                switch: context.mode.switch(),
+                window,
+                writer: resumed_writer,
+                answers,
+            });
         }
-        // The claim loop ends when the watchdog drops its writer handle; it is joined last.
-        let claim_loop_stop = mpsc::channel().0;
-        started.insert(
-            0,
-            Stoppable {
-                name: "claim-loop",
-                stop: claim_loop_stop,
-                handle: claim_loop,
-            },
-        );
+        let resuming = resumed_state.is_some();
+        let last_beat = LastBeat::starting_at(last_beat);
+        // The pool's ceiling: until the watchdog's first tick says otherwise, the tighter
+        // bound (a received handover knows the mode already).
+        let reserve_ceiling = if resuming {
+            context.mode.raw_is_reserve()
+        } else {
+            config.pool_reserve_max < config.pool_max
+        };
+        setup.store.set_pool_ceiling(if reserve_ceiling {
+            config.pool_reserve_max.min(config.pool_max)
+        } else {
+            config.pool_max
+        });
 
         // The heartbeat starts with [`CellRuntime::serve`]: until the startup registration has
         // succeeded a director has no row for this incarnation to beat against (SPEC §8: until
@@ -270,13 +377,15 @@ impl CellRuntime {
             let sink = setup.heartbeat.clone();
             let period = Duration::from_millis(config.timings.heartbeat_ms);
             let clock = clock.clone();
+            let last_beat = last_beat.clone();
             Box::new(move || {
                 spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, clock, stop)
+                    heartbeat::run(sink, period, sample, clock, stop, last_beat)
                 })
             })
         };
 
+        let frozen = Arc::new(AtomicBool::new(false));
         let internal = config.service_token.clone().map(|service_tokens| {
             InternalApi::new(
                 InternalApiParts {
@@ -293,22 +402,278 @@ impl CellRuntime {
             )
         });
 
-        Ok(CellRuntime {
+        let runtime = CellRuntime {
             context,
             contact,
             internal,
             ws_addr,
             acceptor_stop,
-            acceptor: Mutex::new(Some(acceptor)),
-            threads: Mutex::new(started),
+            acceptor: Mutex::new(None),
+            carried_pending: Mutex::new(Vec::new()),
+            idle_listener: Mutex::new(Some(setup.ws_listener)),
+            threads: Mutex::new(Vec::new()),
+            cell_threads: Mutex::new(None),
+            thread_setup,
+            resumed_state: Mutex::new(resumed_state),
             reaper: Mutex::new(Some(reaper_handle)),
-            writer: Mutex::new(Some(writer)),
             readiness: setup.readiness,
             heartbeat: Mutex::new(Some(heartbeat)),
-            reregister_stop,
+            last_beat,
+            reregister_stop: Arc::new(AtomicBool::new(false)),
+            reregistration: Arc::default(),
             drain_grace: Duration::from_millis(config.drain_grace_ms),
             deregistration: setup.heartbeat,
+            handover: Mutex::new(()),
+            frozen,
+            store: setup.store,
+            clock,
+            registry: setup.registry,
+        };
+        if let Some(writer) = writer {
+            runtime.start_acceptor()?;
+            let now = crate::clock::instant();
+            runtime.restart_threads(CellThreadsState {
+                next_ping: now + runtime.thread_setup.ping,
+                next_renewal: now + runtime.thread_setup.renewal,
+                switch: Switch::default(),
+                window: None,
+                writer,
+                answers: Vec::new(),
+            })?;
+        }
+        Ok(runtime)
+    }
+
+    /// Starts the acceptor on the idle listener (at start, after a received handover has
+    /// committed, or after a failed one).
+    pub fn start_acceptor(&self) -> Result<(), RunError> {
+        let Some(listener) = lock(&self.idle_listener).take() else {
+            return Ok(());
+        };
+        let carried = std::mem::take(&mut *lock(&self.carried_pending));
+        self.acceptor_stop.clear();
+        let context = self.context.clone();
+        let stop = self.acceptor_stop.clone();
+        let handle = threads::spawn("acceptor", move || {
+            relay::run_acceptor(listener, context, stop, carried)
         })
+        .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
+        *lock(&self.acceptor) = Some(handle);
+        Ok(())
+    }
+
+    /// Stops the acceptor (no connection it accepted is dropped; new ones wait in the
+    /// backlog), keeps the listener, and gives back the pending connections it held, as they
+    /// were.
+    pub fn stop_acceptor(&self) -> Vec<Parked> {
+        self.acceptor_stop.set();
+        if let Some(acceptor) = lock(&self.acceptor).take() {
+            if let Some((listener, pending)) = threads::join_logged("acceptor", acceptor) {
+                *lock(&self.idle_listener) = Some(listener);
+                return pending;
+            }
+        }
+        Vec::new()
+    }
+
+    /// Pending connections for the next acceptor to start with ([`CellRuntime::start_acceptor`]).
+    pub fn carry_pending(&self, pending: Vec<Parked>) {
+        lock(&self.carried_pending).extend(pending);
+    }
+
+    /// The WebSocket listener's descriptor, for a live handover (the acceptor stopped).
+    pub fn idle_listener_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        lock(&self.idle_listener).as_ref().map(|l| l.as_raw_fd())
+    }
+
+    /// Starts the cell-wide threads from `state`: `pinger`, `lease-renewer`,
+    /// `switch-watcher`, `claim-loop` and `watchdog`.
+    pub fn restart_threads(&self, state: CellThreadsState) -> Result<(), RunError> {
+        let context = &self.context;
+        let setup = &self.thread_setup;
+        let pinger = {
+            let context = context.clone();
+            let next = state.next_ping;
+            spawn_returning("pinger", move |stop| {
+                relay::control::run_pinger(context, stop, next)
+            })?
+        };
+        let renewer = {
+            let context = context.clone();
+            let next = state.next_renewal;
+            spawn_returning("lease-renewer", move |stop| {
+                relay::control::run_lease_renewer(context, stop, next)
+            })?
+        };
+        let switch = {
+            let mode = context.mode.clone();
+            let path = setup.switch_file.clone();
+            let cell_id = context.cell_id.to_string();
+            let period = setup.switch_poll;
+            let applied = state.switch;
+            spawn_returning("switch-watcher", move |stop| {
+                run_switch_watcher(
+                    &path,
+                    &cell_id,
+                    period,
+                    |switch| mode.set_switch(switch),
+                    stop,
+                    applied,
+                )
+            })?
+        };
+        // The claim loop owns the admit-effective writer; the watchdog talks to it by channel.
+        let (writer, inbox) = WriterHandle::channel();
+        let (answers_tx, answers_rx) = mpsc::channel();
+        for answer in state.answers {
+            let _ = answers_tx.send(answer);
+        }
+        let claim_clock = self.clock.clone();
+        let claim_writer = state.writer;
+        let claim_loop = threads::spawn_watched("claim-loop", move || {
+            claim_loop::run(claim_writer, inbox, claim_clock, answers_tx)
+        })
+        .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
+        let on_trip = {
+            let context = context.clone();
+            let stop = self.reregister_stop.clone();
+            let running = self.reregistration.clone();
+            Box::new(move || start_reregistration(&context, stop.clone(), &running))
+        };
+        let watchdog = Watchdog {
+            cell_id: context.cell_id.to_string(),
+            timings: (*context.timings).clone(),
+            clock: self.clock.clone(),
+            mode: context.mode.clone(),
+            contact: self.contact.clone(),
+            bookings: context.bookings.clone(),
+            writer: writer.clone(),
+            answers: answers_rx,
+            store: self.store.clone(),
+            pool_max: setup.pool_max,
+            pool_reserve_max: setup.pool_reserve_max,
+            on_trip,
+            registry: self.registry.clone(),
+            window: state.window,
+        };
+        let watchdog = spawn_returning("watchdog", move |stop| watchdog.run(stop))?;
+        *lock(&self.cell_threads) = Some(CellThreads {
+            pinger,
+            renewer,
+            switch,
+            watchdog,
+            claim_loop,
+            writer,
+        });
+        Ok(())
+    }
+
+    /// Stops the cell-wide threads for a live handover and returns their state: the next ping
+    /// and renewal, the applied switch, the watchdog's window (and any claim answer it had not
+    /// taken), and the admit-effective writer once the claim loop has carried out what was
+    /// pending. Also stops a running re-registration. `None` if they were not running.
+    pub fn quiesce_threads(&self) -> Option<CellThreadsState> {
+        self.stop_reregistration();
+        let threads = lock(&self.cell_threads).take()?;
+        let now = crate::clock::instant();
+        let next_ping = threads.pinger.stop("pinger").unwrap_or(now);
+        let next_renewal = threads.renewer.stop("lease-renewer").unwrap_or(now);
+        let switch = threads
+            .switch
+            .stop("switch-watcher")
+            .unwrap_or_else(|| self.context.mode.switch());
+        // The watchdog first (the claim loop's other writer), then the loop ends once the last
+        // handle is gone; answers it gives after the watchdog stopped wait in the channel.
+        let watched = threads.watchdog.stop("watchdog");
+        drop(threads.writer);
+        let writer = threads.claim_loop.join("claim-loop")?;
+        let (window, answers) = match watched {
+            Some((window, answers)) => (Some(window), answers.try_iter().collect()),
+            None => (None, Vec::new()),
+        };
+        Some(CellThreadsState {
+            next_ping,
+            next_renewal,
+            switch,
+            window,
+            writer,
+            answers,
+        })
+    }
+
+    /// After a received handover committed: starts the acceptor, the cell-wide threads from
+    /// the carried state, the heartbeat, a re-registration a tripped cell still owes, and
+    /// serves.
+    pub fn resume_threads(&self) -> Result<(), RunError> {
+        if let Some(state) = lock(&self.resumed_state).take() {
+            self.restart_threads(state)?;
+        }
+        self.resume_reregistration();
+        // Serving before the acceptor starts: a connection that waited in the backlog through
+        // the handover must not be told the cell is starting.
+        self.serve()?;
+        self.start_acceptor()
+    }
+
+    /// A tripped cell whose memory- or booking-admitted controls were not all re-registered
+    /// when a handover stopped it goes on (the controls admitted by the database are skipped).
+    pub fn resume_reregistration(&self) {
+        let owed = self.context.mode.dead_man() == DeadManView::Tripped
+            && self
+                .context
+                .cell
+                .controls()
+                .iter()
+                .any(|control| control.admitted_via != crate::cell::state::AdmitPath::Database);
+        if owed {
+            self.reregister_stop.store(false, Ordering::Release);
+            start_reregistration(
+                &self.context,
+                self.reregister_stop.clone(),
+                &self.reregistration,
+            );
+        }
+    }
+
+    fn stop_reregistration(&self) {
+        self.reregister_stop.store(true, Ordering::Release);
+        if let Some(handle) = lock(&self.reregistration).take() {
+            threads::join_logged("reregister", handle);
+        }
+    }
+
+    /// What a live handover carries of the cell at `at` (with the stopped threads' `state`).
+    pub fn record(&self, at: &Snapshot, state: &CellThreadsState) -> CellRecord {
+        CellRecord {
+            model: self.context.cell.record(at),
+            seat_log: self.context.seats.record_state(),
+            bookings: self.context.bookings.record(at),
+            mode: self.context.mode.record(at),
+            contact_ago_ms: self.contact.last().map(|last| at.age_ms(last)),
+            window: state.window.as_ref().map(|window| window.record(at)),
+            claim_answers: state
+                .answers
+                .iter()
+                .map(|answer| {
+                    (
+                        answer.generation,
+                        at.age_ms(answer.silence_started_ms),
+                        answer.permit,
+                    )
+                })
+                .collect(),
+            writer: Some(state.writer.record(at)),
+            next_ping_in_ms: at.left_of(state.next_ping),
+            next_lease_renewal_in_ms: at.left_of(state.next_renewal),
+            last_heartbeat: self.last_beat.get().map(|(sent, ready)| {
+                (
+                    at.now.saturating_duration_since(sent).as_millis() as u64,
+                    ready,
+                )
+            }),
+            next_connection_id: self.context.peek_next_connection_id(),
+        }
     }
 
     /// Opens the WebSocket listener for business (after the startup handshake) and starts
@@ -323,8 +688,22 @@ impl CellRuntime {
         Ok(())
     }
 
+    /// Stops the heartbeat without waiting for a beat in flight (a committed handover: the
+    /// next process beats from now on).
+    pub fn stop_heartbeat(&self) {
+        let mut threads = lock(&self.threads);
+        if let Some(at) = threads.iter().position(|t| t.name == "heartbeat") {
+            let heartbeat = threads.remove(at);
+            drop(heartbeat.stop);
+        }
+    }
+
     pub fn ws_addr(&self) -> SocketAddr {
         self.ws_addr
+    }
+
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
     }
 
     /// The cell's HTTP endpoints; `None` for paths it does not own.
@@ -335,6 +714,10 @@ impl CellRuntime {
         if self.context.phase.get() == Phase::STARTING {
             return Some(Reply::error(503, "starting"));
         }
+        // A booking taken while a handover holds the cell would miss its snapshot.
+        if request.path == "/internal/reserve" && self.frozen.load(Ordering::Acquire) {
+            return Some(Reply::error(503, "handover").with_header("Retry-After", "1"));
+        }
         match &self.internal {
             Some(internal) => internal.handle(request),
             None => Some(Reply::error(404, "not_found")),
@@ -343,8 +726,10 @@ impl CellRuntime {
 
     /// The SIGTERM sequence (SPEC §9): `/ready` 503 draining, stop accepting, `drain` to every
     /// desktop, wait up to the grace (or until every control has left), close the rest 4503,
-    /// final admit-effective write, join the threads.
+    /// final admit-effective write, join the threads. A live handover in progress finishes
+    /// first (if it commits, this process exits before draining).
     pub fn drain(&self, shutdown: &Shutdown) {
+        let _handover = lock(&self.handover);
         log::info!(
             "orca_relay_drain_started cell_id={} controls={} grace_ms={}",
             self.context.cell_id,
@@ -354,11 +739,10 @@ impl CellRuntime {
         self.readiness.set_phase(readiness::Phase::Draining);
         self.context.phase.set(Phase::DRAINING);
         self.context.mode.set_draining();
-        self.acceptor_stop.store(true, Ordering::Release);
-        let _ = TcpStream::connect(self.ws_addr);
-        if let Some(acceptor) = lock(&self.acceptor).take() {
-            threads::join_logged("acceptor", acceptor);
-        }
+        // Pending connections (no credential yet) are closed: a splice leg waiting for its
+        // first frame with 4503.
+        let pending = self.stop_acceptor();
+        relay::pending::close_parked(&self.context, pending);
         let drain = protocol::to_json(&RelayToHost::Drain {
             grace_ms: self.drain_grace.as_millis() as u64,
             recovery: "resolve-director".into(),
@@ -383,19 +767,23 @@ impl CellRuntime {
         }
         // Spliced pairs are closed 4503 too, and the splice workers end.
         self.context.splice.stop();
-        self.reregister_stop.store(true, Ordering::Release);
-        let mut stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
-        // The watchdog is the claim loop's only other writer: stop it before the final row
-        // write, so that the drain's write is the row's last word. A watchdog tick after it
-        // would write a tripped cell's `db` back, and its slot would stay taken for
-        // `TRIP_SLOT_STALE_MS` after the process is gone.
-        if let Some(watchdog) = take_stoppable(&mut stoppables, "watchdog") {
-            watchdog.stop_and_join();
-        }
-        // Final row write: `reserve` when the switch says so, which frees any slot (a draining
-        // cell gets no new desktops: its feed says draining), else `db`.
-        let switch = self.context.mode.switch();
-        if let Some(writer) = lock(&self.writer).take() {
+        self.stop_reregistration();
+        let cell_threads = lock(&self.cell_threads).take();
+        if let Some(cell_threads) = cell_threads {
+            // Each joined within FINAL_WRITE_WAIT (the claim loop's final write above all), so
+            // the drain's exit never waits on a database that stopped answering.
+            cell_threads.pinger.stop_within("pinger");
+            cell_threads.renewer.stop_within("lease-renewer");
+            cell_threads.switch.stop_within("switch-watcher");
+            // The watchdog is the claim loop's only other writer: stop it before the final
+            // row write, so that the drain's write is the row's last word. A watchdog tick
+            // after it would write a tripped cell's `db` back, and its slot would stay taken
+            // for `TRIP_SLOT_STALE_MS` after the process is gone.
+            cell_threads.watchdog.stop_within("watchdog");
+            // Final row write: `reserve` when the switch says so, which frees any slot (a
+            // draining cell gets no new desktops: its feed says draining), else `db`.
+            let switch = self.context.mode.switch();
+            let writer = cell_threads.writer;
             writer.tick(
                 switch.says_reserve(),
                 if switch.says_reserve() {
@@ -407,11 +795,12 @@ impl CellRuntime {
             );
             writer.release_slot();
             // This was the last handle: the claim loop carries out what is pending, then ends.
+            drop(writer);
+            cell_threads
+                .claim_loop
+                .join_within("claim-loop", super::FINAL_WRITE_WAIT);
         }
-        if let Some(claim_loop) = take_stoppable(&mut stoppables, "claim-loop") {
-            // Its stop sender is a stand-in: it ends once the last writer handle is gone.
-            claim_loop.stop_and_join();
-        }
+        let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
         for stoppable in stoppables.into_iter().rev() {
             stoppable.stop_and_join();
         }
@@ -516,17 +905,17 @@ pub fn memory_bounds(config: &Config) -> crate::capacity::MemoryBounds {
     }
 }
 
-/// Removes the named thread from `stoppables`, if it is there.
-fn take_stoppable(stoppables: &mut Vec<Stoppable>, name: &str) -> Option<Stoppable> {
-    let at = stoppables.iter().position(|s| s.name == name)?;
-    Some(stoppables.remove(at))
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn start_reregistration(context: &RelayContext, stop: Arc<AtomicBool>) {
+/// Starts the `reregister` thread (after a trip, or to finish one a handover interrupted); its
+/// handle is kept in `running` so that a handover or the drain can stop and join it.
+fn start_reregistration(
+    context: &RelayContext,
+    stop: Arc<AtomicBool>,
+    running: &Arc<Mutex<Option<JoinHandle<()>>>>,
+) {
     let refuse_context = context.clone();
     let job = Arc::new(Reregistration::<Socket> {
         cell: context.cell.clone(),
@@ -540,10 +929,16 @@ fn start_reregistration(context: &RelayContext, stop: Arc<AtomicBool>) {
         }),
         stop,
     });
-    if let Err(e) = threads::spawn("reregister", move || {
+    match threads::spawn("reregister", move || {
         job.run();
     }) {
-        log::error!("orca_relay_reregister_spawn_failed error={e}");
+        Ok(handle) => {
+            let previous = lock(running).replace(handle);
+            if let Some(previous) = previous.filter(|h| h.is_finished()) {
+                threads::join_logged("reregister", previous);
+            }
+        }
+        Err(e) => log::error!("orca_relay_reregister_spawn_failed error={e}"),
     }
 }
 
@@ -737,13 +1132,16 @@ const HANDSHAKE_ATTEMPTS_HELP: &str =
     "Attempts the startup handshake has started; 0 in the combined role, which has none.";
 
 /// The `cell` role: bind both listeners, register with every director under the startup
-/// budget (SPEC §8), then serve until SIGTERM.
-pub fn run(config: Config) -> Result<(), RunError> {
+/// budget (SPEC §8), then serve until SIGTERM. With `take_over` this is the next process of a
+/// live handover: the listeners, the connections and the cell's state come from the running
+/// process (already registered under the same incarnation: no handshake), and the cell serves
+/// once the handover has committed.
+pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Result<(), RunError> {
+    use super::handover::{Giver, GiverParts, Taker};
     use crate::cell::handshake::{register_with_directors_observed, Budget, RegisterRequest};
     use crate::http::{HttpServer, HttpSettings};
 
     let clock = crate::clock::system();
-    let incarnation = crate::cell::incarnation::take(&config.data_dir, clock.now_ms());
     let registry = Registry::new();
     let shutdown = Shutdown::new();
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
@@ -752,18 +1150,42 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let verifier = super::verifier(&config, &clock)?;
     let store = super::open_store(&config)?;
     let (migrated, migrator) = super::migrate_in_background(&store, || Ok(()))?;
+    let mut taker = match &take_over {
+        Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
+        None => None,
+    };
+    let incarnation = taker
+        .as_ref()
+        .map_or_else(
+            // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
+            // cannot make this run look older than the last one (cell::incarnation).
+            || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
+            |taker| taker.document.incarnation,
+        );
 
     // 1. Both listeners first: /health answers while the handshake runs.
-    let (ws_listener, ws_addr) = super::bind_with_addr("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
-    let (http_listener, http_addr) =
-        super::bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
+    let listeners = super::listeners(&config, taker.as_mut(), true)?;
+    let (ws_listener, ws_addr) = listeners
+        .ws
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
+    let (http_listener, http_addr) = listeners.http;
     let cell_url = super::url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
     let internal_url =
         super::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
-    let prober = super::start_prober(&config, &registry, &verifier, &store, &migrated, &clock)?;
+    let prober = super::start_prober(
+        &config,
+        &registry,
+        &verifier,
+        &store,
+        &migrated,
+        &clock,
+        taker
+            .as_ref()
+            .map(|taker| (&taker.document.readiness, &taker.carry)),
+    )?;
     let readiness = prober.readiness.clone();
-    let cell = Arc::new(CellRuntime::start(CellSetup {
+    let built = CellRuntime::start(CellSetup {
         config: &config,
         clock: clock.clone(),
         registry: registry.clone(),
@@ -778,7 +1200,15 @@ pub fn run(config: Config) -> Result<(), RunError> {
             urls: config.director_urls.clone(),
             service_token: service_tokens(&config),
         },
-    })?);
+        resume: taker
+            .as_ref()
+            .map(|taker| (taker.document.cell.clone(), taker.carry)),
+    });
+    let cell = Arc::new(match (built, &taker) {
+        (Ok(cell), _) => cell,
+        (Err(e), Some(taker)) => return Err(taker.fail(&e.0)),
+        (Err(e), None) => return Err(e),
+    });
     let handler = {
         let process = super::ProcessRoutes {
             registry: registry.clone(),
@@ -794,72 +1224,118 @@ pub fn run(config: Config) -> Result<(), RunError> {
                 .unwrap_or_else(|| Reply::error(404, "not_found"))
         })
     };
-    let http = HttpServer::start(
-        http_listener,
-        HttpSettings::from_config(&config),
-        handler,
-        &registry,
-    )
-    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
-    log::info!(
-        "orca_relay_listening role=cell cell_id={} ws={ws_addr} http={http_addr}",
-        config.cell_id
-    );
+    let giver_http_listener = http_listener
+        .try_clone()
+        .map_err(|e| RunError(format!("cannot share the HTTP listener: {e}")))?;
+    let start_http = |listener| {
+        HttpServer::start(
+            listener,
+            HttpSettings::from_config(&config),
+            handler.clone(),
+            &registry,
+        )
+        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
+    };
 
-    // 2. Register with every director under one budget; only deadline expiry is retried.
-    let budget = Budget::from_config(&config);
-    let request = RegisterRequest::new(&config.cell_id, &cell_url, &config.region, incarnation)
-        .with_internal_url(&internal_url);
-    registry
-        .counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[])
-        .inc();
-    // Registered before the first attempt and updated as each starts, so a scrape during a
-    // slow handshake shows how far it got.
-    let attempts = registry.gauge(
-        "orca_relay_handshake_attempts",
-        HANDSHAKE_ATTEMPTS_HELP,
-        &[],
-    );
-    let report = register_with_directors_observed(
-        &config.director_urls,
-        &request,
-        &service_tokens(&config),
-        &budget,
-        clock.as_ref(),
-        &crate::clock::sleep,
-        &|attempt| attempts.set(i64::from(attempt)),
-    );
-    let report = match report {
-        Ok(report) => report,
-        Err(e) => {
-            log::error!(
-                "orca_relay_handshake_failed cell_id={} error={e}",
+    let http = match taker.as_mut() {
+        Some(taker) => {
+            // Every connection behind the gate, then the commit; only then any I/O.
+            if let Err(e) = taker.import_connections(&cell) {
+                return Err(taker.fail(&e.0));
+            }
+            taker.receive_pairs(&cell, &registry, &clock)?;
+            let (pairs, descriptors) = taker.commit(&cell)?;
+            cell.resume_threads()?;
+            let http = start_http(http_listener)?;
+            log::info!(
+                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
+                taker.header.from_pid,
+                taker.header.from_version,
+                taker.received_at.elapsed().as_millis(),
+                taker.phases()
+            );
+            http
+        }
+        None => {
+            let http = start_http(http_listener)?;
+            log::info!(
+                "orca_relay_listening role=cell cell_id={} ws={ws_addr} http={http_addr}",
                 config.cell_id
             );
-            return Err(RunError(format!("startup handshake failed: {e}")));
+            // 2. Register with every director under one budget; only deadline expiry is
+            // retried.
+            let budget = Budget::from_config(&config);
+            let request =
+                RegisterRequest::new(&config.cell_id, &cell_url, &config.region, incarnation)
+                    .with_internal_url(&internal_url);
+            registry
+                .counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[])
+                .inc();
+            // Registered before the first attempt and updated as each starts, so a scrape
+            // during a slow handshake shows how far it got.
+            let attempts = registry.gauge(
+                "orca_relay_handshake_attempts",
+                HANDSHAKE_ATTEMPTS_HELP,
+                &[],
+            );
+            let report = register_with_directors_observed(
+                &config.director_urls,
+                &request,
+                &service_tokens(&config),
+                &budget,
+                clock.as_ref(),
+                &crate::clock::sleep,
+                &|attempt| attempts.set(i64::from(attempt)),
+            );
+            let report = match report {
+                Ok(report) => report,
+                Err(e) => {
+                    log::error!(
+                        "orca_relay_handshake_failed cell_id={} error={e}",
+                        config.cell_id
+                    );
+                    return Err(RunError(format!("startup handshake failed: {e}")));
+                }
+            };
+            log::info!(
+                "orca_relay_handshake_succeeded cell_id={} memberships={} attempts={} elapsed_ms={}",
+                config.cell_id,
+                config.director_urls.len(),
+                report.attempts,
+                report.elapsed_ms
+            );
+            // 3. Serve.
+            cell.serve()?;
+            http
         }
     };
-    log::info!(
-        "orca_relay_handshake_succeeded cell_id={} memberships={} attempts={} elapsed_ms={}",
-        config.cell_id,
-        config.director_urls.len(),
-        report.attempts,
-        report.elapsed_ms
-    );
-
-    // 3. Serve.
-    cell.serve()?;
     crate::lifecycle::notify_ready();
     super::start_systemd_watchdog(http_addr)?;
+    let http = Arc::new(Mutex::new(Some(http)));
+    let giver = Giver::start(GiverParts {
+        role: "cell",
+        cell: cell.clone(),
+        http: http.clone(),
+        http_listener: giver_http_listener,
+        registry: registry.clone(),
+        clock: clock.clone(),
+        data_dir: config.data_dir.clone(),
+    });
     log::info!(
-        "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation}",
-        config.cell_id
+        "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation} version={}",
+        config.cell_id,
+        crate::handover::version()
     );
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }
     cell.drain(&shutdown);
-    http.stop();
+    if let Some(giver) = giver {
+        giver.stop();
+    }
+    if let Some(http) = lock(&http).take() {
+        http.stop();
+    }
     super::finish_process("cell", prober, migrator, signals, &shutdown);
     Ok(())
 }

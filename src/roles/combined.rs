@@ -55,10 +55,7 @@ use crate::store::Store;
 use crate::threads;
 
 use super::cell::{CellRuntime, CellSetup};
-use super::{
-    bind_with_addr, migrate_in_background, open_store, start_prober, url_for_bound, verifier,
-    RunError,
-};
+use super::{migrate_in_background, open_store, start_prober, url_for_bound, verifier, RunError};
 
 /// How long start-up waits for the in-process director to be able to place desktops on the
 /// cell (its ready heartbeat in the store, in reserve mode a feed answer), so that `/v1/assign`
@@ -66,10 +63,12 @@ use super::{
 /// `/ready` keeps answering 503 `starting` until it is placeable (`wait_until_placeable`).
 const PLACEABLE_WAIT: Duration = Duration::from_secs(5);
 
-pub fn run(mut config: Config) -> Result<(), RunError> {
+pub fn run(
+    mut config: Config,
+    take_over: Option<super::handover::TakeOver>,
+) -> Result<(), RunError> {
+    use super::handover::{Giver, GiverParts, Taker};
     let clock = clock::system();
-    let incarnation = crate::cell::incarnation::take(&config.data_dir, clock.now_ms());
-    let director_id = format!("combined-{incarnation}");
     let registry = Registry::new();
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
@@ -84,9 +83,30 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     let service_token = super::service_tokens(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
+    let mut taker = match &take_over {
+        Some(take_over) => Some(Taker::receive(
+            take_over,
+            "combined",
+            &config.cell_id,
+            &clock,
+        )?),
+        None => None,
+    };
+    let incarnation = taker
+        .as_ref()
+        .map_or_else(
+            // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
+            // cannot make this run look older than the last one (cell::incarnation).
+            || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
+            |taker| taker.document.incarnation,
+        );
+    let director_id = format!("combined-{incarnation}");
 
-    let (ws_listener, ws_addr) = bind_with_addr("ORCA_RELAY_WS_ADDR", config.ws_addr)?;
-    let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
+    let listeners = super::listeners(&config, taker.as_mut(), true)?;
+    let (ws_listener, ws_addr) = listeners
+        .ws
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
+    let (http_listener, http_addr) = listeners.http;
     let cell_url = url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
     // The director is in this process: it reaches the cell's internal API over loopback.
     let internal_url = loopback_url(http_addr);
@@ -106,10 +126,20 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         })?
     };
 
-    let prober = start_prober(&config, &registry, &verifier, &store, &migrated, &clock)?;
+    let prober = start_prober(
+        &config,
+        &registry,
+        &verifier,
+        &store,
+        &migrated,
+        &clock,
+        taker
+            .as_ref()
+            .map(|taker| (&taker.document.readiness, &taker.carry)),
+    )?;
     let readiness = prober.readiness.clone();
 
-    let cell = Arc::new(CellRuntime::start(CellSetup {
+    let built = CellRuntime::start(CellSetup {
         config: &config,
         clock: clock.clone(),
         registry: registry.clone(),
@@ -123,7 +153,15 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
         heartbeat: Sink::Store {
             store: store.clone(),
         },
-    })?);
+        resume: taker
+            .as_ref()
+            .map(|taker| (taker.document.cell.clone(), taker.carry)),
+    });
+    let cell = Arc::new(match (built, &taker) {
+        (Ok(cell), _) => cell,
+        (Err(e), Some(taker)) => return Err(taker.fail(&e.0)),
+        (Err(e), None) => return Err(e),
+    });
 
     let board = FeedBoard::new();
     let membership = Judge::starting_now(membership::Rules::from_config(&config), &clock);
@@ -159,6 +197,10 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     // (its ready heartbeat and, in reserve mode, a feed answer are recorded): see
     // `wait_until_placeable`.
     let placeable = super::ServeGate::default();
+    if taker.is_some() {
+        // The cell was placeable in the running process: `/ready` stays 200 throughout.
+        placeable.open();
+    }
     let handler = {
         let process = super::ProcessRoutes {
             registry: registry.clone(),
@@ -186,13 +228,39 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
             }
         })
     };
-    let http = HttpServer::start(
-        http_listener,
-        HttpSettings::from_config(&config),
-        handler,
-        &registry,
-    )
-    .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
+    let giver_http_listener = http_listener
+        .try_clone()
+        .map_err(|e| RunError(format!("cannot share the HTTP listener: {e}")))?;
+    let start_http = |listener| {
+        HttpServer::start(
+            listener,
+            HttpSettings::from_config(&config),
+            handler.clone(),
+            &registry,
+        )
+        .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
+    };
+    let http = match taker.as_mut() {
+        Some(taker) => {
+            // Every connection behind the gate, then the commit; only then any I/O.
+            if let Err(e) = taker.import_connections(&cell) {
+                return Err(taker.fail(&e.0));
+            }
+            taker.receive_pairs(&cell, &registry, &clock)?;
+            let (pairs, descriptors) = taker.commit(&cell)?;
+            cell.resume_threads()?;
+            let http = start_http(http_listener)?;
+            log::info!(
+                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
+                taker.header.from_pid,
+                taker.header.from_version,
+                taker.received_at.elapsed().as_millis(),
+                taker.phases()
+            );
+            http
+        }
+        None => start_http(http_listener)?,
+    };
     log::info!(
         "orca_relay_listening role=combined cell_id={} ws={ws_addr} http={http_addr}",
         config.cell_id
@@ -212,7 +280,9 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     // Registered by the migration step already, unless the database was down at boot: then
     // the self-record thread registers the cell as soon as it can.
     let registered = migrated.load(std::sync::atomic::Ordering::Acquire);
-    cell.serve()?;
+    if taker.is_none() {
+        cell.serve()?;
+    }
     let (record_stop, record_stop_rx) = mpsc::channel::<()>();
     let record_thread = {
         let period = Duration::from_millis(config.timings.switch_poll_ms);
@@ -264,15 +334,29 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     }
 
     lifecycle::notify_ready();
+    let http = Arc::new(std::sync::Mutex::new(Some(http)));
+    let giver = Giver::start(GiverParts {
+        role: "combined",
+        cell: cell.clone(),
+        http: http.clone(),
+        http_listener: giver_http_listener,
+        registry: registry.clone(),
+        clock: clock.clone(),
+        data_dir: config.data_dir.clone(),
+    });
     log::info!(
-        "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation}",
-        config.cell_id
+        "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation} version={}",
+        config.cell_id,
+        crate::handover::version()
     );
 
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }
     cell.drain(&shutdown);
+    if let Some(giver) = giver {
+        giver.stop();
+    }
     drop(placement_stop);
     threads::join_logged("self-placement", self_placement);
     poller.stop();
@@ -280,7 +364,10 @@ pub fn run(mut config: Config) -> Result<(), RunError> {
     threads::join_logged("fleet-sweeper", sweeper);
     drop(record_stop);
     threads::join_logged("self-record", record_thread);
-    http.stop();
+    let http = http.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(http) = http {
+        http.stop();
+    }
     super::finish_process("combined", prober, migrator, signals, &shutdown);
     Ok(())
 }

@@ -4,6 +4,7 @@
 pub mod cell;
 pub mod combined;
 pub mod director;
+pub mod handover;
 
 use std::fmt;
 use std::net::TcpListener;
@@ -39,10 +40,94 @@ pub fn run(config: Config) -> Result<(), RunError> {
         );
     }
     match config.role {
-        Role::Combined => combined::run(config),
-        Role::Cell => cell::run(config),
+        Role::Combined => combined::run(config, None),
+        Role::Cell => cell::run(config, None),
         Role::Director => director::run(config),
     }
+}
+
+/// The next process of a live handover (`orca-relay run --take-over …`): the configured role,
+/// built from the running process's state. Any failure before the commit is reported to the
+/// running process, which keeps everything (this process exits 1).
+pub fn take_over(config: Config, take_over: handover::TakeOver) -> Result<(), RunError> {
+    let result = match config.role {
+        Role::Combined => combined::run(config, Some(take_over.clone())),
+        Role::Cell => cell::run(config, Some(take_over.clone())),
+        Role::Director => Err(RunError(
+            "a director holds no connections to hand over: restart it instead".into(),
+        )),
+    };
+    if let (Err(e), false) = (&result, handover::committed()) {
+        // The running process is still waiting for this one to be ready, or for its
+        // confirmation (a closed socket tells it too).
+        handover::report_failed(&take_over.socket, &take_over.token, &e.0);
+    }
+    result
+}
+
+/// The process's two listeners: handed over by the running process (a live handover), passed
+/// by systemd (`LISTEN_FDS` named `ws` and `http`, the optional socket units), or bound here.
+/// Returns the WebSocket listener and address, then the HTTP ones (`ws` is `None` for a
+/// director).
+pub fn listeners(
+    config: &Config,
+    taker: Option<&mut handover::Taker>,
+    with_ws: bool,
+) -> Result<ListenerPair, RunError> {
+    let (mut ws, mut http) = (None, None);
+    if let Some(taker) = taker {
+        let (received_ws, received_http) = taker.listeners()?;
+        ws = Some(received_ws);
+        http = Some(received_http);
+    } else {
+        let passed = crate::lifecycle::listeners_from_systemd().map_err(RunError)?;
+        for (name, listener) in passed {
+            match name.as_str() {
+                "ws" => ws = Some(listener),
+                "http" => http = Some(listener),
+                other => log::warn!("orca_relay_listen_fd_ignored name={other}"),
+            }
+        }
+        if ws.is_some() || http.is_some() {
+            log::info!(
+                "orca_relay_listeners_from_systemd ws={} http={}",
+                ws.is_some(),
+                http.is_some()
+            );
+        }
+    }
+    let ws = match ws {
+        Some(listener) => Some(listener),
+        None if with_ws => Some(bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?),
+        None => None,
+    };
+    let http = match http {
+        Some(listener) => listener,
+        None => bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?,
+    };
+    let address = |variable: &str, listener: &TcpListener| {
+        listener
+            .local_addr()
+            .map_err(|e| RunError(format!("cannot read the {variable} listener address: {e}")))
+    };
+    let ws = match ws {
+        Some(listener) => {
+            let addr = address("ORCA_RELAY_WS_ADDR", &listener)?;
+            Some((listener, addr))
+        }
+        None => None,
+    };
+    let http_addr = address("ORCA_RELAY_HTTP_ADDR", &http)?;
+    Ok(ListenerPair {
+        ws,
+        http: (http, http_addr),
+    })
+}
+
+/// The listeners of a process and their addresses.
+pub struct ListenerPair {
+    pub ws: Option<(TcpListener, std::net::SocketAddr)>,
+    pub http: (TcpListener, std::net::SocketAddr),
 }
 
 /// Opens the store and applies migrations.
@@ -170,8 +255,13 @@ pub fn start_prober(
     store: &Store,
     migrated: &Migrated,
     clock: &SharedClock,
+    resume: Option<(&crate::readiness::ReadinessRecord, &crate::carry::Carry)>,
 ) -> Result<Prober, RunError> {
     let readiness = crate::readiness::Readiness::from_config(config);
+    // A live handover's last-known-good state, before the first probe of this process.
+    if let Some((record, carry)) = resume {
+        readiness.restore_state(record, carry);
+    }
     readiness.register_metrics(registry, clock.clone());
     register_process_metrics(registry, &readiness, clock);
     let period_ms = config.timings.readiness_probe_ms;
@@ -399,6 +489,12 @@ pub fn register_process_metrics(
         "orca_relay_process_start_time_seconds",
         "Start time of the process since the Unix epoch, in seconds.",
         move || vec![(vec![], started_s)],
+    );
+    let version = crate::handover::version();
+    registry.sampled_gauge(
+        "orca_relay_build_info",
+        "1, labelled with this build's version (a live handover shows the new one at once).",
+        move || vec![(vec![("version".to_string(), version.clone())], 1.0)],
     );
     let readiness = readiness.clone();
     let clock = clock.clone();

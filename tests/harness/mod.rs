@@ -183,6 +183,14 @@ pub struct Relay {
     pub ws: String,
     pub http: String,
     pub data_dir: Arc<TempDir>,
+    /// The environment the process was started with (what an operator's command for it, such
+    /// as `orca-relay handover`, runs with).
+    pub env: Vec<(String, String)>,
+}
+
+/// A monotonic instant (the tests read time through the library's clock module too).
+pub fn now_instant() -> std::time::Instant {
+    orca_relay::clock::instant()
 }
 
 /// Waits for `condition` with a deadline, polling every 20 ms.
@@ -299,6 +307,12 @@ impl Relay {
         for (name, value) in env {
             command.env(name, value);
         }
+        let env_used: Vec<(String, String)> = command
+            .get_envs()
+            .filter_map(|(name, value)| {
+                Some((name.to_str()?.to_string(), value?.to_str()?.to_string()))
+            })
+            .collect();
         command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -312,6 +326,7 @@ impl Relay {
             ws: String::new(),
             http: String::new(),
             data_dir,
+            env: env_used,
         }
     }
 

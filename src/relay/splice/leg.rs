@@ -145,6 +145,29 @@ impl ControlFrame {
     fn rest(&self) -> &[u8] {
         &self.bytes[self.written as usize..self.len as usize]
     }
+
+    /// The whole frame and how many of its bytes the socket has taken (a handover carries
+    /// them).
+    pub fn parts(&self) -> (&[u8], u8) {
+        (&self.bytes[..self.len as usize], self.written)
+    }
+
+    /// A frame a handover carried; `None` if it is not one the relay could have made.
+    pub fn from_parts(frame: &[u8], written: u8) -> Option<ControlFrame> {
+        if frame.len() < 2
+            || frame.len() > CONTROL_FRAME_BYTES
+            || usize::from(written) > frame.len()
+        {
+            return None;
+        }
+        let mut bytes = [0u8; CONTROL_FRAME_BYTES];
+        bytes[..frame.len()].copy_from_slice(frame);
+        Some(ControlFrame {
+            bytes,
+            len: frame.len() as u8,
+            written,
+        })
+    }
 }
 
 /// The control frames a leg owes its socket: at most one being written (once its first byte is
@@ -177,6 +200,15 @@ impl Controls {
     pub fn drop_next(&mut self) {
         self.next = None;
     }
+
+    /// The frame being written and the one waiting (a handover carries them).
+    pub fn parts(&self) -> (Option<&ControlFrame>, Option<&ControlFrame>) {
+        (self.in_flight.as_ref(), self.next.as_ref())
+    }
+
+    pub fn from_parts(in_flight: Option<ControlFrame>, next: Option<ControlFrame>) -> Controls {
+        Controls { in_flight, next }
+    }
 }
 
 /// Where a leg's socket is in the stream of server frames the relay writes to it: how many
@@ -196,6 +228,34 @@ pub struct FrameCursor {
 impl FrameCursor {
     pub fn at_boundary(&self) -> bool {
         self.left == 0 && self.have == 0
+    }
+
+    /// Payload bytes left of the frame being written, and the header bytes seen of the next
+    /// (a handover carries them).
+    pub fn parts(&self) -> (u64, &[u8]) {
+        (self.left, &self.head[..self.have as usize])
+    }
+
+    /// A cursor a handover carried (a header of more than 10 bytes is cut: never made).
+    pub fn from_parts(left: u64, head: &[u8]) -> FrameCursor {
+        let mut cursor = FrameCursor {
+            left,
+            ..FrameCursor::default()
+        };
+        let have = head.len().min(cursor.head.len());
+        cursor.head[..have].copy_from_slice(&head[..have]);
+        cursor.have = have as u8;
+        cursor
+    }
+
+    /// A cursor that knows only that the next `bytes` to be written end at a frame boundary
+    /// (output carried from a process that did not track frames: its queue held whole frames,
+    /// the first perhaps partly written).
+    pub fn opaque(bytes: u64) -> FrameCursor {
+        FrameCursor {
+            left: bytes,
+            ..FrameCursor::default()
+        }
     }
 
     /// At most how many bytes may be written before the next boundary (at least 1 when not at
@@ -265,6 +325,16 @@ impl Output {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The bytes still to write (a handover carries them).
+    pub fn pending(&self) -> &[u8] {
+        &self.bytes[self.start..]
+    }
+
+    /// Output that a handover carried.
+    pub fn carried(bytes: Vec<u8>) -> Output {
+        Output { bytes, start: 0 }
     }
 
     pub fn push(&mut self, bytes: &[u8]) {

@@ -17,6 +17,7 @@
 //! loop, `EINTR` is retried); reads the clock other than through the injected clock; lets one
 //! leg's failure (an error, a protocol violation, a panic) end the worker or touch another pair.
 
+pub mod carry;
 pub mod leg;
 pub mod timers;
 pub mod worker;
@@ -73,10 +74,16 @@ pub struct Pair {
 /// What a worker is told.
 pub enum Command {
     Splice(Box<Pair>),
+    /// A pair a live handover brought, resumed where it was.
+    Resume(Box<carry::ResumedPair>),
     /// The control of this desktop has left: close its pairs 4408.
     CloseHost(Arc<str>),
     /// Close every leg 4503 (drain) and end once they are gone.
     Stop,
+    /// A live handover: export every leg (as of the snapshot) and stop moving bytes until
+    /// [`Command::Unpark`] (the handover failed; this process goes on).
+    Park(carry::ParkRequest),
+    Unpark,
 }
 
 /// Timings and sizes the workers need. Production takes the constants of this module; the
@@ -195,7 +202,31 @@ impl SplicePlane {
                 worker.legs.fetch_sub(2, Ordering::Relaxed);
                 match command {
                     Command::Splice(pair) => Err(pair),
-                    Command::CloseHost(_) | Command::Stop => unreachable!("only a pair was sent"),
+                    _ => unreachable!("only a pair was sent"),
+                }
+            }
+        }
+    }
+
+    /// Gives a pair a live handover brought to the least-loaded worker; `Err` gives it back
+    /// when no worker can take it.
+    pub fn resume(&self, pair: carry::ResumedPair) -> Result<(), Box<carry::ResumedPair>> {
+        let index = timers::least_loaded(&self.legs_per_worker());
+        let Some(worker) = self.workers.get(index) else {
+            return Err(Box::new(pair));
+        };
+        let legs = pair.legs();
+        worker.legs.fetch_add(legs, Ordering::Relaxed);
+        match worker.inbox.send(Command::Resume(Box::new(pair))) {
+            Ok(()) => {
+                let _ = worker.waker.wake();
+                Ok(())
+            }
+            Err(mpsc::SendError(command)) => {
+                worker.legs.fetch_sub(legs, Ordering::Relaxed);
+                match command {
+                    Command::Resume(pair) => Err(pair),
+                    _ => unreachable!("only a pair was sent"),
                 }
             }
         }
@@ -209,6 +240,46 @@ impl SplicePlane {
             if worker.inbox.send(Command::CloseHost(host.clone())).is_ok() {
                 let _ = worker.waker.wake();
             }
+        }
+    }
+
+    /// Parks every worker for a live handover: each stops moving bytes and exports its legs as
+    /// of `at`. Returns the pairs of all of them (`Err` if a worker did not answer by
+    /// `deadline`: the caller unparks and fails the handover).
+    pub fn park(
+        &self,
+        at: crate::carry::Snapshot,
+        deadline: std::time::Instant,
+    ) -> Result<Vec<carry::ParkedPair>, &'static str> {
+        let mut answers = Vec::new();
+        for worker in &self.workers {
+            let (reply, answer) = mpsc::channel();
+            if worker
+                .inbox
+                .send(Command::Park(carry::ParkRequest { at, reply }))
+                .is_err()
+            {
+                return Err("splice worker gone");
+            }
+            let _ = worker.waker.wake();
+            answers.push(answer);
+        }
+        let mut pairs = Vec::new();
+        for answer in answers {
+            let left = deadline.saturating_duration_since(crate::clock::instant());
+            match answer.recv_timeout(left) {
+                Ok(parked) => pairs.extend(parked),
+                Err(_) => return Err("splice worker did not park in time"),
+            }
+        }
+        Ok(pairs)
+    }
+
+    /// Every worker moves bytes again (a failed handover).
+    pub fn unpark(&self) {
+        for worker in &self.workers {
+            let _ = worker.inbox.send(Command::Unpark);
+            let _ = worker.waker.wake();
         }
     }
 

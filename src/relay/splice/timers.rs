@@ -65,6 +65,16 @@ impl Timers {
         }
     }
 
+    /// When `key`'s live timer of `kind` is due, if one is scheduled (a linear scan: only a
+    /// handover's export asks).
+    pub fn due_of(&self, key: LegKey, kind: TimerKind) -> Option<u64> {
+        self.heap
+            .iter()
+            .filter(|Reverse((_, k, t))| *k == key && *t == kind)
+            .map(|Reverse((due, _, _))| *due)
+            .min()
+    }
+
     pub fn len(&self) -> usize {
         self.heap.len()
     }

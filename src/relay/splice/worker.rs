@@ -48,6 +48,10 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
+use super::carry::{
+    ControlFrameRecord, CursorRecord, LegRecord, PairRecord, ParkRequest, ParkedPair, ResumedLeg,
+    ResumedPair, StreamInRecord,
+};
 use super::leg::{
     close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
     Flushed, FrameCursor, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
@@ -275,15 +279,290 @@ impl Worker {
     fn take_commands(&mut self) {
         loop {
             match self.inbox.try_recv() {
-                Ok(Command::Splice(pair)) => self.add_pair(*pair),
-                Ok(Command::Stop) => self.stop(),
-                Ok(Command::CloseHost(host)) => self.close_host(&host),
+                Ok(command) => self.obey(command),
                 Err(TryRecvError::Empty) => return,
                 Err(TryRecvError::Disconnected) => {
                     self.inbox_closed = true;
                     return;
                 }
             }
+        }
+    }
+
+    fn obey(&mut self, command: Command) {
+        match command {
+            Command::Splice(pair) => self.add_pair(*pair),
+            Command::Resume(pair) => self.add_resumed(*pair),
+            Command::CloseHost(host) => self.close_host(&host),
+            Command::Stop => self.stop(),
+            Command::Park(request) => self.park(request),
+            Command::Unpark => {}
+        }
+    }
+
+    /// A live handover: export every leg and move nothing until unparked (the handover
+    /// failed) or the process exits (it succeeded). Commands that arrive meanwhile wait.
+    fn park(&mut self, request: ParkRequest) {
+        self.publish_counts();
+        let exported = self.export(&request.at);
+        if request.reply.send(exported).is_err() {
+            return;
+        }
+        let mut waiting = Vec::new();
+        loop {
+            match self.inbox.recv() {
+                Ok(Command::Unpark) => break,
+                Ok(Command::Park(again)) => {
+                    let _ = again.reply.send(self.export(&again.at));
+                }
+                Ok(other) => waiting.push(other),
+                Err(_) => {
+                    self.inbox_closed = true;
+                    break;
+                }
+            }
+        }
+        // The clock moved while parked.
+        self.now_ms = self.clock.now_ms();
+        for command in waiting {
+            self.obey(command);
+        }
+    }
+
+    /// Every pair (or lone closing leg) this worker holds, as of `at`. Called between two
+    /// turns: no leg is being read, nothing is staged.
+    fn export(&self, at: &crate::carry::Snapshot) -> Vec<ParkedPair> {
+        let mut pairs = Vec::new();
+        for leg in self.slots.iter().flatten() {
+            // Each pair once: from its phone leg, or from a leg whose peer has ended.
+            let peer = leg.peer.and_then(|peer| {
+                self.slots
+                    .get(peer.slot as usize)?
+                    .as_ref()
+                    .filter(|p| p.key == peer)
+            });
+            if leg.kind != "phone" && peer.is_some() {
+                continue;
+            }
+            let (phone, host) = if leg.kind == "phone" {
+                (Some(leg), peer)
+            } else {
+                (peer, Some(leg))
+            };
+            let record_of = |leg: &Leg| self.leg_record(leg, at);
+            pairs.push(ParkedPair {
+                record: PairRecord {
+                    relay_host_id: Some(leg.host.to_string()).filter(|host| !host.is_empty()),
+                    phone: phone.map(record_of),
+                    host: host.map(record_of),
+                },
+                phone: phone.map(|leg| leg.socket.clone()),
+                host: host.map(|leg| leg.socket.clone()),
+            });
+        }
+        pairs
+    }
+
+    fn leg_record(&self, leg: &Leg, at: &crate::carry::Snapshot) -> LegRecord {
+        let linger_left_ms = if leg.linger_armed {
+            self.timers
+                .due_of(leg.key, TimerKind::Linger)
+                .map(|due| at.left_ms(due))
+        } else {
+            None
+        };
+        // What was read and not acted on: unparsed whole frames from where parsing stopped,
+        // or the start of a frame not yet whole.
+        let filled = leg.filled.min(leg.partial.len());
+        let from = if leg.unparsed {
+            leg.parse_from.min(filled)
+        } else {
+            0
+        };
+        let control = |frame: Option<&ControlFrame>| {
+            frame.map(|frame| {
+                let (bytes, written) = frame.parts();
+                ControlFrameRecord {
+                    frame: bytes.to_vec(),
+                    written,
+                }
+            })
+        };
+        let (in_flight, next) = leg
+            .controls
+            .as_deref()
+            .map_or((None, None), |controls| controls.parts());
+        let (left, head) = leg.cursor.parts();
+        LegRecord {
+            id: leg.socket.id,
+            parser: leg.parser.state(),
+            partial: leg.partial[from..filled].to_vec(),
+            needed: if leg.unparsed { 0 } else { leg.needed },
+            output: leg.output.pending().to_vec(),
+            closing: match leg.state {
+                LegState::Open => None,
+                LegState::Closing { linger } => Some(linger),
+            },
+            paused: leg.paused,
+            hangup_seen: leg.hangup_seen,
+            progress_ago_ms: at.age_ms(leg.last_progress_ms),
+            linger_left_ms,
+            cursor: Some(CursorRecord {
+                left,
+                head: head.to_vec(),
+            }),
+            stream_in: leg.stream_in.map(|stream| StreamInRecord {
+                left: stream.left,
+                mask: stream.mask,
+                offset: stream.offset,
+            }),
+            control_in_flight: control(in_flight),
+            control_next: control(next),
+            arrival_ago_ms: Some(at.age_ms(leg.last_arrival_ms)),
+            idle_pinged: leg.idle_pinged,
+        }
+    }
+
+    /// Takes a pair a live handover brought: its legs as they were, registered, what was owed
+    /// written first, the bytes not acted on parsed, their timers going on, then read.
+    fn add_resumed(&mut self, pair: ResumedPair) {
+        let buffer_bytes = self.read_buffer_bytes();
+        if self.buf.len() != buffer_bytes {
+            self.buf = vec![0; buffer_bytes];
+        }
+        let host: Arc<str> = pair.relay_host_id.as_deref().unwrap_or_default().into();
+        let mut keys = Vec::new();
+        for (resumed, kind) in [(pair.phone, "phone"), (pair.host, "data")] {
+            let Some(resumed) = resumed else {
+                keys.push(None);
+                continue;
+            };
+            let key = self.allocate();
+            let leg = self.resumed_leg(key, resumed, kind, host.clone());
+            self.slots[key.slot as usize] = Some(leg);
+            keys.push(Some(key));
+        }
+        if let [Some(phone), Some(host)] = keys[..] {
+            for (key, peer) in [(phone, host), (host, phone)] {
+                if let Some(leg) = self.leg(key) {
+                    leg.peer = Some(peer);
+                }
+            }
+        }
+        let keys: Vec<LegKey> = keys.into_iter().flatten().collect();
+        for key in &keys {
+            let Some(leg) = self.leg(*key) else { continue };
+            let fd = leg.stream().as_raw_fd();
+            let registered = leg.stream().set_nonblocking(true).and_then(|()| {
+                self.poll.registry().register(
+                    &mut SourceFd(&fd),
+                    Token(key.slot as usize),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+            });
+            if let Err(e) = registered {
+                log::warn!("orca_relay_splice_register_failed error={e}");
+            }
+        }
+        let (wedge_ms, now) = (self.timings.wedge_ms, self.now());
+        for key in &keys {
+            let Some(leg) = self.leg(*key) else { continue };
+            let wedge = (!leg.output.is_empty()).then(|| wedge_due(leg.last_progress_ms, wedge_ms));
+            leg.wedge_armed = wedge.is_some();
+            // The idle step looks at the carried arrival and goes on from there.
+            leg.idle_armed = leg.is_open();
+            let idle = leg.idle_armed;
+            if let Some(due) = wedge {
+                self.timers.schedule(due, *key, TimerKind::Wedge);
+            }
+            if idle {
+                self.timers.schedule(now, *key, TimerKind::Idle);
+            }
+        }
+        // What was owed first, then the bytes not acted on, then what the sockets have.
+        for key in &keys {
+            let key = *key;
+            self.guarded(key, |worker| worker.flush(key));
+        }
+        for key in keys {
+            self.guarded(key, |worker| {
+                worker.turn_controls = 0;
+                worker.reading = true;
+                worker.process_carried(key);
+                worker.reading = false;
+                worker.read(key);
+            });
+        }
+    }
+
+    fn resumed_leg(
+        &mut self,
+        key: LegKey,
+        resumed: ResumedLeg,
+        kind: &'static str,
+        host: Arc<str>,
+    ) -> Leg {
+        let record = resumed.record;
+        let filled = record.partial.len();
+        let state = match record.closing {
+            None => LegState::Open,
+            Some(linger) => LegState::Closing { linger },
+        };
+        let linger_armed = match resumed.linger_due_ms {
+            Some(due) => {
+                self.timers.schedule(due, key, TimerKind::Linger);
+                true
+            }
+            None => false,
+        };
+        let cursor = match &record.cursor {
+            Some(cursor) => FrameCursor::from_parts(cursor.left, &cursor.head),
+            None => FrameCursor::opaque(record.output.len() as u64),
+        };
+        let control = |frame: &Option<ControlFrameRecord>| {
+            frame
+                .as_ref()
+                .and_then(|frame| ControlFrame::from_parts(&frame.frame, frame.written))
+        };
+        let controls = Controls::from_parts(
+            control(&record.control_in_flight),
+            control(&record.control_next),
+        );
+        Leg {
+            key,
+            socket: resumed.socket,
+            peer: None,
+            parser: crate::relay::frames::FrameParser::with_state(
+                crate::protocol::SPLICE_MAX_FRAME_BYTES,
+                record.parser,
+            ),
+            partial: record.partial,
+            filled,
+            needed: 0,
+            output: Output::carried(record.output),
+            cursor,
+            stream_in: record.stream_in.map(|stream| StreamIn {
+                left: stream.left,
+                mask: stream.mask,
+                offset: stream.offset,
+            }),
+            controls: (!controls.is_empty()).then(|| Box::new(controls)),
+            unparsed: false,
+            parse_from: 0,
+            last_arrival_ms: resumed.last_arrival_ms,
+            idle_armed: false,
+            idle_pinged: record.idle_pinged,
+            host,
+            state,
+            paused: record.paused,
+            last_progress_ms: resumed.last_progress_ms,
+            wedge_armed: false,
+            linger_armed,
+            direction: if kind == "phone" { 0 } else { 1 },
+            backlogged: false,
+            hangup_seen: record.hangup_seen,
+            _release: resumed.release,
+            kind,
         }
     }
 

@@ -1,0 +1,199 @@
+//! `cargo bench --bench handover`: a live handover (`orca-relay handover`, SPEC §12) of a
+//! combined relay holding 100, 1,000 and 5,000 desktop controls, 10 % of them with a phone
+//! session streaming both ways (sequence-checked messages of 1 B to 256 KiB, 5 a second each
+//! way), three handovers each; the table gives the medians of:
+//!
+//! - **stream pause**: the longest time any stream went without a message across the
+//!   handover, as the load's clients saw it (from just before `orca-relay handover` to 2 s
+//!   after it returned), next to the same figure over a window without a handover (the load's
+//!   own rhythm: a message every 200 ms, on a shared machine);
+//! - **streams held**: how long the running process held the streams (its splice workers parked
+//!   until the commit: the command's `streams paused` figure);
+//! - **handover**: from `begin` to the commit, as the running process measured it, and the
+//!   command's whole run (starting the next process included).
+//!
+//! The release build of the binary under test; the load runs in a process of its own (this
+//! bench started again with `ORCA_RELAY_LOAD_HELPER`), so the stalls it sees are the relay's.
+//! Every run also checks that nothing was closed, lost or reordered.
+//!
+//! Options: `--controls 100,1000,5000` (the sizes), `--runs 3`.
+
+#[path = "../tests/handover_kit/mod.rs"]
+mod handover_kit;
+#[path = "../tests/harness/mod.rs"]
+mod harness;
+
+use std::time::Duration;
+
+use handover_kit::load::{Identity, Spec};
+use handover_kit::remote::RemoteLoad;
+use handover_kit::{build_with_note, hand_over};
+use harness::{assign, host_id, token, wait_until, Relay};
+
+/// One handover's figures, ms.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    stream_pause: u64,
+    held: u64,
+    took: u64,
+    command: u64,
+}
+
+fn main() {
+    if std::env::var_os(handover_kit::remote::HELPER_ENV).is_some() {
+        handover_kit::remote::helper_main();
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let option = |name: &str| {
+        args.iter()
+            .position(|arg| arg == name)
+            .and_then(|at| args.get(at + 1))
+            .cloned()
+    };
+    let sizes: Vec<usize> = option("--controls")
+        .unwrap_or_else(|| "100,1000,5000".into())
+        .split(',')
+        .map(|size| size.trim().parse().expect("--controls: numbers"))
+        .collect();
+    let runs: usize = option("--runs").map_or(3, |runs| runs.parse().expect("--runs: a number"));
+    handover_kit::raise_fd_limit();
+    handover_kit::adopt_orphans();
+    let mut table = Vec::new();
+    for &controls in &sizes {
+        let (baseline, results) = bench(controls, runs);
+        table.push((controls, baseline, results));
+    }
+    println!();
+    println!(
+        "| controls | streaming pairs | stream pause (no handover) | stream pause | streams held | handover | command |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (controls, baseline, results) in &table {
+        let median = |pick: fn(&Run) -> u64| {
+            let mut values: Vec<u64> = results.iter().map(pick).collect();
+            values.sort_unstable();
+            values[values.len() / 2]
+        };
+        println!(
+            "| {controls} | {} | {baseline} ms | {} ms | {} ms | {} ms | {} ms |",
+            controls / 10,
+            median(|run| run.stream_pause),
+            median(|run| run.held),
+            median(|run| run.took),
+            median(|run| run.command),
+        );
+    }
+    println!();
+    println!(
+        "medians of {runs}; every run: {}",
+        table
+            .iter()
+            .map(|(controls, _, results)| format!("{controls}: {results:?}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+}
+
+/// `controls` desktops placed on the relay's in-process director.
+fn place(relay: &Relay, controls: usize) -> Vec<Identity> {
+    (0..controls)
+        .map(|_| {
+            let relay_host_id = host_id();
+            let user_id = format!("user-{relay_host_id}");
+            let token = token(&user_id, &relay_host_id);
+            let epoch = assign(relay, &token, &relay_host_id);
+            Identity {
+                user_id,
+                relay_host_id,
+                token,
+                epoch,
+            }
+        })
+        .collect()
+}
+
+/// One size: the baseline pause and `runs` handovers.
+fn bench(controls: usize, runs: usize) -> (u64, Vec<Run>) {
+    let pairs = controls / 10;
+    eprintln!("{controls} controls, {pairs} streaming pairs: setting up");
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_CONNECTION_CAP", "50000"),
+        ("ORCA_RELAY_PENDING_UPGRADES_MAX", "4096"),
+        ("ORCA_RELAY_WEDGE_MS", "60000"),
+    ]);
+    assert!(wait_until(Duration::from_secs(60), || relay
+        .get("/ready")
+        .0
+        == 200));
+    let identities = place(&relay, controls);
+    let mut load = RemoteLoad::start(
+        "handover",
+        &relay.ws,
+        Spec::new(controls, pairs),
+        identities,
+    );
+    // The other build: the version alternates with each handover.
+    let builds = [Some(build_with_note("bench")), None];
+    clock_sleep(Duration::from_secs(3));
+    // The load's own rhythm over a window as long as a handover's.
+    load.mark();
+    clock_sleep(Duration::from_secs(4));
+    let baseline = load.report().max_stall_ms;
+    let mut results = Vec::new();
+    let mut previous: Option<handover_kit::Serving> = None;
+    let mut logged: Vec<String> = Vec::new();
+    for run in 0..runs {
+        load.mark();
+        let binary = builds[run % 2].as_deref();
+        let outcome = hand_over(&relay, binary, &[], &[]);
+        assert_eq!(outcome.code, 0, "handover: {outcome:?}");
+        clock_sleep(Duration::from_secs(2));
+        let report = load.report();
+        assert!(report.closed.is_empty(), "closed: {:?}", report.closed);
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        let figure = |after: &str| -> u64 {
+            outcome
+                .stdout
+                .split(after)
+                .nth(1)
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|ms| ms.parse().ok())
+                .unwrap_or_else(|| panic!("no {after:?} in {:?}", outcome.stdout))
+        };
+        let result = Run {
+            stream_pause: report.max_stall_ms,
+            held: figure("streams paused "),
+            took: figure("ms, "),
+            command: outcome.took.as_millis() as u64,
+        };
+        eprintln!("  run {}: {result:?}", run + 1);
+        // Where the time went, as both processes logged it.
+        for line in relay.log_text().lines().filter(|line| {
+            line.contains("orca_relay_handover_committed")
+                || line.contains("orca_relay_handover_received")
+        }) {
+            if !logged.contains(&line.to_string()) {
+                eprintln!("    {line}");
+                logged.push(line.to_string());
+            }
+        }
+        results.push(result);
+        // The process that served before exits by itself; the one that serves now is killed
+        // at the end.
+        let serving = outcome.new_pid.map(|pid| handover_kit::Serving { pid });
+        if let Some(old) = previous.replace(serving.expect("the new pid")) {
+            let _ = old.wait_exit(Duration::from_secs(15));
+        }
+        clock_sleep(Duration::from_secs(1));
+    }
+    let finished = load.finish(Duration::from_secs(60));
+    assert!(finished.closed.is_empty(), "closed: {:?}", finished.closed);
+    assert!(finished.violations.is_empty(), "{:?}", finished.violations);
+    assert_eq!(finished.messages_received, finished.messages_sent);
+    (baseline, results)
+}
+
+fn clock_sleep(duration: Duration) {
+    orca_relay::clock::sleep(duration);
+}

@@ -1,0 +1,366 @@
+//! The live handover's protocol (ARCHITECTURE.md "Live handover"): the messages between the
+//! `handover` command, the running process and the next one, over [`wire`].
+//!
+//! Owns: the socket's path, the time limit, the message kinds and their JSON bodies, and the
+//! chunked transfer of a large document and many descriptors. The decisions (quiesce, commit,
+//! rollback) live with the roles (`roles/handover.rs`); the command in `handover_command.rs`.
+//!
+//! Every message is one kind byte and a JSON body (or raw bytes for a document's chunks);
+//! descriptors travel with [`Kind::Fds`] messages, at most [`wire::MAX_FDS`] each, in the order
+//! the state document numbers them.
+
+pub mod wire;
+
+use std::os::fd::{OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use wire::{Channel, WireError};
+
+/// From the moment the running process accepts a handover to the next process's confirmation
+/// (SPEC §12): past it, the running process takes everything back.
+pub const HANDOVER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The file name of the running process's handover socket in `ORCA_RELAY_DATA_DIR`.
+pub const SOCKET_NAME: &str = "handover.sock";
+
+/// Where a process whose data directory is `data_dir` listens for handovers.
+pub fn socket_path(data_dir: &Path) -> PathBuf {
+    data_dir.join(SOCKET_NAME)
+}
+
+/// The message kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// command → running: asks for a handover.
+    Begin = 1,
+    /// running → command: accepted, with the token the next process must present.
+    Accepted = 2,
+    /// running → command (or next): not now, with the cause.
+    Refused = 3,
+    /// command → running: the next process is gone before it confirmed.
+    Abort = 4,
+    /// running → command: how it ended.
+    Outcome = 5,
+    /// next → running: configuration read, store open, ready to receive.
+    Ready = 6,
+    /// next → running: cannot go on, with the cause.
+    Failed = 7,
+    /// running → next: the transfer's header.
+    Transfer = 8,
+    /// running → next: descriptors.
+    Fds = 9,
+    /// running → next: a chunk of the state document.
+    Chunk = 10,
+    /// running → next: the transfer is complete.
+    End = 11,
+    /// next → running: everything rebuilt, waiting behind the gate.
+    Confirm = 12,
+    /// running → next: the commit point. From here on the next process owns everything.
+    Committed = 13,
+    /// running → next: the handover failed; exit without touching anything.
+    Rollback = 14,
+    /// next → running: the cell and its connections are rebuilt; the spliced pairs can come
+    /// (the running process parks its splice workers only now, so streams pause only for the
+    /// pairs' part of the transfer).
+    Built = 15,
+}
+
+impl Kind {
+    pub fn from_u8(value: u8) -> Option<Kind> {
+        use Kind::*;
+        [
+            Begin, Accepted, Refused, Abort, Outcome, Ready, Failed, Transfer, Fds, Chunk, End,
+            Confirm, Committed, Rollback, Built,
+        ]
+        .into_iter()
+        .find(|kind| *kind as u8 == value)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Begin {
+    pub pid: u32,
+    pub version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Accepted {
+    pub token: String,
+    pub pid: u32,
+    pub version: String,
+}
+
+/// A cause: why a step was refused or failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Cause {
+    #[serde(default)]
+    pub token: Option<String>,
+    pub cause: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Outcome {
+    pub committed: bool,
+    pub cause: Option<String>,
+    pub new_pid: Option<u32>,
+    pub new_version: Option<String>,
+    /// Connections (controls, legs, connections still upgrading) and spliced pairs handed.
+    pub connections: usize,
+    pub pairs: usize,
+    /// From quiesce to the commit: the longest any stream was paused.
+    pub paused_ms: u64,
+    /// From the begin to the commit (or the rollback).
+    pub took_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ready {
+    pub token: String,
+    pub pid: u32,
+    pub version: String,
+    /// The state versions this build reads.
+    pub reads: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Transfer {
+    /// The state document's version.
+    pub version: u32,
+    pub document_bytes: usize,
+    pub fds: usize,
+    /// The running process's `NOTIFY_SOCKET` and watchdog interval: the next process becomes
+    /// the unit's main process, whatever environment the command gave it.
+    pub notify_socket: Option<String>,
+    pub watchdog_usec: Option<u64>,
+    pub from_pid: u32,
+    pub from_version: String,
+}
+
+/// Why a receive failed: the transport, or a message that was not the one expected.
+#[derive(Debug)]
+pub enum ProtocolError {
+    Wire(WireError),
+    /// The other side answered with a failure or a refusal.
+    Refused(String),
+    Unexpected(&'static str),
+}
+
+impl std::fmt::Display for ProtocolError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProtocolError::Wire(e) => write!(f, "{e}"),
+            ProtocolError::Refused(cause) => f.write_str(cause),
+            ProtocolError::Unexpected(what) => write!(f, "unexpected message: {what}"),
+        }
+    }
+}
+
+impl From<WireError> for ProtocolError {
+    fn from(error: WireError) -> Self {
+        ProtocolError::Wire(error)
+    }
+}
+
+/// Sends one message with a JSON body.
+pub fn send<T: Serialize>(
+    channel: &Channel,
+    kind: Kind,
+    body: &T,
+    deadline: Instant,
+) -> Result<(), WireError> {
+    let bytes = serde_json::to_vec(body).map_err(|_| WireError::Malformed("unserializable"))?;
+    channel.send(kind as u8, &bytes, &[], deadline)
+}
+
+/// Receives one message and its kind (an unknown kind is malformed).
+pub fn receive(channel: &Channel, deadline: Instant) -> Result<(Kind, wire::Message), WireError> {
+    let message = channel.recv(deadline)?;
+    let kind = Kind::from_u8(message.kind).ok_or(WireError::Malformed("unknown kind"))?;
+    Ok((kind, message))
+}
+
+/// The JSON body of a message.
+pub fn body<T: DeserializeOwned>(message: &wire::Message) -> Result<T, WireError> {
+    serde_json::from_slice(&message.payload).map_err(|_| WireError::Malformed("bad body"))
+}
+
+/// Sends the descriptors in batches, then the document in chunks, then `End`.
+pub fn send_transfer(
+    channel: &Channel,
+    header: &Transfer,
+    document: &[u8],
+    fds: &[RawFd],
+    deadline: Instant,
+) -> Result<(), WireError> {
+    send(channel, Kind::Transfer, header, deadline)?;
+    for batch in fds.chunks(wire::MAX_FDS) {
+        channel.send(Kind::Fds as u8, &[], batch, deadline)?;
+    }
+    for chunk in document.chunks(wire::MAX_PAYLOAD) {
+        channel.send(Kind::Chunk as u8, chunk, &[], deadline)?;
+    }
+    channel.send(Kind::End as u8, &[], &[], deadline)
+}
+
+/// What arrived: the header, the document, the descriptors in order.
+pub struct Received {
+    pub header: Transfer,
+    pub document: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Receives a transfer (after its header). `on_fds` is told how many descriptors have arrived
+/// after each batch (a test fault stops half-way). The document is bounded by its announced
+/// size, itself bounded by `max_document`.
+pub fn receive_transfer(
+    channel: &Channel,
+    header: Transfer,
+    max_document: usize,
+    deadline: Instant,
+    mut on_fds: impl FnMut(usize),
+) -> Result<Received, ProtocolError> {
+    if header.document_bytes > max_document {
+        return Err(ProtocolError::Unexpected("document too large"));
+    }
+    let mut document = Vec::with_capacity(header.document_bytes);
+    let mut fds = Vec::with_capacity(header.fds);
+    loop {
+        let (kind, message) = receive(channel, deadline)?;
+        match kind {
+            Kind::Fds => {
+                fds.extend(message.fds);
+                if fds.len() > header.fds {
+                    return Err(ProtocolError::Unexpected("more descriptors than announced"));
+                }
+                on_fds(fds.len());
+            }
+            Kind::Chunk => {
+                if document.len() + message.payload.len() > header.document_bytes {
+                    return Err(ProtocolError::Unexpected(
+                        "a longer document than announced",
+                    ));
+                }
+                document.extend_from_slice(&message.payload);
+            }
+            Kind::End => break,
+            Kind::Rollback => {
+                let cause: Cause = body(&message)?;
+                return Err(ProtocolError::Refused(cause.cause));
+            }
+            _ => return Err(ProtocolError::Unexpected("not part of a transfer")),
+        }
+    }
+    if fds.len() != header.fds || document.len() != header.document_bytes {
+        return Err(ProtocolError::Unexpected(
+            "a transfer shorter than announced",
+        ));
+    }
+    Ok(Received {
+        header,
+        document,
+        fds,
+    })
+}
+
+/// A random one-time token (32 bytes, base64url).
+pub fn token() -> Option<String> {
+    use base64::Engine;
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).ok()?;
+    Some(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes))
+}
+
+/// This build's version as the handover reports it: the package version, and a build note when
+/// the binary carries one (see [`build_note`]).
+pub fn version() -> String {
+    match build_note() {
+        Some(note) => format!("{}+{note}", env!("CARGO_PKG_VERSION")),
+        None => env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// A label a packager (or a test) writes into the built binary without rebuilding it: the
+/// bytes after the marker, up to the first space. Blank in a plain build.
+#[used]
+static BUILD_NOTE: [u8; 64] = *b"ORCA_RELAY_BUILD_NOTE=                                          ";
+
+/// The build note, if the binary carries one.
+pub fn build_note() -> Option<String> {
+    const MARKER: usize = "ORCA_RELAY_BUILD_NOTE=".len();
+    // Read through a volatile load so that the compiler cannot fold the blank constant.
+    let bytes: [u8; 64] =
+        // SAFETY: a plain read of a static array of bytes.
+        unsafe { std::ptr::read_volatile(&BUILD_NOTE) };
+    let note: String = bytes[MARKER..]
+        .iter()
+        .take_while(|b| b.is_ascii_graphic())
+        .map(|b| *b as char)
+        .collect();
+    (!note.is_empty()).then_some(note)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn soon() -> Instant {
+        crate::clock::instant() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn a_transfer_arrives_whole_with_its_descriptors_in_order() {
+        let (a, b) = wire::pair().unwrap();
+        let sockets: Vec<_> = (0..450)
+            .map(|_| std::os::unix::net::UnixStream::pair().unwrap())
+            .collect();
+        let fds: Vec<RawFd> = sockets
+            .iter()
+            .map(|(left, _)| std::os::fd::AsRawFd::as_raw_fd(left))
+            .collect();
+        let document: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let header = Transfer {
+            version: 1,
+            document_bytes: document.len(),
+            fds: fds.len(),
+            notify_socket: None,
+            watchdog_usec: None,
+            from_pid: 1,
+            from_version: version(),
+        };
+        let sender = {
+            let document = document.clone();
+            let header = header.clone();
+            crate::threads::spawn("test-sender", move || {
+                send_transfer(&a, &header, &document, &fds, soon()).unwrap();
+                drop(sockets);
+            })
+            .unwrap()
+        };
+        let (kind, message) = receive(&b, soon()).unwrap();
+        assert_eq!(kind, Kind::Transfer);
+        let header: Transfer = body(&message).unwrap();
+        let mut batches = Vec::new();
+        let received = receive_transfer(&b, header, 1 << 20, soon(), |n| batches.push(n)).unwrap();
+        sender.join().unwrap();
+        assert_eq!(received.document, document);
+        assert_eq!(received.fds.len(), 450);
+        assert_eq!(batches, vec![200, 400, 450]);
+    }
+
+    #[test]
+    fn a_plain_build_has_no_note() {
+        assert_eq!(build_note(), None);
+        assert_eq!(version(), env!("CARGO_PKG_VERSION"));
+    }
+}

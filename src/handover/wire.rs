@@ -1,0 +1,569 @@
+//! The handover's transport: unix `SOCK_SEQPACKET` sockets carrying small framed messages and
+//! descriptors (`SCM_RIGHTS`).
+//!
+//! `SOCK_SEQPACKET` keeps message boundaries, and the descriptors of a message arrive with that
+//! message and no other, so a reader never has to guess which bytes a descriptor belonged to
+//! (with a byte stream, descriptors attach to whichever `recvmsg` first reads the bytes they were
+//! sent with). A message is one kind byte and at most [`MAX_PAYLOAD`] bytes, with at most
+//! [`MAX_FDS`] descriptors; larger things (the state document) are sent in chunks by the caller.
+//!
+//! Every wait has a deadline (an instant): `poll` for at most the time left, then one
+//! non-blocking `sendmsg`/`recvmsg`. `EINTR` is retried. Descriptors received are owned
+//! (`OwnedFd`, close-on-exec) until the caller turns them into sockets.
+//!
+//! Never: blocks without a deadline; lets a received descriptor leak into a child process.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::clock;
+
+/// The most payload bytes in one message (well under the default socket buffer).
+pub const MAX_PAYLOAD: usize = 60 * 1024;
+/// The most descriptors in one message (the kernel's `SCM_MAX_FD` is 253).
+pub const MAX_FDS: usize = 200;
+
+/// One message as received.
+#[derive(Debug)]
+pub struct Message {
+    pub kind: u8,
+    pub payload: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Why a send or receive did not happen.
+#[derive(Debug)]
+pub enum WireError {
+    /// The deadline passed first.
+    TimedOut,
+    /// The peer closed its end (or the process holding it is gone).
+    Closed,
+    /// A message that breaks the framing (empty, truncated, too many descriptors).
+    Malformed(&'static str),
+    Io(io::Error),
+}
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WireError::TimedOut => f.write_str("timed out"),
+            WireError::Closed => f.write_str("closed by the other process"),
+            WireError::Malformed(what) => write!(f, "malformed message: {what}"),
+            WireError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<io::Error> for WireError {
+    fn from(error: io::Error) -> Self {
+        WireError::Io(error)
+    }
+}
+
+/// A connected `SOCK_SEQPACKET` socket.
+#[derive(Debug)]
+pub struct Channel {
+    fd: OwnedFd,
+}
+
+/// A listening `SOCK_SEQPACKET` socket bound to a path (removed again when dropped, if it is
+/// still ours).
+#[derive(Debug)]
+pub struct Listener {
+    fd: OwnedFd,
+    path: PathBuf,
+    /// The socket file this listener created, so that dropping it never removes another's.
+    identity: (u64, u64),
+}
+
+fn cvt(result: libc::c_int) -> io::Result<libc::c_int> {
+    if result < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(result)
+    }
+}
+
+fn seqpacket_socket() -> io::Result<OwnedFd> {
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = cvt(unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    })?;
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn unix_address(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    // SAFETY: sockaddr_un is plain old data; all zeroes is a valid value.
+    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.is_empty() || bytes.len() >= address.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("unusable unix socket path {}", path.display()),
+        ));
+    }
+    for (slot, byte) in address.sun_path.iter_mut().zip(bytes) {
+        *slot = *byte as libc::c_char;
+    }
+    let length = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    Ok((address, length as libc::socklen_t))
+}
+
+/// Waits until `fd` is ready for `events` or `deadline` passes; `EINTR` retried.
+fn wait(fd: RawFd, events: libc::c_short, deadline: Instant) -> Result<(), WireError> {
+    loop {
+        let left = deadline.saturating_duration_since(clock::instant());
+        if left.is_zero() {
+            return Err(WireError::TimedOut);
+        }
+        let mut pollfd = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        let timeout = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd for the duration of the call.
+        let ready = unsafe { libc::poll(&mut pollfd, 1, timeout) };
+        if ready < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(WireError::Io(error));
+        }
+        if ready > 0 {
+            return Ok(());
+        }
+    }
+}
+
+impl Listener {
+    /// Binds `path` (a stale socket file left by a process that died is replaced) with mode
+    /// 0600: only the service's user may ask for a handover.
+    pub fn bind(path: &Path) -> io::Result<Listener> {
+        let fd = seqpacket_socket()?;
+        let (address, length) = unix_address(path)?;
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        // SAFETY: bind(2) with an address we built and its length.
+        cvt(unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &address as *const libc::sockaddr_un as *const libc::sockaddr,
+                length,
+            )
+        })?;
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path with a NUL byte"))?;
+        // SAFETY: chmod(2) on the path we just bound.
+        cvt(unsafe { libc::chmod(c_path.as_ptr(), 0o600) })?;
+        // SAFETY: listen(2) on our socket.
+        cvt(unsafe { libc::listen(fd.as_raw_fd(), 4) })?;
+        let identity = path_identity(path).unwrap_or_default();
+        Ok(Listener {
+            fd,
+            path: path.to_path_buf(),
+            identity,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Waits for a connection until `deadline`, or until `stop` (an eventfd or pipe) becomes
+    /// readable: `Ok(None)`.
+    pub fn accept(&self, stop: RawFd, deadline: Instant) -> Result<Option<Channel>, WireError> {
+        loop {
+            let left = deadline.saturating_duration_since(clock::instant());
+            if left.is_zero() {
+                return Err(WireError::TimedOut);
+            }
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: stop,
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            let timeout = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+            // SAFETY: two valid pollfds for the duration of the call.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+            if ready < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(WireError::Io(error));
+            }
+            if fds[1].revents != 0 {
+                return Ok(None);
+            }
+            if fds[0].revents == 0 {
+                continue;
+            }
+            // SAFETY: accept4(2) on our listening socket; no address wanted.
+            let fd = unsafe {
+                libc::accept4(
+                    self.fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                )
+            };
+            if fd < 0 {
+                let error = io::Error::last_os_error();
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::ConnectionAborted
+                ) {
+                    continue;
+                }
+                return Err(WireError::Io(error));
+            }
+            // SAFETY: a fresh descriptor from accept4.
+            return Ok(Some(Channel {
+                fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            }));
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        // Only our own file: a process that bound the path since then keeps its socket.
+        if path_identity(&self.path).is_some_and(|identity| identity == self.identity) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// The (device, inode) of the file at `path`, if there is one.
+fn path_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::symlink_metadata(path).ok()?;
+    Some((metadata.dev(), metadata.ino()))
+}
+
+impl Channel {
+    /// Connects to the listener at `path`.
+    pub fn connect(path: &Path, deadline: Instant) -> Result<Channel, WireError> {
+        let fd = seqpacket_socket()?;
+        let (address, length) = unix_address(path)?;
+        // SAFETY: connect(2) with an address we built and its length.
+        let result = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                &address as *const libc::sockaddr_un as *const libc::sockaddr,
+                length,
+            )
+        };
+        if result < 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::EINPROGRESS)
+                && error.kind() != io::ErrorKind::WouldBlock
+            {
+                return Err(WireError::Io(error));
+            }
+            wait(fd.as_raw_fd(), libc::POLLOUT, deadline)?;
+        }
+        Ok(Channel { fd })
+    }
+
+    /// A channel over an inherited descriptor.
+    pub fn from_fd(fd: OwnedFd) -> Channel {
+        Channel { fd }
+    }
+
+    pub fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Sends one message with `fds` (duplicated into the receiver; ours stay open).
+    pub fn send(
+        &self,
+        kind: u8,
+        payload: &[u8],
+        fds: &[RawFd],
+        deadline: Instant,
+    ) -> Result<(), WireError> {
+        if payload.len() > MAX_PAYLOAD || fds.len() > MAX_FDS {
+            return Err(WireError::Malformed("message too large"));
+        }
+        let mut bytes = Vec::with_capacity(1 + payload.len());
+        bytes.push(kind);
+        bytes.extend_from_slice(payload);
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_mut_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        let control_len = if fds.is_empty() {
+            0
+        } else {
+            // SAFETY: CMSG_SPACE is a pure size computation.
+            let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) };
+            space as usize
+        };
+        // u64 words keep the control buffer aligned for cmsghdr.
+        let mut control = vec![0u64; control_len.div_ceil(8)];
+        // SAFETY: msghdr is plain old data; zeroed is valid, and every pointer set below
+        // outlives the sendmsg call.
+        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+        message.msg_iov = &mut iov;
+        message.msg_iovlen = 1;
+        if !fds.is_empty() {
+            message.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+            message.msg_controllen = control_len as _;
+            // SAFETY: the control buffer holds CMSG_SPACE bytes for `fds`; the first header
+            // and its data lie inside it.
+            unsafe {
+                let header = libc::CMSG_FIRSTHDR(&message);
+                (*header).cmsg_level = libc::SOL_SOCKET;
+                (*header).cmsg_type = libc::SCM_RIGHTS;
+                (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
+                std::ptr::copy_nonoverlapping(
+                    fds.as_ptr() as *const u8,
+                    libc::CMSG_DATA(header),
+                    std::mem::size_of_val(fds),
+                );
+            }
+        }
+        loop {
+            // SAFETY: a message whose buffers live until the call returns.
+            let sent = unsafe {
+                libc::sendmsg(
+                    self.fd.as_raw_fd(),
+                    &message,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if sent >= 0 {
+                return Ok(());
+            }
+            let error = io::Error::last_os_error();
+            match error.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => wait(self.fd.as_raw_fd(), libc::POLLOUT, deadline)?,
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
+                    return Err(WireError::Closed)
+                }
+                _ => return Err(WireError::Io(error)),
+            }
+        }
+    }
+
+    /// Receives one message by `deadline`.
+    pub fn recv(&self, deadline: Instant) -> Result<Message, WireError> {
+        let mut bytes = vec![0u8; 1 + MAX_PAYLOAD + 1];
+        // SAFETY: a pure size computation.
+        let control_len =
+            unsafe { libc::CMSG_SPACE((253 * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        let mut control = vec![0u64; control_len.div_ceil(8)];
+        loop {
+            let mut iov = libc::iovec {
+                iov_base: bytes.as_mut_ptr() as *mut libc::c_void,
+                iov_len: bytes.len(),
+            };
+            // SAFETY: plain old data; every pointer set below outlives the call.
+            let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+            message.msg_iov = &mut iov;
+            message.msg_iovlen = 1;
+            message.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+            message.msg_controllen = control_len as _;
+            // SAFETY: buffers sized above, alive for the call.
+            let received = unsafe {
+                libc::recvmsg(
+                    self.fd.as_raw_fd(),
+                    &mut message,
+                    libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+                )
+            };
+            if received < 0 {
+                let error = io::Error::last_os_error();
+                match error.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => {
+                        wait(self.fd.as_raw_fd(), libc::POLLIN, deadline)?;
+                        continue;
+                    }
+                    io::ErrorKind::ConnectionReset => return Err(WireError::Closed),
+                    _ => return Err(WireError::Io(error)),
+                }
+            }
+            let fds = take_fds(&message);
+            if received == 0 {
+                return Err(WireError::Closed);
+            }
+            if message.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+                return Err(WireError::Malformed("truncated"));
+            }
+            let received = received as usize;
+            return Ok(Message {
+                kind: bytes[0],
+                payload: bytes[1..received].to_vec(),
+                fds,
+            });
+        }
+    }
+}
+
+/// Waits until one of `fds` is readable (or reports an end or an error) by `deadline`; returns
+/// which ones are.
+pub fn wait_readable(fds: &[RawFd], deadline: Instant) -> Result<Vec<bool>, WireError> {
+    let mut polled: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|fd| libc::pollfd {
+            fd: *fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        let left = deadline.saturating_duration_since(clock::instant());
+        if left.is_zero() {
+            return Err(WireError::TimedOut);
+        }
+        let timeout = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: `polled` holds valid pollfds for the duration of the call.
+        let ready =
+            unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, timeout) };
+        if ready < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(WireError::Io(error));
+        }
+        if ready > 0 {
+            return Ok(polled.iter().map(|p| p.revents != 0).collect());
+        }
+    }
+}
+
+/// Takes ownership of every descriptor in a received message's control data.
+fn take_fds(message: &libc::msghdr) -> Vec<OwnedFd> {
+    let mut fds = Vec::new();
+    // SAFETY: walks the control buffer the kernel filled, with the CMSG_* macros, reading
+    // only inside the length it reported; each descriptor is new to this process.
+    unsafe {
+        let mut header = libc::CMSG_FIRSTHDR(message);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(header);
+                let bytes = (*header).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let count = bytes / std::mem::size_of::<RawFd>();
+                for index in 0..count {
+                    let fd = std::ptr::read_unaligned((data as *const RawFd).add(index));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            header = libc::CMSG_NXTHDR(message, header);
+        }
+    }
+    fds
+}
+
+/// A connected pair (tests, and the command's status line to its child).
+pub fn pair() -> io::Result<(Channel, Channel)> {
+    let mut fds = [0; 2];
+    // SAFETY: socketpair(2) writes two descriptors into the array.
+    cvt(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+            fds.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: two fresh descriptors.
+    Ok(unsafe {
+        (
+            Channel {
+                fd: OwnedFd::from_raw_fd(fds[0]),
+            },
+            Channel {
+                fd: OwnedFd::from_raw_fd(fds[1]),
+            },
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    fn soon() -> Instant {
+        clock::instant() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn messages_keep_their_boundaries_and_their_descriptors() {
+        let (a, b) = pair().unwrap();
+        let (mut left, right) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.send(7, b"first", &[right.as_raw_fd()], soon()).unwrap();
+        a.send(8, &vec![42u8; MAX_PAYLOAD], &[], soon()).unwrap();
+        drop(right);
+        let first = b.recv(soon()).unwrap();
+        assert_eq!((first.kind, first.payload.as_slice()), (7, &b"first"[..]));
+        assert_eq!(first.fds.len(), 1);
+        // The received descriptor is the same socket: what is written to it arrives at `left`.
+        let mut received =
+            std::os::unix::net::UnixStream::from(first.fds.into_iter().next().unwrap());
+        received.write_all(b"hello").unwrap();
+        let mut buf = [0u8; 5];
+        left.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"hello");
+        let second = b.recv(soon()).unwrap();
+        assert_eq!(second.kind, 8);
+        assert_eq!(second.payload.len(), MAX_PAYLOAD);
+        assert!(second.fds.is_empty());
+    }
+
+    #[test]
+    fn a_closed_peer_and_a_deadline_are_told_apart() {
+        let (a, b) = pair().unwrap();
+        assert!(matches!(
+            b.recv(clock::instant() + Duration::from_millis(30)),
+            Err(WireError::TimedOut)
+        ));
+        drop(a);
+        assert!(matches!(b.recv(soon()), Err(WireError::Closed)));
+        assert!(matches!(
+            b.send(1, b"x", &[], soon()),
+            Err(WireError::Closed)
+        ));
+    }
+
+    #[test]
+    fn many_descriptors_travel_in_one_message() {
+        let (a, b) = pair().unwrap();
+        let streams: Vec<_> = (0..MAX_FDS)
+            .map(|_| std::os::unix::net::UnixStream::pair().unwrap())
+            .collect();
+        let fds: Vec<RawFd> = streams.iter().map(|(_, r)| r.as_raw_fd()).collect();
+        a.send(1, b"", &fds, soon()).unwrap();
+        assert_eq!(b.recv(soon()).unwrap().fds.len(), MAX_FDS);
+    }
+}

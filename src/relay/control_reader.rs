@@ -1,0 +1,442 @@
+//! The reader of a desktop's control socket: RFC 6455 frames through the splice legs' strict
+//! parser ([`FrameParser`]), assembled into messages, with the buffer, the parser's state and a
+//! message's fragments all ours, so a live handover can carry exactly what was read and not yet
+//! acted on ([`Reader::record`], [`Reader::from_record`]).
+//!
+//! [`ControlFrames`] is pure: bytes in, events out (a text or binary message, a ping to answer,
+//! a close, a rule broken). [`Reader`] is its blocking shell on the control's relay thread: it
+//! waits for the socket with [`wait_readable`] (so a handover's quiesce wakes it), reads, answers
+//! pings through the socket's writer, acknowledges a close.
+//!
+//! The rules are those of the splice legs (masking, reserved bits and opcodes, control frames
+//! ≤ 125 bytes with FIN, continuation only inside an open message, close payloads) with the
+//! control's own limit (1 MiB per frame and per message: 1009) and one more: a text message
+//! must be UTF-8, since the relay parses control text (1002 otherwise, as before).
+
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tungstenite::protocol::frame::coding::Data;
+use tungstenite::Message;
+
+use super::frames::{FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
+use super::park::{wait_readable, Quiesce, ReaderRecord, Waited};
+use super::socket::{drain_for_linger, Socket};
+use crate::clock;
+use crate::protocol::CONTROL_MAX_FRAME_BYTES;
+
+/// The buffer a control starts with: idle controls are many and their frames small.
+const INITIAL_BUFFER: usize = 1024;
+
+/// What the frames read so far amount to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlEvent {
+    Text(String),
+    Binary(Vec<u8>),
+    /// A ping to answer with this payload.
+    Ping(Vec<u8>),
+    Pong,
+    /// The peer's close frame.
+    Close,
+    /// A frame or message over the limit: 1009.
+    TooBig,
+    /// A rule of RFC 6455 broken, or text that is not UTF-8: 1002.
+    Protocol,
+}
+
+/// The pure part: a buffer, the parser and the message being assembled.
+#[derive(Debug)]
+pub struct ControlFrames {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    parser: FrameParser,
+    /// The payload of the fragmented message in progress (its opcode is the parser's).
+    message: Vec<u8>,
+}
+
+impl ControlFrames {
+    /// Starts with `tail`, the bytes that arrived after the upgrade head.
+    pub fn new(tail: Vec<u8>) -> ControlFrames {
+        ControlFrames::from_record(ReaderRecord {
+            buffered: tail,
+            ..ReaderRecord::default()
+        })
+    }
+
+    pub fn from_record(record: ReaderRecord) -> ControlFrames {
+        let mut buf = record.buffered;
+        let end = buf.len();
+        buf.resize(INITIAL_BUFFER.max(end), 0);
+        ControlFrames {
+            buf,
+            start: 0,
+            end,
+            parser: FrameParser::with_state(CONTROL_MAX_FRAME_BYTES, record.parser),
+            message: record.message.unwrap_or_default(),
+        }
+    }
+
+    /// What a handover carries: the unread bytes, the parser, the message so far.
+    pub fn record(&self) -> ReaderRecord {
+        let parser = self.parser.state();
+        ReaderRecord {
+            buffered: self.buf[self.start..self.end].to_vec(),
+            message: parser.open_opcode.map(|_| self.message.clone()),
+            parser,
+        }
+    }
+
+    /// The next event from the bytes at hand, or `Err(needed)`: the next frame needs this many
+    /// bytes from the first unread one.
+    pub fn next_event(&mut self) -> Result<ControlEvent, usize> {
+        loop {
+            let open_before = self.parser.open_message();
+            match self.parser.parse(&mut self.buf[self.start..self.end]) {
+                Parsed::Incomplete { needed } => return Err(needed.max(MAX_HEADER_BYTES)),
+                Parsed::Violation(violation) => {
+                    return Ok(if violation.close_code() == 1009 {
+                        ControlEvent::TooBig
+                    } else {
+                        ControlEvent::Protocol
+                    })
+                }
+                Parsed::Frame(frame) => {
+                    let payload = frame.payload();
+                    let (from, to) = (self.start + payload.start, self.start + payload.end);
+                    self.start += frame.wire_len();
+                    match frame.kind {
+                        FrameKind::Ping => {
+                            return Ok(ControlEvent::Ping(self.buf[from..to].to_vec()))
+                        }
+                        FrameKind::Pong => return Ok(ControlEvent::Pong),
+                        FrameKind::Close { .. } => return Ok(ControlEvent::Close),
+                        FrameKind::Data(data) => {
+                            self.message.extend_from_slice(&self.buf[from..to]);
+                            if !frame.fin {
+                                continue;
+                            }
+                            let opcode = match data {
+                                Data::Continue => open_before.unwrap_or(Data::Binary),
+                                other => other,
+                            };
+                            let payload = std::mem::take(&mut self.message);
+                            return Ok(match opcode {
+                                Data::Text => match String::from_utf8(payload) {
+                                    Ok(text) => ControlEvent::Text(text),
+                                    Err(_) => ControlEvent::Protocol,
+                                },
+                                _ => ControlEvent::Binary(payload),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Room for at least `needed` bytes from the first unread one; returns the free space.
+    pub fn space(&mut self, needed: usize) -> &mut [u8] {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.buf.len() > INITIAL_BUFFER {
+                // A large frame has passed: give its memory back.
+                self.buf = vec![0; INITIAL_BUFFER];
+            }
+        } else if self.start + needed > self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.start + needed > self.buf.len() {
+            // Only as much as the frame needs: memory grows with what arrives, up to the limit
+            // the parser has already checked.
+            self.buf.resize(self.start + needed, 0);
+        }
+        if self.end == self.buf.len() {
+            self.buf.resize(self.buf.len() + INITIAL_BUFFER, 0);
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into the space.
+    pub fn filled(&mut self, n: usize) {
+        self.end += n;
+    }
+}
+
+/// What one read produced.
+#[derive(Debug)]
+pub enum ReadEvent {
+    Message(Message),
+    /// Nothing arrived before the deadline.
+    TimedOut,
+    /// A frame larger than the control allows.
+    TooBig,
+    /// The peer broke a rule of RFC 6455: fail it with 1002.
+    Protocol,
+    /// The peer closed or the connection failed; nothing more will be read.
+    Gone,
+    /// A handover is quiescing the cell: deposit the connection.
+    Quiesce,
+}
+
+/// Until when a read may wait.
+#[derive(Debug, Clone, Copy)]
+pub enum Deadline {
+    /// A fixed instant (the first frame's).
+    At(Instant),
+    /// This long after the last byte heard (the control's silence window).
+    Silence(Duration),
+}
+
+/// The reading side of a control, owned by its relay thread.
+pub struct Reader {
+    socket: Arc<Socket>,
+    frames: ControlFrames,
+    quiesce: Arc<Quiesce>,
+    /// When the last bytes arrived (or the reader started).
+    last_heard: Instant,
+}
+
+impl Reader {
+    pub fn new(socket: Arc<Socket>, frames: ControlFrames, quiesce: Arc<Quiesce>) -> Reader {
+        Reader {
+            socket,
+            frames,
+            quiesce,
+            last_heard: clock::instant(),
+        }
+    }
+
+    /// A reader resumed from a handover's record, `silence_deadline` being when the silence
+    /// window ends.
+    pub fn resume(
+        socket: Arc<Socket>,
+        record: ReaderRecord,
+        quiesce: Arc<Quiesce>,
+        silence_deadline: Instant,
+        silence: Duration,
+    ) -> Reader {
+        // The window left is what the last byte heard left over: carried, not restarted.
+        let last_heard = silence_deadline
+            .checked_sub(silence)
+            .unwrap_or_else(clock::instant);
+        Reader {
+            socket,
+            frames: ControlFrames::from_record(record),
+            quiesce,
+            last_heard,
+        }
+    }
+
+    pub fn socket(&self) -> &Arc<Socket> {
+        &self.socket
+    }
+
+    pub fn record(&self) -> ReaderRecord {
+        self.frames.record()
+    }
+
+    /// When the silence window ends (`silence` after the last byte heard).
+    pub fn silence_deadline(&self, silence: Duration) -> Instant {
+        self.last_heard + silence
+    }
+
+    /// The next message. Pings are answered and pongs dropped on the way.
+    pub fn read(&mut self, deadline: Deadline) -> ReadEvent {
+        loop {
+            let needed = match self.frames.next_event() {
+                Ok(ControlEvent::Text(text)) => return ReadEvent::Message(Message::text(text)),
+                Ok(ControlEvent::Binary(bytes)) => {
+                    return ReadEvent::Message(Message::Binary(bytes.into()))
+                }
+                Ok(ControlEvent::Ping(payload)) => {
+                    let _ = self.socket.send(Message::Pong(payload.into()));
+                    continue;
+                }
+                Ok(ControlEvent::Pong) => continue,
+                Ok(ControlEvent::Close) => {
+                    self.socket.acknowledge_close();
+                    return ReadEvent::Gone;
+                }
+                Ok(ControlEvent::TooBig) => return ReadEvent::TooBig,
+                Ok(ControlEvent::Protocol) => return ReadEvent::Protocol,
+                Err(needed) => needed,
+            };
+            let until = match deadline {
+                Deadline::At(at) => at,
+                Deadline::Silence(silence) => self.last_heard + silence,
+            };
+            match wait_readable(self.socket.stream(), Some(until), &self.quiesce) {
+                Waited::Readable => {}
+                Waited::TimedOut => return ReadEvent::TimedOut,
+                Waited::Quiesce => return ReadEvent::Quiesce,
+            }
+            let space = self.frames.space(needed);
+            let mut stream = self.socket.stream();
+            match stream.read(space) {
+                Ok(0) => return ReadEvent::Gone,
+                Ok(n) => {
+                    self.frames.filled(n);
+                    self.last_heard = clock::instant();
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                    ) => {}
+                Err(_) => return ReadEvent::Gone,
+            }
+        }
+    }
+
+    /// After closing on an oversized frame, discards what the peer is still sending (for at
+    /// most the close linger) so that it can finish its write and read our close frame instead
+    /// of seeing its connection reset.
+    pub fn drain_after_close(&mut self) {
+        drain_for_linger(self.socket.stream());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::relay::frames::encode_client_frame;
+
+    fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_client_frame(first, payload, [1, 2, 3, 4], &mut out);
+        out
+    }
+
+    /// Every event `stream` gives, fed in pieces of `step` bytes.
+    fn events(stream: &[u8], step: usize) -> Vec<ControlEvent> {
+        let mut frames = ControlFrames::new(Vec::new());
+        let mut out = Vec::new();
+        let mut fed = 0;
+        loop {
+            match frames.next_event() {
+                Ok(event) => {
+                    let end = matches!(event, ControlEvent::TooBig | ControlEvent::Protocol);
+                    out.push(event);
+                    if end {
+                        return out;
+                    }
+                }
+                Err(needed) => {
+                    if fed == stream.len() {
+                        return out;
+                    }
+                    let take = step.min(stream.len() - fed);
+                    let space = frames.space(needed);
+                    let take = take.min(space.len());
+                    space[..take].copy_from_slice(&stream[fed..fed + take]);
+                    frames.filled(take);
+                    fed += take;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_control_reader_enforces_the_rfc_6455_rules_of_the_splice_parser() {
+        use ControlEvent::{Protocol, TooBig};
+        let half = CONTROL_MAX_FRAME_BYTES / 2;
+        let mut high_bit = vec![0x82, 0xff, 0x80, 0, 0, 0, 0, 0, 0, 0];
+        high_bit.extend_from_slice(&[1, 2, 3, 4]);
+        let cases: Vec<(&str, Vec<u8>, ControlEvent)> = vec![
+            ("unmasked", vec![0x81, 0x01, b'x'], Protocol),
+            ("rsv1", frame(0xc1, b"x"), Protocol),
+            ("rsv3", frame(0x91, b"x"), Protocol),
+            ("opcode 3", frame(0x83, b"x"), Protocol),
+            ("opcode 11", frame(0x8b, b""), Protocol),
+            ("ping 126 bytes", frame(0x89, &[0; 126]), Protocol),
+            ("ping without FIN", frame(0x09, b""), Protocol),
+            ("continuation first", frame(0x80, b"x"), Protocol),
+            (
+                "text inside an open message",
+                [frame(0x01, b"a"), frame(0x81, b"b")].concat(),
+                Protocol,
+            ),
+            ("64-bit length with the high bit set", high_bit, Protocol),
+            (
+                "frame over 1 MiB",
+                frame(0x82, &vec![0; CONTROL_MAX_FRAME_BYTES + 1]),
+                TooBig,
+            ),
+            (
+                "message over 1 MiB in fragments",
+                [frame(0x02, &vec![0; half]), frame(0x80, &vec![0; half + 1])].concat(),
+                TooBig,
+            ),
+            ("close with one byte", frame(0x88, &[3]), Protocol),
+            (
+                "close code 1005",
+                frame(0x88, &1005u16.to_be_bytes()),
+                Protocol,
+            ),
+            (
+                "close reason not UTF-8",
+                frame(0x88, &[0x03, 0xe8, 0xff]),
+                Protocol,
+            ),
+            ("text not UTF-8", frame(0x81, &[0xff]), Protocol),
+        ];
+        for (name, stream, expected) in cases {
+            for step in [1, 7, usize::MAX] {
+                assert_eq!(
+                    events(&stream, step),
+                    vec![expected.clone()],
+                    "{name} step {step}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fragments_with_a_ping_between_them_make_one_message() {
+        let stream = [
+            frame(0x01, b"{\"ty"),
+            frame(0x89, b"p"),
+            frame(0x80, b"pe\":1}"),
+            frame(0x82, b"\x00\x01"),
+            frame(0x8a, b""),
+            frame(0x88, &1000u16.to_be_bytes()),
+        ]
+        .concat();
+        for step in [1, 3, usize::MAX] {
+            assert_eq!(
+                events(&stream, step),
+                vec![
+                    ControlEvent::Ping(b"p".to_vec()),
+                    ControlEvent::Text("{\"type\":1}".into()),
+                    ControlEvent::Binary(vec![0, 1]),
+                    ControlEvent::Pong,
+                    ControlEvent::Close,
+                ],
+                "step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_record_carries_the_partial_frame_and_the_message_so_far() {
+        let stream = [frame(0x01, b"hel"), frame(0x80, b"lo")].concat();
+        // Everything but the last 3 bytes: the first fragment is taken, the second is partial.
+        let cut = stream.len() - 3;
+        let mut frames = ControlFrames::new(stream[..cut].to_vec());
+        assert!(frames.next_event().is_err());
+        let record = frames.record();
+        assert_eq!(record.message.as_deref(), Some(&b"hel"[..]));
+        assert_eq!(record.parser.open_opcode, Some(1));
+        let json = serde_json::to_string(&record).unwrap();
+        let mut resumed = ControlFrames::from_record(serde_json::from_str(&json).unwrap());
+        let space = resumed.space(3);
+        space[..3].copy_from_slice(&stream[cut..]);
+        resumed.filled(3);
+        assert_eq!(resumed.next_event(), Ok(ControlEvent::Text("hello".into())));
+    }
+}

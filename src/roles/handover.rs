@@ -1,0 +1,1276 @@
+//! The live handover's two sides (ARCHITECTURE.md "Live handover"; SPEC §12).
+//!
+//! The **giver** is a thread of every running cell or combined process (`handover`): it
+//! listens on `$ORCA_RELAY_DATA_DIR/handover.sock` and, for one `orca-relay handover` at a
+//! time, waits for the next process to be ready, quiesces the cell, sends the listeners, every
+//! connection and the state document, and either commits (the next process owns everything,
+//! this one exits 0 without touching a handed connection) or rolls back (this process takes
+//! everything back with the same code the next one would have used, and logs one line).
+//!
+//! The **taker** is the next process's side ([`Taker`]): it says it is ready once its
+//! configuration is read and its store open, receives the transfer, rebuilds the cell from the
+//! document, puts every connection behind a closed gate, confirms, and opens the gate only once
+//! the giver has said `committed`.
+//!
+//! Never: does I/O on a connection it does not own (the giver after `committed`, the taker
+//! before it); shuts a handed descriptor down; leaves a deposit behind (a failed handover
+//! resumes every one).
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::carry::{Carry, Snapshot};
+use crate::clock::{self, SharedClock};
+use crate::handover::wire::{self, Channel};
+use crate::handover::{
+    self as protocol, body, receive, send, Accepted, Begin, Cause, Kind, Outcome, Ready, Transfer,
+    HANDOVER_TIMEOUT,
+};
+use crate::http::HttpServer;
+use crate::metrics::{Registry, SeriesRecord};
+use crate::readiness::ReadinessRecord;
+use crate::relay::park::{Gate, Parked, ParkedConn, Stage, StageRecord};
+use crate::relay::phone::{Attach, PhonePlace};
+use crate::relay::socket::Socket;
+use crate::relay::splice::carry::{PairRecord, ParkedPair, ResumedLeg, ResumedPair};
+use crate::relay::{self, ConnectionHold, Phase};
+use crate::threads;
+
+use super::cell::{CellRecord, CellRuntime, CellThreadsState};
+use super::RunError;
+
+/// The state document's version this build writes.
+///
+/// 1. The first.
+/// 2. A control carries its `invite-create` bucket (`invites`; a version-1 control resumes with
+///    a full one: its process had no limit); invites are listed host by host, oldest first
+///    (version 1: by token), at most 8 a host (the oldest of a version-1 host beyond that are
+///    dropped); a connection the acceptor's pending loop held (a head arriving, a splice leg's
+///    first frame) is one with no `claims` (version 1 had them on relay threads: they go to
+///    the pending loop, as a version-2 process would have them); a spliced leg carries its
+///    output's frame cursor (version 1: its output taken as ending at a frame boundary), a
+///    frame it streams, the control frames owed to it, and its idle clock (version 1: starts
+///    at the handover); the pair's desktop for both legs.
+pub const STATE_VERSION: u32 = 2;
+/// The versions this build reads (every one from the first).
+pub const READS: &[u32] = &[1, 2];
+/// The most a state document may weigh (pending output is bounded per leg; this bounds a
+/// document that lies about its size).
+const MAX_DOCUMENT: usize = 1 << 30;
+/// How long the taker waits for the giver's word after confirming: the giver's own limit plus
+/// a margin (the giver commits or rolls back within its 10 s).
+const TAKER_WAIT: Duration = Duration::from_secs(20);
+
+/// The listeners' descriptors in the transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListenerIndices {
+    pub ws: usize,
+    pub http: usize,
+    /// The running process's standard error: the next process logs where it did.
+    pub stderr: Option<usize>,
+}
+
+/// A connection a relay thread deposited: its descriptor's index and where it was.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectionRecord {
+    pub fd: usize,
+    pub id: u64,
+    pub stage: StageRecord,
+}
+
+/// A spliced pair: its legs' descriptors' indices and the pair as the worker had it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PairEntry {
+    pub phone_fd: Option<usize>,
+    pub host_fd: Option<usize>,
+    pub pair: PairRecord,
+}
+
+/// The state document's first part (see ARCHITECTURE.md "The state format"): everything but
+/// the spliced pairs, sent while streams still flow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Document {
+    pub v: u32,
+    /// `cell` or `combined`: the next process must run the same role.
+    pub role: String,
+    pub cell_id: String,
+    pub incarnation: i64,
+    /// When the giver took the snapshot, by its clock (ms since the epoch).
+    pub snapshot_ms: u64,
+    pub from_version: String,
+    pub listeners: ListenerIndices,
+    pub cell: CellRecord,
+    pub readiness: ReadinessRecord,
+    pub connections: Vec<ConnectionRecord>,
+}
+
+/// The state document's second part: the spliced pairs and the metrics' totals, sent once the
+/// splice workers are parked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PairsDocument {
+    pub v: u32,
+    pub snapshot_ms: u64,
+    pub metrics: Vec<SeriesRecord>,
+    pub pairs: Vec<PairEntry>,
+}
+
+/// Reads a part of the state document of any version this build knows, upgraded to the
+/// current one.
+pub fn read_document<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    reads: &[u32],
+) -> Result<T, String> {
+    #[derive(Deserialize)]
+    struct Version {
+        v: u32,
+    }
+    let version: Version = serde_json::from_slice(bytes)
+        .map_err(|e| format!("the state document is not readable: {e}"))?;
+    if !reads.contains(&version.v) {
+        return Err(format!(
+            "state version {} is not one this build reads ({})",
+            version.v,
+            reads
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        format!(
+            "the state document (version {}) is not readable: {e}",
+            version.v
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The giver: the running process.
+// ---------------------------------------------------------------------------------------------
+
+/// What the giver needs of its process.
+pub struct GiverParts {
+    /// `cell` or `combined`.
+    pub role: &'static str,
+    pub cell: Arc<CellRuntime>,
+    /// The HTTP server: stopped (its requests in flight finished) when a handover commits.
+    pub http: Arc<Mutex<Option<HttpServer>>>,
+    /// A handle on the HTTP listener, to pass on.
+    pub http_listener: std::net::TcpListener,
+    pub registry: Registry,
+    pub clock: SharedClock,
+    pub data_dir: PathBuf,
+}
+
+/// The running `handover` thread.
+pub struct Giver {
+    stop: Arc<crate::wake::Wake>,
+    handle: JoinHandle<()>,
+}
+
+impl Giver {
+    /// Listens for handovers; `None` (one WARN line) when the socket cannot be bound: the
+    /// process serves, it just cannot be handed over.
+    pub fn start(parts: GiverParts) -> Option<Giver> {
+        let path = protocol::socket_path(&parts.data_dir);
+        let listener = match wire::Listener::bind(&path) {
+            Ok(listener) => listener,
+            Err(e) => {
+                log::warn!(
+                    "orca_relay_handover_unavailable path={} error={e}",
+                    path.display()
+                );
+                return None;
+            }
+        };
+        let stop = crate::wake::Wake::new().ok()?;
+        let thread_stop = stop.clone();
+        let handle = threads::spawn("handover", move || loop {
+            let far = clock::instant() + Duration::from_secs(3600);
+            match listener.accept(thread_stop.raw_fd(), far) {
+                Ok(Some(command)) => serve_request(&parts, &listener, command),
+                Ok(None) => return,
+                Err(wire::WireError::TimedOut) => continue,
+                Err(e) => {
+                    log::warn!("orca_relay_handover_accept_failed error={e}");
+                    clock::sleep(Duration::from_millis(100));
+                }
+            }
+        })
+        .ok()?;
+        Some(Giver { stop, handle })
+    }
+
+    /// Stops listening (the drain: no handover starts once it has begun).
+    pub fn stop(self) {
+        self.stop.set();
+        threads::join_logged("handover", self.handle);
+    }
+}
+
+/// A connection on the handover socket that is not the command being served: refused.
+fn refuse(channel: &Channel, cause: &str) {
+    let _ = send(
+        channel,
+        Kind::Refused,
+        &Cause {
+            token: None,
+            cause: cause.to_string(),
+        },
+        clock::instant() + Duration::from_secs(1),
+    );
+}
+
+/// One `orca-relay handover`, from its `begin` to its outcome.
+fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel) {
+    let started = clock::instant();
+    let deadline = started + HANDOVER_TIMEOUT;
+    let begin: Begin = match receive(&command, started + Duration::from_secs(2)) {
+        Ok((Kind::Begin, message)) => match body(&message) {
+            Ok(begin) => begin,
+            Err(_) => return,
+        },
+        Ok((Kind::Ready | Kind::Failed, _)) => {
+            return refuse(&command, "no handover is in progress");
+        }
+        _ => return,
+    };
+    match parts.cell.context.phase.get() {
+        Phase::SERVING => {}
+        Phase::STARTING => return refuse(&command, "the running relay is still starting"),
+        _ => return refuse(&command, "the running relay is draining"),
+    }
+    // A drain holds this lock for its whole length: no handover once it has begun.
+    let Ok(_in_progress) = parts.cell.handover.try_lock() else {
+        return refuse(&command, "the running relay is draining");
+    };
+    let Some(token) = protocol::token() else {
+        return refuse(&command, "no randomness for the handover's token");
+    };
+    let accepted = Accepted {
+        token: token.clone(),
+        pid: std::process::id(),
+        version: protocol::version(),
+    };
+    if send(&command, Kind::Accepted, &accepted, deadline).is_err() {
+        return;
+    }
+    log::info!(
+        "orca_relay_handover_started command_pid={} command_version={}",
+        begin.pid,
+        begin.version
+    );
+    let mut flight = InFlight {
+        parts,
+        command: &command,
+        command_open: true,
+        next: None,
+        quiesced: None,
+        started,
+        deadline,
+    };
+    let result = flight
+        .wait_for_next(listener, &token)
+        .and_then(|()| flight.quiesce())
+        .and_then(|snapshot| flight.transfer_cell(snapshot))
+        .and_then(|()| flight.await_next(Kind::Built))
+        .and_then(|()| flight.park_workers())
+        .and_then(|snapshot| flight.transfer_pairs(snapshot))
+        .and_then(|()| flight.await_next(Kind::Confirm))
+        .and_then(|()| flight.commit());
+    match result {
+        Ok(()) => flight.exit_after_commit(),
+        Err(cause) => flight.roll_back(cause),
+    }
+}
+
+/// What a quiesce stopped, to send on or to start again.
+#[derive(Default)]
+struct Quiesced {
+    threads: Option<CellThreadsState>,
+    deposits: Vec<Parked>,
+    /// `Some` once the workers were asked to park (they must be unparked on a rollback).
+    pairs: Option<Vec<ParkedPair>>,
+    paused_at: Option<Instant>,
+    connections: usize,
+    /// Milestones for the log line: deposits done, threads stopped, workers parked, sent.
+    phases: Vec<(&'static str, Instant)>,
+}
+
+struct InFlight<'a> {
+    parts: &'a GiverParts,
+    command: &'a Channel,
+    /// The command's end is still open (an outcome can be sent).
+    command_open: bool,
+    next: Option<(Channel, Ready)>,
+    quiesced: Option<Quiesced>,
+    started: Instant,
+    deadline: Instant,
+}
+
+impl InFlight<'_> {
+    /// Waits for the next process's `ready` (or its `failed`, or the command's `abort`).
+    fn wait_for_next(&mut self, listener: &wire::Listener, token: &str) -> Result<(), String> {
+        loop {
+            let arrived = match listener.accept(self.command.as_raw_fd(), self.deadline) {
+                Ok(arrived) => arrived,
+                Err(wire::WireError::TimedOut) => {
+                    return Err("the new process was not ready within 10 s".into())
+                }
+                Err(e) => return Err(format!("the handover socket failed: {e}")),
+            };
+            let Some(channel) = arrived else {
+                // The command spoke (or went away): only an abort is expected.
+                return Err(self.command_cause());
+            };
+            let first = receive(
+                &channel,
+                self.deadline.min(clock::instant() + Duration::from_secs(2)),
+            );
+            match first {
+                Ok((Kind::Ready, message)) => match body::<Ready>(&message) {
+                    Ok(ready) if ready.token == token => {
+                        if !ready.reads.contains(&STATE_VERSION) {
+                            let cause = format!(
+                                "the new process ({}) cannot read state version {STATE_VERSION}",
+                                ready.version
+                            );
+                            self.next = Some((channel, ready));
+                            return Err(cause);
+                        }
+                        self.next = Some((channel, ready));
+                        return Ok(());
+                    }
+                    _ => refuse(&channel, "not the handover in progress"),
+                },
+                Ok((Kind::Failed, message)) => match body::<Cause>(&message) {
+                    Ok(cause) if cause.token.as_deref() == Some(token) => return Err(cause.cause),
+                    _ => refuse(&channel, "not the handover in progress"),
+                },
+                Ok((Kind::Begin, _)) => refuse(&channel, "another handover is in progress"),
+                _ => {}
+            }
+        }
+    }
+
+    /// Why the command spoke up: its abort's cause, or that it went away.
+    fn command_cause(&mut self) -> String {
+        match receive(self.command, clock::instant() + Duration::from_secs(1)) {
+            Ok((Kind::Abort, message)) => body::<Cause>(&message)
+                .map(|cause| cause.cause)
+                .unwrap_or_else(|_| "the handover command aborted".into()),
+            _ => {
+                self.command_open = false;
+                "the handover command went away".into()
+            }
+        }
+    }
+
+    /// Quiesces the cell's connections: bookings refused, the cell-wide threads stopped, the
+    /// acceptor stopped, attaches frozen, every relay thread deposited. Spliced pairs still
+    /// flow.
+    /// Returns the snapshot's moment.
+    fn quiesce(&mut self) -> Result<Snapshot, String> {
+        let cell = &self.parts.cell;
+        let context = &cell.context;
+        cell.frozen.store(true, Ordering::Release);
+        let quiesced = self.quiesced.insert(Quiesced::default());
+        // The cell-wide threads first: none of them writes to (or closes) a connection once it
+        // is deposited.
+        quiesced.threads = cell.quiesce_threads();
+        quiesced.phases.push(("threads", clock::instant()));
+        // The acceptor's pending connections (no credential checked yet) as they stand.
+        quiesced.deposits = cell.stop_acceptor();
+        // Quiescing before the attaches freeze: a waiting phone woken by the freeze must find
+        // the quiesce begun, or it would take the wake for nothing and wait on.
+        context.quiesce.begin();
+        context.cell.freeze_attaches(|| Attach::Wake);
+        let all_parked = context
+            .quiesce
+            .wait_all_holding(&context.thread_permits, self.deadline);
+        if !all_parked {
+            return Err(format!(
+                "{} connections did not reach a frame boundary within 10 s",
+                context
+                    .thread_permits
+                    .used()
+                    .saturating_sub(context.quiesce.holding())
+            ));
+        }
+        quiesced.deposits.extend(context.quiesce.take_deposits());
+        quiesced.connections = quiesced.deposits.len();
+        quiesced.phases.push(("deposited", clock::instant()));
+        Ok(Snapshot {
+            now_ms: self.parts.clock.now_ms(),
+            now: clock::instant(),
+        })
+    }
+
+    /// Parks the splice workers (last: streams pause only from here). Returns the snapshot's
+    /// moment for the pairs.
+    fn park_workers(&mut self) -> Result<Snapshot, String> {
+        let context = &self.parts.cell.context;
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
+        let snapshot = Snapshot {
+            now_ms: self.parts.clock.now_ms(),
+            now: clock::instant(),
+        };
+        quiesced.paused_at = Some(clock::instant());
+        quiesced.pairs = Some(Vec::new());
+        let pairs = context.splice.park(snapshot, self.deadline)?;
+        quiesced.pairs = Some(pairs);
+        quiesced.phases.push(("parked", clock::instant()));
+        Ok(snapshot)
+    }
+
+    /// Sends the listeners, every deposited connection and the cell's state.
+    fn transfer_cell(&mut self, snapshot: Snapshot) -> Result<(), String> {
+        let parts = self.parts;
+        let cell = &parts.cell;
+        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
+        let ws = cell
+            .idle_listener_fd()
+            .ok_or("the WebSocket listener is not idle")?;
+        let mut fds: Vec<RawFd> = vec![ws, parts.http_listener.as_raw_fd(), 2];
+        let listeners = ListenerIndices {
+            ws: 0,
+            http: 1,
+            stderr: Some(2),
+        };
+        let mut connections = Vec::new();
+        for parked in &quiesced.deposits {
+            connections.push(ConnectionRecord {
+                fd: fds.len(),
+                id: parked.id,
+                stage: parked.stage.record(snapshot.now),
+            });
+            fds.push(parked.conn.raw_fd());
+        }
+        let threads = quiesced
+            .threads
+            .as_ref()
+            .ok_or("the cell's threads were not running")?;
+        let document = Document {
+            v: STATE_VERSION,
+            role: parts.role.to_string(),
+            cell_id: cell.context.cell_id.to_string(),
+            incarnation: cell.context.incarnation,
+            snapshot_ms: snapshot.now_ms,
+            from_version: protocol::version(),
+            listeners,
+            cell: cell.record(&snapshot, threads),
+            readiness: cell.readiness().state_record(&snapshot),
+            connections,
+        };
+        self.send_part(&document, &fds, "sent")
+    }
+
+    /// Sends the spliced pairs' sockets and state, and the metrics' totals.
+    fn transfer_pairs(&mut self, snapshot: Snapshot) -> Result<(), String> {
+        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
+        let mut fds: Vec<RawFd> = Vec::new();
+        let mut pairs = Vec::new();
+        for pair in quiesced.pairs.iter().flatten() {
+            let mut index_of = |socket: &Option<Arc<Socket>>| {
+                socket.as_ref().map(|socket| {
+                    fds.push(socket.stream().as_raw_fd());
+                    fds.len() - 1
+                })
+            };
+            let phone_fd = index_of(&pair.phone);
+            let host_fd = index_of(&pair.host);
+            pairs.push(PairEntry {
+                phone_fd,
+                host_fd,
+                pair: pair.record.clone(),
+            });
+        }
+        let document = PairsDocument {
+            v: STATE_VERSION,
+            snapshot_ms: snapshot.now_ms,
+            metrics: self.parts.registry.record(),
+            pairs,
+        };
+        self.send_part(&document, &fds, "pairs sent")
+    }
+
+    /// One part of the state: its header, its descriptors, its document.
+    fn send_part<T: Serialize>(
+        &mut self,
+        document: &T,
+        fds: &[RawFd],
+        milestone: &'static str,
+    ) -> Result<(), String> {
+        let (next, _) = self.next.as_ref().ok_or("no new process")?;
+        let bytes = serde_json::to_vec(document)
+            .map_err(|e| format!("cannot write the state document: {e}"))?;
+        let header = Transfer {
+            version: STATE_VERSION,
+            document_bytes: bytes.len(),
+            fds: fds.len(),
+            notify_socket: crate::lifecycle::notify_socket()
+                .and_then(|socket| socket.into_string().ok()),
+            watchdog_usec: crate::lifecycle::watchdog_usec(),
+            from_pid: std::process::id(),
+            from_version: protocol::version(),
+        };
+        protocol::send_transfer(next, &header, &bytes, fds, self.deadline)
+            .map_err(|e| format!("the transfer to the new process failed: {e}"))?;
+        if let Some(quiesced) = self.quiesced.as_mut() {
+            quiesced.phases.push((milestone, clock::instant()));
+        }
+        Ok(())
+    }
+
+    /// Waits for the next process's `built` or `confirm` (`wanted`).
+    fn await_next(&mut self, wanted: Kind) -> Result<(), String> {
+        let next_fd = self
+            .next
+            .as_ref()
+            .map(|(next, _)| next.as_raw_fd())
+            .ok_or("no new process")?;
+        loop {
+            let watched: Vec<RawFd> = if self.command_open {
+                vec![next_fd, self.command.as_raw_fd()]
+            } else {
+                vec![next_fd]
+            };
+            let ready = wire::wait_readable(&watched, self.deadline).map_err(|e| match e {
+                wire::WireError::TimedOut => "the new process did not confirm within 10 s".into(),
+                other => format!("waiting for the new process failed: {other}"),
+            })?;
+            if ready.get(1).copied().unwrap_or(false) {
+                let cause = self.command_cause();
+                if self.command_open {
+                    return Err(cause);
+                }
+                // The command went away: the handover goes on without it.
+                continue;
+            }
+            let (next, _) = self.next.as_ref().ok_or("no new process")?;
+            return match receive(next, self.deadline) {
+                Ok((kind, _)) if kind == wanted => Ok(()),
+                Ok((Kind::Failed, message)) => Err(body::<Cause>(&message)
+                    .map(|cause| cause.cause)
+                    .unwrap_or_else(|_| "the new process failed".into())),
+                Ok(_) => Err(format!(
+                    "the new process sent something other than {wanted:?}"
+                )),
+                Err(wire::WireError::Closed) => {
+                    Err("the new process exited before confirming".into())
+                }
+                Err(e) => Err(format!("the new process's answer failed: {e}")),
+            };
+        }
+    }
+
+    /// The commit point: systemd follows the next process first, then `committed`.
+    fn commit(&mut self) -> Result<(), String> {
+        let (next, ready) = self.next.as_ref().ok_or("no new process")?;
+        let under_systemd = crate::lifecycle::notify_socket().is_some();
+        if under_systemd {
+            crate::lifecycle::notify_main_pid(ready.pid);
+            if let Err(e) = crate::lifecycle::notify_barrier(Duration::from_secs(2)) {
+                log::warn!("orca_relay_handover_barrier_failed error={e}");
+            }
+        }
+        let sent = send(
+            next,
+            Kind::Committed,
+            &serde_json::json!({}),
+            clock::instant() + Duration::from_secs(2),
+        );
+        if let Err(e) = sent {
+            if under_systemd {
+                crate::lifecycle::notify_main_pid(std::process::id());
+                let _ = crate::lifecycle::notify_barrier(Duration::from_secs(2));
+            }
+            return Err(format!("the new process went away before the commit: {e}"));
+        }
+        Ok(())
+    }
+
+    /// The milestones as `name:ms,…` from the start (the log line's `phases_ms`).
+    fn phases(&self) -> String {
+        let Some(quiesced) = self.quiesced.as_ref() else {
+            return "-".into();
+        };
+        quiesced
+            .phases
+            .iter()
+            .map(|(name, at)| format!("{name}:{}", at.duration_since(self.started).as_millis()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn outcome(&self, committed: bool, cause: Option<String>) -> Outcome {
+        let quiesced = self.quiesced.as_ref();
+        Outcome {
+            committed,
+            cause,
+            new_pid: self.next.as_ref().map(|(_, ready)| ready.pid),
+            new_version: self.next.as_ref().map(|(_, ready)| ready.version.clone()),
+            connections: quiesced.map_or(0, |q| q.connections),
+            pairs: quiesced.and_then(|q| q.pairs.as_ref()).map_or(0, Vec::len),
+            paused_ms: quiesced
+                .and_then(|q| q.paused_at)
+                .map_or(0, |at| at.elapsed().as_millis() as u64),
+            took_ms: self.started.elapsed().as_millis() as u64,
+        }
+    }
+
+    /// Committed: the next process owns every connection. This one tells the command, stops
+    /// beating, lets its HTTP requests in flight finish (the listener stays open for the next
+    /// process) and exits 0 without touching a handed connection (no destructor runs).
+    fn exit_after_commit(self) -> ! {
+        // No new HTTP connection for this process from now on: once the command has the
+        // outcome, every request is the next process's.
+        let http = self
+            .parts
+            .http
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let http = http.map(|mut http| {
+            http.stop_accepting();
+            http
+        });
+        let outcome = self.outcome(true, None);
+        let phases = self.phases();
+        log::info!(
+            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases}",
+            outcome.new_pid.unwrap_or(0),
+            outcome.new_version.as_deref().unwrap_or("-"),
+            outcome.connections,
+            outcome.pairs,
+            outcome.paused_ms,
+            outcome.took_ms
+        );
+        if self.command_open {
+            let _ = send(
+                self.command,
+                Kind::Outcome,
+                &outcome,
+                clock::instant() + Duration::from_secs(1),
+            );
+        }
+        self.parts.cell.stop_heartbeat();
+        if let Some(http) = http {
+            http.stop_for_handover();
+        }
+        log::info!(
+            "orca_relay_shutdown_finished role={} handed_over=true",
+            self.parts.role
+        );
+        log::logger().flush();
+        std::process::exit(0)
+    }
+
+    /// Failed before the commit: the next process is told (it exits touching nothing), every
+    /// connection resumes here where it was, the threads start again from their state, one
+    /// line is logged and the command hears the cause.
+    fn roll_back(mut self, cause: String) {
+        if let Some((next, _)) = &self.next {
+            let _ = send(
+                next,
+                Kind::Rollback,
+                &Cause {
+                    token: None,
+                    cause: cause.clone(),
+                },
+                clock::instant() + Duration::from_secs(1),
+            );
+        }
+        let cell = &self.parts.cell;
+        let context = &cell.context;
+        let outcome = self.outcome(false, Some(cause.clone()));
+        if let Some(quiesced) = self.quiesced.take() {
+            let mut deposits = quiesced.deposits;
+            deposits.extend(context.quiesce.end());
+            // The threads that held their deposited connections end first: the connections
+            // resume on new threads, never beside the old ones (the thread bound holds).
+            if !context
+                .quiesce
+                .wait_released(clock::instant() + Duration::from_secs(10))
+            {
+                log::warn!(
+                    "orca_relay_handover_threads_lingering threads={}",
+                    context.quiesce.holding()
+                );
+            }
+            context.cell.thaw_attaches();
+            let (pending, deposits): (Vec<Parked>, Vec<Parked>) = deposits
+                .into_iter()
+                .partition(|parked| parked.stage.is_pending());
+            cell.carry_pending(pending);
+            resume_all(context, deposits, None);
+            if quiesced.pairs.is_some() {
+                context.splice.unpark();
+            }
+            if let Some(threads) = quiesced.threads {
+                if let Err(e) = cell.restart_threads(threads) {
+                    log::error!("orca_relay_handover_restart_failed error={e}");
+                }
+            }
+            cell.resume_reregistration();
+            if let Err(e) = cell.start_acceptor() {
+                log::error!("orca_relay_handover_restart_failed error={e}");
+            }
+        }
+        cell.frozen.store(false, Ordering::Release);
+        log::warn!(
+            "orca_relay_handover_failed cause={:?} new_pid={} paused_ms={} took_ms={}",
+            cause,
+            outcome.new_pid.unwrap_or(0),
+            outcome.paused_ms,
+            outcome.took_ms
+        );
+        if self.command_open {
+            let _ = send(
+                self.command,
+                Kind::Outcome,
+                &outcome,
+                clock::instant() + Duration::from_secs(1),
+            );
+        }
+    }
+}
+
+/// Resumes deposited connections, waiting phones first (their pending entries must be back
+/// before a data leg looks for them).
+fn resume_all(context: &relay::RelayContext, deposits: Vec<Parked>, gate: Option<Arc<Gate>>) {
+    let (waiting, others): (Vec<Parked>, Vec<Parked>) = deposits
+        .into_iter()
+        .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
+    for parked in waiting.into_iter().chain(others) {
+        let id = parked.id;
+        if let Err(e) = relay::resume(context, parked, gate.clone()) {
+            log::error!("orca_relay_handover_resume_failed conn={id} error={e}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The taker: the next process.
+// ---------------------------------------------------------------------------------------------
+
+/// A fault a test asks the next process to fake (`orca-relay handover --test-fault …`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Exits with status 3 before doing anything.
+    ExitAtStart,
+    /// Aborts once half the descriptors have arrived.
+    DieAfterHalf,
+    /// Reads no state version (as a build that does not know the running one's).
+    RejectStateVersion,
+    /// Never confirms (the running process's 10 s run out).
+    NeverConfirm,
+}
+
+impl Fault {
+    pub fn parse(text: &str) -> Option<Fault> {
+        match text {
+            "exit-at-start" => Some(Fault::ExitAtStart),
+            "die-after-half" => Some(Fault::DieAfterHalf),
+            "reject-state-version" => Some(Fault::RejectStateVersion),
+            "never-confirm" => Some(Fault::NeverConfirm),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fault::ExitAtStart => "exit-at-start",
+            Fault::DieAfterHalf => "die-after-half",
+            Fault::RejectStateVersion => "reject-state-version",
+            Fault::NeverConfirm => "never-confirm",
+        }
+    }
+}
+
+/// Set once this process (as the next one of a handover) has been told `committed`.
+static COMMITTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process took over with a committed handover (after which its failures are its
+/// own, not the handover's).
+pub fn committed() -> bool {
+    COMMITTED.load(Ordering::Acquire)
+}
+
+/// How the next process was started: `orca-relay run --take-over <socket> --token <token>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakeOver {
+    pub socket: PathBuf,
+    pub token: String,
+    pub fault: Option<Fault>,
+}
+
+/// The next process's side of the handover, from `ready` to the giver's word.
+pub struct Taker {
+    channel: Channel,
+    token: String,
+    fault: Option<Fault>,
+    pub gate: Arc<Gate>,
+    pub document: Document,
+    pub carry: Carry,
+    reads: Vec<u32>,
+    pub header: Transfer,
+    fds: Vec<Option<OwnedFd>>,
+    /// Pairs to hand to the splice workers once committed.
+    pairs: Vec<ResumedPair>,
+    pub received_at: Instant,
+    /// Milestones for the log line (from `received_at`).
+    marks: Vec<(&'static str, Instant)>,
+}
+
+/// A take-over that could not go on: tell the giver (which rolls back) and stop.
+pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
+    let deadline = clock::instant() + Duration::from_secs(2);
+    if let Ok(channel) = Channel::connect(socket, deadline) {
+        let _ = send(
+            &channel,
+            Kind::Failed,
+            &Cause {
+                token: Some(token.to_string()),
+                cause: cause.to_string(),
+            },
+            deadline,
+        );
+    }
+}
+
+impl Taker {
+    /// Says `ready` and receives the whole transfer; `Err` is the cause (already told to the
+    /// giver when it can hear it).
+    pub fn receive(
+        take_over: &TakeOver,
+        role: &str,
+        cell_id: &str,
+        clock: &SharedClock,
+    ) -> Result<Taker, RunError> {
+        let deadline = clock::instant() + TAKER_WAIT;
+        let channel = Channel::connect(&take_over.socket, deadline).map_err(|e| {
+            RunError(format!(
+                "cannot reach the running relay at {}: {e}",
+                take_over.socket.display()
+            ))
+        })?;
+        let reads: Vec<u32> = if take_over.fault == Some(Fault::RejectStateVersion) {
+            Vec::new()
+        } else {
+            READS.to_vec()
+        };
+        let ready = Ready {
+            token: take_over.token.clone(),
+            pid: std::process::id(),
+            version: protocol::version(),
+            reads: reads.clone(),
+        };
+        send(&channel, Kind::Ready, &ready, deadline)
+            .map_err(|e| RunError(format!("the running relay did not hear ready: {e}")))?;
+        let header: Transfer = match receive(&channel, deadline) {
+            Ok((Kind::Transfer, message)) => {
+                body(&message).map_err(|e| RunError(format!("a malformed transfer header: {e}")))?
+            }
+            Ok((Kind::Rollback | Kind::Refused, message)) => {
+                let cause = body::<Cause>(&message).map(|c| c.cause).unwrap_or_default();
+                return Err(RunError(format!("the running relay rolled back: {cause}")));
+            }
+            Ok(_) => {
+                return Err(RunError(
+                    "an unexpected message instead of a transfer".into(),
+                ))
+            }
+            Err(e) => return Err(RunError(format!("no transfer came: {e}"))),
+        };
+        let half = header.fds / 2;
+        let fault = take_over.fault;
+        let received = protocol::receive_transfer(&channel, header, MAX_DOCUMENT, deadline, |n| {
+            if fault == Some(Fault::DieAfterHalf) && n >= half {
+                // A test's fault: die with half the descriptors received.
+                std::process::abort();
+            }
+        })
+        .map_err(|e| RunError(format!("the transfer failed: {e}")))?;
+        let fail = |channel: &Channel, cause: String| {
+            let _ = send(
+                channel,
+                Kind::Failed,
+                &Cause {
+                    token: Some(take_over.token.clone()),
+                    cause: cause.clone(),
+                },
+                clock::instant() + Duration::from_secs(2),
+            );
+            RunError(cause)
+        };
+        let document: Document = match read_document(&received.document, &reads) {
+            Ok(document) => document,
+            Err(cause) => return Err(fail(&channel, cause)),
+        };
+        if document.role != role || document.cell_id != cell_id {
+            let cause = format!(
+                "the running relay is a {} cell {:?}; this configuration runs a {role} cell {cell_id:?} (restart to change)",
+                document.role, document.cell_id
+            );
+            return Err(fail(&channel, cause));
+        }
+        let received_at = clock::instant();
+        let carry = Carry::new(clock.now_ms(), received_at, document.snapshot_ms);
+        crate::lifecycle::adopt_systemd(
+            received.header.notify_socket.as_deref(),
+            received.header.watchdog_usec,
+        );
+        Ok(Taker {
+            channel,
+            token: take_over.token.clone(),
+            fault,
+            gate: Gate::new(),
+            document,
+            carry,
+            reads,
+            header: received.header,
+            fds: received.fds.into_iter().map(Some).collect(),
+            pairs: Vec::new(),
+            received_at,
+            marks: Vec::new(),
+        })
+    }
+
+    /// Notes a milestone of the rebuild.
+    pub fn mark(&mut self, name: &'static str) {
+        self.marks.push((name, clock::instant()));
+    }
+
+    /// The milestones as `name:ms,…` since the transfer arrived.
+    pub fn phases(&self) -> String {
+        self.marks
+            .iter()
+            .map(|(name, at)| format!("{name}:{}", at.duration_since(self.received_at).as_millis()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Tells the giver this process cannot go on (it rolls back).
+    pub fn fail(&self, cause: &str) -> RunError {
+        let _ = send(
+            &self.channel,
+            Kind::Failed,
+            &Cause {
+                token: Some(self.token.clone()),
+                cause: cause.to_string(),
+            },
+            clock::instant() + Duration::from_secs(2),
+        );
+        RunError(cause.to_string())
+    }
+
+    fn take_fd(&mut self, index: usize) -> Result<OwnedFd, RunError> {
+        self.fds
+            .get_mut(index)
+            .and_then(Option::take)
+            .ok_or_else(|| self.fail(&format!("descriptor {index} missing from the transfer")))
+    }
+
+    /// The listeners (WebSocket, HTTP), and the running process's standard error adopted as
+    /// this one's (its logs go where the running process's went).
+    pub fn listeners(
+        &mut self,
+    ) -> Result<(std::net::TcpListener, std::net::TcpListener), RunError> {
+        let indices = self.document.listeners.clone();
+        if let Some(stderr) = indices.stderr {
+            let fd = self.take_fd(stderr)?;
+            // SAFETY: dup2 onto our standard error; both descriptors are valid.
+            unsafe { libc::dup2(fd.as_raw_fd(), 2) };
+        }
+        let ws = std::net::TcpListener::from(self.take_fd(indices.ws)?);
+        let http = std::net::TcpListener::from(self.take_fd(indices.http)?);
+        Ok((ws, http))
+    }
+
+    /// Gives every carried connection to a relay thread held at the gate, and prepares every
+    /// pair for the splice workers; nothing does I/O until [`Taker::commit`] opens the gate.
+    pub fn import_connections(&mut self, cell: &CellRuntime) -> Result<(), RunError> {
+        self.mark("built");
+        let context = &cell.context;
+        let now = clock::instant();
+        let records = std::mem::take(&mut self.document.connections);
+        let mut deposits = Vec::new();
+        let mut pending = Vec::new();
+        for record in records {
+            let fd = self.take_fd(record.fd)?;
+            let stream = std::net::TcpStream::from(fd);
+            let stage = record.stage.stage(now, self.carry.elapsed_ms);
+            let wedge = Duration::from_millis(context.timings.wedge_ms);
+            let parked = match stage {
+                // The acceptor's pending loop takes these once the handover has committed.
+                stage if stage.is_pending() => {
+                    pending.push(Parked {
+                        id: record.id,
+                        conn: ParkedConn::Pending(stream),
+                        stage,
+                        hold: None,
+                        place: None,
+                    });
+                    continue;
+                }
+                stage => {
+                    let _ = stream.set_write_timeout(Some(wedge));
+                    let socket = Socket::new_control(record.id, stream);
+                    let kind = stage_kind(&stage);
+                    let place = match &stage {
+                        Stage::PhoneWaiting { phone, .. } => {
+                            Some(PhonePlace::carried(&context.cell, &phone.relay_host_id))
+                        }
+                        _ => None,
+                    };
+                    if let Stage::Control { control, .. } = &stage {
+                        let restored = context.cell.restore_control(crate::cell::state::Control {
+                            socket: socket.clone(),
+                            user_id: control.claims.user_id.clone(),
+                            relay_host_id: control.claims.relay_host_id.clone(),
+                            epoch: control.epoch,
+                            generation: control.generation,
+                            admitted_via: control.admitted_via.into(),
+                            lease_id: control.lease_id.clone(),
+                        });
+                        if !restored {
+                            return Err(self.fail(&format!(
+                                "control {} of host {} has no seat in the state",
+                                record.id, control.claims.relay_host_id
+                            )));
+                        }
+                    }
+                    Parked {
+                        id: record.id,
+                        conn: ParkedConn::Socket(socket),
+                        stage,
+                        hold: Some(ConnectionHold::carried(context, kind)),
+                        place,
+                    }
+                }
+            };
+            deposits.push(parked);
+        }
+        let (waiting, others): (Vec<Parked>, Vec<Parked>) = deposits
+            .into_iter()
+            .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
+        for parked in waiting.into_iter().chain(others) {
+            let id = parked.id;
+            relay::resume(context, parked, Some(self.gate.clone())).map_err(|e| {
+                self.fail(&format!("cannot start a thread for connection {id}: {e}"))
+            })?;
+        }
+        cell.carry_pending(pending);
+        self.mark("threads");
+        Ok(())
+    }
+
+    /// Says `built`, receives the spliced pairs and the metrics' totals (the running process
+    /// parks its splice workers only now), and prepares each pair for a splice worker (handed
+    /// over at the commit).
+    pub fn receive_pairs(
+        &mut self,
+        cell: &CellRuntime,
+        registry: &Registry,
+        clock: &SharedClock,
+    ) -> Result<(), RunError> {
+        let deadline = clock::instant() + TAKER_WAIT;
+        send(&self.channel, Kind::Built, &serde_json::json!({}), deadline)
+            .map_err(|e| RunError(format!("the running relay did not hear built: {e}")))?;
+        let header: Transfer = match receive(&self.channel, deadline) {
+            Ok((Kind::Transfer, message)) => {
+                body(&message).map_err(|e| RunError(format!("a malformed transfer header: {e}")))?
+            }
+            Ok((Kind::Rollback | Kind::Refused, _)) | Err(_) => {
+                log::logger().flush();
+                std::process::exit(1);
+            }
+            Ok(_) => return Err(self.fail("an unexpected message instead of the pairs")),
+        };
+        let received =
+            protocol::receive_transfer(&self.channel, header, MAX_DOCUMENT, deadline, |_| {})
+                .map_err(|e| self.fail(&format!("the pairs' transfer failed: {e}")))?;
+        self.mark("pairs received");
+        let document: PairsDocument = match read_document(&received.document, &self.reads) {
+            Ok(document) => document,
+            Err(cause) => return Err(self.fail(&cause)),
+        };
+        registry.restore(&document.metrics);
+        let carry = Carry::new(clock.now_ms(), clock::instant(), document.snapshot_ms);
+        self.fds = received.fds.into_iter().map(Some).collect();
+        let context = &cell.context;
+        for entry in document.pairs {
+            let mut leg = |fd: Option<usize>,
+                           record: Option<crate::relay::splice::carry::LegRecord>,
+                           kind: &'static str,
+                           host: Option<&str>|
+             -> Result<Option<ResumedLeg>, RunError> {
+                let (Some(fd), Some(record)) = (fd, record) else {
+                    return Ok(None);
+                };
+                let stream = std::net::TcpStream::from(self.take_fd(fd)?);
+                let socket = Socket::new_splice(record.id, stream);
+                let mut release: Vec<crate::relay::splice::Release> =
+                    vec![Box::new(ConnectionHold::carried(context, kind))];
+                if let Some(host) = host {
+                    release.push(Box::new(PhonePlace::carried(&context.cell, host)));
+                }
+                Ok(Some(ResumedLeg {
+                    socket,
+                    last_progress_ms: carry.moment_ms(record.progress_ago_ms),
+                    linger_due_ms: record.linger_left_ms.map(|left| carry.deadline_ms(left)),
+                    // A version-1 leg had no idle window: it starts now.
+                    last_arrival_ms: record
+                        .arrival_ago_ms
+                        .map_or(carry.now_ms, |ago| carry.moment_ms(ago)),
+                    record,
+                    release,
+                }))
+            };
+            let host_id = entry.pair.relay_host_id.clone();
+            let phone = leg(
+                entry.phone_fd,
+                entry.pair.phone,
+                "phone",
+                host_id.as_deref(),
+            )?;
+            let host = leg(entry.host_fd, entry.pair.host, "data", None)?;
+            self.pairs.push(ResumedPair {
+                relay_host_id: host_id,
+                phone,
+                host,
+            });
+        }
+        self.mark("pairs");
+        Ok(())
+    }
+
+    /// Confirms and waits for the giver's word. `committed`: the gate opens, the pairs go to the
+    /// splice workers, and this process owns everything. A `rollback` (or a refusal) ends this
+    /// process at once with status 1, having touched nothing; so does a giver that went away
+    /// without a word (it may have failed to send its `rollback` and be serving again: only a
+    /// `committed` read here makes this process an owner).
+    pub fn commit(&mut self, cell: &CellRuntime) -> Result<(usize, usize), RunError> {
+        if self.fault == Some(Fault::NeverConfirm) {
+            // A test's fault: never confirm; the giver's clock runs out and it rolls back.
+            let _ = receive(&self.channel, clock::instant() + TAKER_WAIT);
+            std::process::exit(1);
+        }
+        let deadline = clock::instant() + TAKER_WAIT;
+        send(
+            &self.channel,
+            Kind::Confirm,
+            &serde_json::json!({}),
+            deadline,
+        )
+        .map_err(|e| RunError(format!("the running relay did not hear confirm: {e}")))?;
+        match receive(&self.channel, deadline) {
+            Ok((Kind::Committed, _)) => {}
+            Ok(_) | Err(_) => {
+                // Rolled back (or no word): exit without touching a connection.
+                log::logger().flush();
+                std::process::exit(1);
+            }
+        }
+        COMMITTED.store(true, Ordering::Release);
+        self.mark("committed");
+        // The streams first: a thousand relay threads waking at once at the gate must not
+        // stand between a splice worker and its pairs.
+        let pairs = std::mem::take(&mut self.pairs);
+        let count = pairs.len();
+        for pair in pairs {
+            if let Err(pair) = cell.context.splice.resume(pair) {
+                log::error!(
+                    "orca_relay_handover_pair_dropped host={}",
+                    pair.relay_host_id.as_deref().unwrap_or("-")
+                );
+            }
+        }
+        self.gate.open();
+        Ok((count, self.header.fds))
+    }
+}
+
+fn stage_kind(stage: &Stage) -> &'static str {
+    match stage {
+        Stage::Control { .. } => "control",
+        Stage::PhoneWaiting { .. } => "phone",
+        Stage::FirstFrame { path, .. } => {
+            crate::relay::upgrade::route(path).map_or("control", |r| r.kind())
+        }
+        Stage::Upgrading { .. } => "pending",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_known_versions_are_read() {
+        let document = br#"{"v":99}"#;
+        let error = read_document::<Document>(document, READS).unwrap_err();
+        assert!(error.contains("state version 99"), "{error}");
+        assert!(read_document::<PairsDocument>(b"not json", READS).is_err());
+    }
+
+    /// The state a version-1 build sent (`tests/fixtures/handover/v1`, captured from the build
+    /// before the format's last change) reads as this version: its controls resume with a
+    /// full invite bucket.
+    #[test]
+    fn a_version_1_document_reads() {
+        let cell = include_bytes!("../../tests/fixtures/handover/v1/cell.json");
+        let pairs = include_bytes!("../../tests/fixtures/handover/v1/pairs.json");
+        let document = read_document::<Document>(cell, READS).unwrap();
+        assert_eq!(document.v, 1);
+        let controls: Vec<_> = document
+            .connections
+            .iter()
+            .filter(|record| {
+                matches!(
+                    record.stage,
+                    crate::relay::park::StageRecord::Control { .. }
+                )
+            })
+            .collect();
+        assert_eq!(controls.len(), 3);
+        let now = clock::instant();
+        for record in controls {
+            match record.stage.clone().stage(now, 0) {
+                Stage::Control { invites, .. } => {
+                    assert_eq!(invites.available, crate::protocol::INVITE_CREATE_BURST)
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let pairs = read_document::<PairsDocument>(pairs, READS).unwrap();
+        assert_eq!(pairs.pairs.len(), 1);
+        assert!(read_document::<Document>(cell, &[2]).is_err());
+    }
+
+    #[test]
+    fn faults_parse_by_name() {
+        for fault in [
+            Fault::ExitAtStart,
+            Fault::DieAfterHalf,
+            Fault::RejectStateVersion,
+            Fault::NeverConfirm,
+        ] {
+            assert_eq!(Fault::parse(fault.as_str()), Some(fault));
+        }
+        assert_eq!(Fault::parse("other"), None);
+    }
+}
