@@ -1154,14 +1154,12 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
         None => None,
     };
-    let incarnation = taker
-        .as_ref()
-        .map_or_else(
-            // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
-            // cannot make this run look older than the last one (cell::incarnation).
-            || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
-            |taker| taker.document.incarnation,
-        );
+    let incarnation = taker.as_ref().map_or_else(
+        // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
+        // cannot make this run look older than the last one (cell::incarnation).
+        || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
+        |taker| taker.document.incarnation,
+    );
 
     // 1. Both listeners first: /health answers while the handshake runs.
     let listeners = super::listeners(&config, taker.as_mut(), true)?;
