@@ -6,7 +6,7 @@
 //! clock is anchored once at start and then advanced by a monotonic `Instant`, so it never goes
 //! backwards when the wall clock is stepped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,18 +27,30 @@ pub type SharedClock = Arc<dyn Clock>;
 pub struct SystemClock {
     anchor_wall_ms: u64,
     anchor: Instant,
+    /// The test knob's offset ([`offset_system_clock`]): settable until the wall time is
+    /// first read, fixed after.
+    offset_ms: AtomicI64,
+    read: AtomicBool,
 }
 
 impl SystemClock {
-    #[allow(clippy::disallowed_methods)] // the one place that reads the wall clock
     pub fn new() -> Self {
-        let anchor_wall_ms = SystemTime::now()
+        SystemClock::with_offset_ms(0)
+    }
+
+    /// The system clock moved by `offset_ms` (negative: behind). Only the test knob
+    /// `ORCA_RELAY_TEST_CLOCK_OFFSET_MS` asks for one (see [`offset_system_clock`]).
+    #[allow(clippy::disallowed_methods)] // the one place that reads the wall clock
+    pub fn with_offset_ms(offset_ms: i64) -> Self {
+        let wall_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         SystemClock {
-            anchor_wall_ms,
+            anchor_wall_ms: wall_ms,
             anchor: Instant::now(),
+            offset_ms: AtomicI64::new(offset_ms),
+            read: AtomicBool::new(false),
         }
     }
 }
@@ -52,7 +64,9 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> u64 {
-        self.anchor_wall_ms + self.monotonic_ms()
+        self.read.store(true, Ordering::Relaxed);
+        let offset_ms = self.offset_ms.load(Ordering::Relaxed);
+        self.anchor_wall_ms.saturating_add_signed(offset_ms) + self.monotonic_ms()
     }
 
     /// `CLOCK_MONOTONIC` since the clock was made: it advances while the process is stopped
@@ -63,10 +77,29 @@ impl Clock for SystemClock {
     }
 }
 
+static SYSTEM: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
+
 /// The process-wide system clock.
 pub fn system() -> SharedClock {
-    static CLOCK: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
-    CLOCK.get_or_init(|| Arc::new(SystemClock::new())).clone()
+    SYSTEM.get_or_init(|| Arc::new(SystemClock::new())).clone()
+}
+
+/// Moves this process's wall clock by `offset_ms` for the rest of its life, as if the machine's
+/// clock had been stepped before it started (the process anchors wall time once, so a step
+/// during its life never reaches it). A test knob only (`ORCA_RELAY_TEST_CLOCK_OFFSET_MS`,
+/// read by the role's start): the fault-injection test runs a process whose clock disagrees
+/// with the database's and its peers'. Must run before anything reads the time of [`system`]
+/// (taking the handle is fine: the configuration's service tokens do); an error when the time
+/// was already read with another offset.
+pub fn offset_system_clock(offset_ms: i64) -> Result<(), String> {
+    let clock = SYSTEM.get_or_init(|| Arc::new(SystemClock::new()));
+    if clock.read.load(Ordering::Relaxed) && clock.offset_ms.load(Ordering::Relaxed) != offset_ms {
+        return Err(format!(
+            "the system clock was read before its offset of {offset_ms} ms could be applied"
+        ));
+    }
+    clock.offset_ms.store(offset_ms, Ordering::Relaxed);
+    Ok(())
 }
 
 /// A clock that moves only when a test moves it.
@@ -128,6 +161,20 @@ mod tests {
         assert_eq!(clock.now_ms(), 1_250);
         clock.set(5);
         assert_eq!(clock.now_ms(), 5);
+    }
+
+    #[test]
+    fn an_offset_clock_runs_ahead_or_behind_by_its_offset() {
+        let plain = SystemClock::new();
+        let ahead = SystemClock::with_offset_ms(300_000);
+        let behind = SystemClock::with_offset_ms(-300_000);
+        let (p, a, b) = (
+            plain.now_ms() as i64,
+            ahead.now_ms() as i64,
+            behind.now_ms() as i64,
+        );
+        assert!((a - p - 300_000).abs() < 1_000, "ahead by {}", a - p);
+        assert!((p - b - 300_000).abs() < 1_000, "behind by {}", p - b);
     }
 
     #[test]

@@ -226,6 +226,10 @@ pub struct Config {
     /// operator's admit-mode record.
     pub cell_forget_ms: u64,
     pub timings: Timings,
+    /// `ORCA_RELAY_TEST_CLOCK_OFFSET_MS`, a test knob: this process's wall clock runs this far
+    /// ahead (negative: behind), as if its machine's clock were off. Never set in production;
+    /// the fault-injection test (`tests/nemesis`) uses it.
+    pub test_clock_offset_ms: i64,
 }
 
 /// Every variable the relay reads, in the order `check-config` prints them.
@@ -282,6 +286,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_WEDGE_MS",
     "ORCA_RELAY_LEASE_RENEW_MS",
     "ORCA_RELAY_LEASE_TTL_MS",
+    "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
 ];
 
 /// How `check-config` shows a variable that is unset and has no default.
@@ -354,6 +359,18 @@ impl<'a> Reader<'a> {
     pub fn int(&mut self, name: &str, default: u64, min: u64, max: u64) -> u64 {
         let parsed = parse_int_in(self.lookup, name, default, min, max);
         self.check(parsed, default)
+    }
+
+    /// A signed integer in `min..=max`; unset gives 0, a bad value is recorded.
+    pub fn signed(&mut self, name: &str, min: i64, max: i64) -> i64 {
+        let parsed = match get(self.lookup, name) {
+            None => Ok(0),
+            Some(raw) => match raw.parse::<i64>() {
+                Ok(v) if (min..=max).contains(&v) => Ok(v),
+                _ => Err(error(name, &raw, format!("an integer from {min} to {max}"))),
+            },
+        };
+        self.check(parsed, 0)
     }
 
     /// An address; unset gives `default`.
@@ -815,6 +832,9 @@ impl Config {
             lease_renew_ms: r.int("ORCA_RELAY_LEASE_RENEW_MS", d.lease_renew_ms, 1, day),
             lease_ttl_ms: r.int("ORCA_RELAY_LEASE_TTL_MS", d.lease_ttl_ms, 1, day),
         };
+        // A test knob: a day either way covers every skew a test needs.
+        let test_clock_offset_ms =
+            r.signed("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", -(day as i64), day as i64);
 
         r.finish(Config {
             role,
@@ -852,6 +872,7 @@ impl Config {
             cell_retire_ms,
             cell_forget_ms,
             timings,
+            test_clock_offset_ms,
         })
     }
 
@@ -973,6 +994,10 @@ impl Config {
         ] {
             out.insert(name, value.to_string());
         }
+        out.insert(
+            "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
+            self.test_clock_offset_ms.to_string(),
+        );
         for secret in SECRET_VARIABLES {
             if let Some(value) = out.get_mut(secret) {
                 if value != UNSET {
@@ -1391,6 +1416,27 @@ mod tests {
             assert!(line.contains(needle), "{url}: {line}");
             assert!(!line.contains("hunter2"), "{url}: {line}");
             assert!(!line.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn the_test_clock_offset_is_signed_and_bounded() {
+        assert_eq!(parse(&[]).unwrap().test_clock_offset_ms, 0);
+        assert_eq!(
+            parse(&[("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", "-300000")])
+                .unwrap()
+                .test_clock_offset_ms,
+            -300_000
+        );
+        let config = parse(&[("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", "300000")]).unwrap();
+        assert_eq!(
+            config.describe()["ORCA_RELAY_TEST_CLOCK_OFFSET_MS"],
+            "300000"
+        );
+        for bad in ["86400001", "-86400001", "5m", "1.5"] {
+            let err = parse(&[("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", bad)]).unwrap_err();
+            assert_eq!(err.variable, "ORCA_RELAY_TEST_CLOCK_OFFSET_MS", "{bad}");
+            assert!(err.to_string().contains("-86400000 to 86400000"), "{err}");
         }
     }
 

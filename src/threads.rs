@@ -40,6 +40,54 @@ where
         .spawn(f)
 }
 
+/// A thread whose end can be waited for with a deadline ([`Watched::join_within`]): for threads
+/// that may be inside a database call when the process stops (the readiness prober, the feed
+/// lister), whose exit must not wait on a database that stopped answering.
+pub struct Watched<T> {
+    handle: JoinHandle<T>,
+    ended: std::sync::mpsc::Receiver<()>,
+}
+
+/// Spawns a named role thread that can be joined with a deadline.
+pub fn spawn_watched<F, T>(name: impl Into<String>, f: F) -> io::Result<Watched<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    let (ended_sender, ended) = std::sync::mpsc::channel::<()>();
+    let handle = spawn(name, move || {
+        // Dropped when `f` returns or unwinds: the receiver sees the end.
+        let _ended = ended_sender;
+        f()
+    })?;
+    Ok(Watched { handle, ended })
+}
+
+impl<T> Watched<T> {
+    /// Joins the thread, however long it takes (as [`join_logged`]).
+    pub fn join(self, name: &str) -> Option<T> {
+        join_logged(name, self.handle)
+    }
+
+    /// Joins the thread if it ends within `wait` (its result, a panic logged as by
+    /// [`join_logged`]); otherwise leaves it to end with the process, logs
+    /// `orca_relay_thread_left thread=<name>` and returns `None`.
+    pub fn join_within(self, name: &str, wait: std::time::Duration) -> Option<T> {
+        match self.ended.recv_timeout(wait) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                log::warn!(
+                    "orca_relay_thread_left thread={name} waited_ms={}",
+                    wait.as_millis()
+                );
+                None
+            }
+            Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                join_logged(name, self.handle)
+            }
+        }
+    }
+}
+
 /// Logs panics with the thread's name instead of only printing them to stderr, so that a
 /// panicking role thread shows up in the journal as an event.
 pub fn install_panic_logger() {
@@ -158,6 +206,27 @@ impl Drop for Permit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watched_thread_is_joined_when_it_ends_and_left_when_it_does_not() {
+        let quick = spawn_watched("quick", || 7).expect("spawn");
+        assert_eq!(
+            quick.join_within("quick", std::time::Duration::from_secs(30)),
+            Some(7)
+        );
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let stuck = spawn_watched("stuck", move || {
+            let _ = blocked.recv();
+        })
+        .expect("spawn");
+        let started = crate::clock::instant();
+        assert_eq!(
+            stuck.join_within("stuck", std::time::Duration::from_millis(50)),
+            None
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        drop(release);
+    }
 
     #[test]
     fn permits_are_bounded_and_returned_on_drop() {

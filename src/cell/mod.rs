@@ -4,6 +4,7 @@ pub mod bookings;
 pub mod contact;
 pub mod handshake;
 pub mod heartbeat;
+pub mod incarnation;
 pub mod internal_api;
 pub mod mode;
 pub mod seats;

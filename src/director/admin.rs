@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::feed_poller::{FeedBoard, FeedStatus, Sign};
+use super::feed_poller::{FeedBoard, FeedStatus, SeenCell, Sign};
 use super::membership::{self, Judge, Membership};
 use crate::cell::status_report::{DeadManReport, StatusReport};
 use crate::clock::SharedClock;
@@ -359,6 +359,17 @@ impl AdminContext {
                 // A sign of life: a cell the feed poller was backing off is polled at once.
                 self.board
                     .heard_from(&body.cell_id, Sign::Registration, self.clock.monotonic_ms());
+                // Polled from the next round even if the database stops before it can list it.
+                self.board.saw_registered(
+                    SeenCell {
+                        cell_id: body.cell_id.clone(),
+                        cell_url: body.cell_url.clone(),
+                        internal_url: body.internal_url.clone().unwrap_or_default(),
+                        region: body.region.clone(),
+                        incarnation: body.incarnation,
+                    },
+                    self.clock.monotonic_ms(),
+                );
                 log::info!(
                     "orca_relay_director_cell_registered cell_id={} incarnation={} cell_url={} internal_url={} region={}",
                     body.cell_id,
@@ -425,6 +436,16 @@ impl AdminContext {
                 // a period (SPEC §12), whatever its polls did so far.
                 self.board
                     .heard_from(&body.cell_id, Sign::Heartbeat, self.clock.monotonic_ms());
+                self.board.saw_registered(
+                    SeenCell {
+                        cell_id: body.cell_id.clone(),
+                        cell_url: body.cell_url.clone(),
+                        internal_url: body.internal_url.clone().unwrap_or_default(),
+                        region: body.region.clone(),
+                        incarnation: body.incarnation,
+                    },
+                    self.clock.monotonic_ms(),
+                );
                 if let Some(report) = body
                     .status
                     .and_then(|status| serde_json::from_value::<StatusReport>(status).ok())
@@ -463,6 +484,7 @@ impl AdminContext {
         }
         match self.store.deregister_cell(&body.cell_id, body.incarnation) {
             Ok(removed) => {
+                self.board.deregistered(&body.cell_id, body.incarnation);
                 log::info!(
                     "orca_relay_director_cell_deregistered cell_id={} incarnation={} removed={removed}",
                     body.cell_id,

@@ -51,8 +51,19 @@
 //! Retired cells ([`super::membership`]) are not polled at all; cells no longer registered leave
 //! the board. Never one thread per cell per poll, never more than one poll in flight per cell.
 //!
-//! Must never: hold the board's lock across a request, log the service token, or stop polling
-//! because the database is down.
+//! The cell list comes from the database through its own thread, `feed-lister`, which refreshes
+//! a [`CellList`] every period; a round reads the latest list without waiting. A database that
+//! stops answering without refusing (a partition, a stuck server) holds a listing for a whole
+//! connect or statement wait; listed inline, that held every round, and reserve cells went
+//! unpolled with their director up (found by the nemesis, `tests/contact_db_hang_pg.rs`).
+//! A cell this director saw register or heartbeat after the listing the latest list came from
+//! is merged into that list ([`FeedBoard::saw_registered`]): a cell that registered just before
+//! the database stopped is polled through the outage (the nemesis again: it held past its
+//! window with its director up). The database's ages are read against the time of the listing,
+//! so a list kept through an outage does not make its cells look ever freshly heard from.
+//!
+//! Must never: hold the board's lock across a request, log the service token, or stop (or
+//! delay) polling because the database is down or slow.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -312,6 +323,38 @@ pub struct FeedStatus {
 #[derive(Clone, Default)]
 pub struct FeedBoard {
     cells: Arc<Mutex<HashMap<String, CellFeed>>>,
+    /// The cells this director saw register or heartbeat (the database took the write), kept
+    /// until a listing that began after it: merged into the latest list by [`Rounds::round`].
+    seen: Arc<Mutex<HashMap<String, (SeenCell, u64)>>>,
+}
+
+/// A registration or heartbeat this director served: what polling the cell needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeenCell {
+    pub cell_id: String,
+    pub cell_url: String,
+    pub internal_url: String,
+    pub region: String,
+    pub incarnation: i64,
+}
+
+impl SeenCell {
+    /// The row a round polls from: just heard from (age 0), no runtime known.
+    fn row(&self) -> CellRow {
+        CellRow {
+            cell_id: self.cell_id.clone(),
+            cell_url: self.cell_url.clone(),
+            internal_url: Some(self.internal_url.clone()),
+            region: self.region.clone(),
+            incarnation: self.incarnation,
+            registered_at: 0,
+            registered_age_ms: 0,
+            runtime: None,
+            admit_mode: String::new(),
+            admit_mode_updated_at: None,
+            effective: None,
+        }
+    }
 }
 
 /// One poll to make, built when a worker takes it.
@@ -371,10 +414,62 @@ impl FeedBoard {
         }
     }
 
+    /// A registration or heartbeat of `cell` this director served at `now_ms` (monotonic), the
+    /// database having taken it: the cell is polled from the next round, whether or not the
+    /// database can list it by then, until a listing that began after this one has it (or has
+    /// not: the cell was deregistered or forgotten since).
+    pub fn saw_registered(&self, cell: SeenCell, now_ms: u64) {
+        if cell.internal_url.is_empty() {
+            return;
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        match seen.get(&cell.cell_id) {
+            Some((held, _)) if held.incarnation > cell.incarnation => {}
+            _ => {
+                seen.insert(cell.cell_id.clone(), (cell, now_ms));
+            }
+        }
+    }
+
+    /// `cell_id`'s incarnations up to `incarnation` deregistered through this director.
+    pub fn deregistered(&self, cell_id: &str, incarnation: i64) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen
+            .get(cell_id)
+            .is_some_and(|(held, _)| held.incarnation <= incarnation)
+        {
+            seen.remove(cell_id);
+        }
+    }
+
+    /// `listed` (a listing that began at `listed_at_ms`, monotonic) with the cells seen since
+    /// merged in: a seen cell's internal URL and incarnation replace the listed ones, a cell
+    /// not listed is added. Seen cells the listing already covers are dropped.
+    fn with_seen(&self, listed: &[CellRow], listed_at_ms: Option<u64>) -> Vec<CellRow> {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(listed_at) = listed_at_ms {
+            seen.retain(|_, (_, seen_at)| *seen_at > listed_at);
+        }
+        let mut cells: Vec<CellRow> = listed.to_vec();
+        for (cell, _) in seen.values() {
+            match cells.iter_mut().find(|row| row.cell_id == cell.cell_id) {
+                Some(row) if row.incarnation <= cell.incarnation => {
+                    row.internal_url = Some(cell.internal_url.clone());
+                    row.incarnation = cell.incarnation;
+                    row.registered_age_ms = 0;
+                }
+                Some(_) => {}
+                None => cells.push(cell.row()),
+            }
+        }
+        cells
+    }
+
     /// Records what the database says of `cell`'s latest heartbeat and registration (their
-    /// ages, on its clock) as signs of life at `now_ms` minus those ages.
-    fn observe(&self, cell: &CellRow, now_ms: u64) {
-        let at = |age_ms: i64| now_ms.saturating_sub(age_ms.max(0) as u64);
+    /// ages, on its clock, at the listing that began at `listed_at_ms`) as signs of life at
+    /// `listed_at_ms` minus those ages.
+    fn observe(&self, cell: &CellRow, listed_at_ms: u64) {
+        let at = |age_ms: i64| listed_at_ms.saturating_sub(age_ms.max(0) as u64);
         let mut cells = self.lock();
         let feed = cells.entry(cell.cell_id.clone()).or_default();
         let registered = Some(at(cell.registered_age_ms));
@@ -837,6 +932,82 @@ impl Poller {
     }
 }
 
+/// The registered cells as the database last listed them: `feed-lister` replaces the list, the
+/// coordinator takes the latest one at each round without waiting.
+#[derive(Clone, Default)]
+struct CellList(Arc<Mutex<Listing>>);
+
+/// One listing: when it began (this director's monotonic ms; `None` before the first) and the
+/// cells it returned.
+#[derive(Clone, Default)]
+struct Listing {
+    began_ms: Option<u64>,
+    cells: Arc<Vec<CellRow>>,
+}
+
+impl CellList {
+    fn latest(&self) -> Listing {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn replace(&self, began_ms: u64, cells: Vec<CellRow>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Listing {
+            began_ms: Some(began_ms),
+            cells: Arc::new(cells),
+        };
+    }
+}
+
+/// The `feed-lister` thread: lists the registered cells every `period` into `list`, logging a
+/// failure once per cause and the recovery once. A failed or slow listing leaves the last list
+/// in place: the poll is what keeps reserve cells armed, and a database outage is exactly when
+/// that matters.
+fn run_lister(
+    store: &Store,
+    clock: &SharedClock,
+    list: &CellList,
+    period: Duration,
+    stop: Receiver<()>,
+) {
+    let mut store_failing: Option<&'static str> = None;
+    let mut next = crate::clock::instant();
+    loop {
+        // Taken before the query: a registration this director saw earlier is in the answer.
+        let began_ms = clock.monotonic_ms();
+        match store.list_cells() {
+            Ok(listed) => {
+                if store_failing.take().is_some() {
+                    log::info!(
+                        "orca_relay_director_feed_poller_cells_listed cells={}",
+                        listed.len()
+                    );
+                }
+                list.replace(began_ms, listed);
+            }
+            Err(error) => {
+                let reason = error.reason_code();
+                if store_failing != Some(reason) {
+                    log::warn!(
+                        "orca_relay_director_feed_poller_cells_unavailable {} known_cells={}",
+                        error.log_fields(),
+                        list.latest().cells.len()
+                    );
+                }
+                store_failing = Some(reason);
+            }
+        }
+        let now = crate::clock::instant();
+        next += period;
+        if next < now {
+            next = now;
+        }
+        match stop.recv_timeout(next - now) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
 /// How to build the poller.
 pub struct FeedPollerConfig {
     pub board: FeedBoard,
@@ -869,7 +1040,8 @@ struct Rounds {
 }
 
 impl FeedPoller {
-    /// Starts `feed-poller` and its `feed-live-<n>` and `feed-suspect-<n>` workers.
+    /// Starts `feed-poller`, `feed-lister` and the `feed-live-<n>` and `feed-suspect-<n>`
+    /// workers.
     pub fn start(config: FeedPollerConfig) -> std::io::Result<FeedPoller> {
         let poller = Arc::new(Poller {
             board: config.board,
@@ -904,7 +1076,14 @@ impl FeedPoller {
             }
         }
         let (stop, stop_receiver) = mpsc::channel();
-        let store = config.store;
+        let list = CellList::default();
+        let (lister_stop, lister_stop_receiver) = mpsc::channel::<()>();
+        let lister = {
+            let (store, clock, list) = (config.store, config.clock.clone(), list.clone());
+            threads::spawn_watched("feed-lister", move || {
+                run_lister(&store, &clock, &list, period, lister_stop_receiver)
+            })?
+        };
         let rounds = Rounds {
             board: poller.board.clone(),
             clock: config.clock,
@@ -916,7 +1095,11 @@ impl FeedPoller {
             registry: config.registry,
         };
         let coordinator = threads::spawn("feed-poller", move || {
-            rounds.run(&store, stop_receiver);
+            rounds.run(&list, stop_receiver);
+            // The lister ends after its current listing; one that waits on a database that
+            // stopped answering is left to end with the process.
+            drop(lister_stop);
+            lister.join_within("feed-lister", crate::roles::STOP_WAIT);
             // The queues are closed: each worker ends after its current poll (≤ 2 s).
             live.close();
             suspect.close();
@@ -943,41 +1126,18 @@ impl Rounds {
         )
     }
 
-    /// One round every period, at a fixed rate (a slow round does not push the next ones back).
-    fn run(&self, store: &Store, stop: Receiver<()>) {
+    /// One round every period, at a fixed rate (a slow round does not push the next ones back),
+    /// over the latest list `feed-lister` has (never waiting for the database).
+    fn run(&self, list: &CellList, stop: Receiver<()>) {
         log::info!(
             "orca_relay_director_feed_poller_started period_ms={} live_workers={LIVE_WORKERS} suspect_workers={SUSPECT_WORKERS}",
             self.period.as_millis()
         );
-        let mut cells: Vec<CellRow> = Vec::new();
-        let mut store_failing: Option<&'static str> = None;
         let mut next_round = crate::clock::instant();
         loop {
-            match store.list_cells() {
-                Ok(listed) => {
-                    if store_failing.take().is_some() {
-                        log::info!(
-                            "orca_relay_director_feed_poller_cells_listed cells={}",
-                            listed.len()
-                        );
-                    }
-                    cells = listed;
-                }
-                Err(error) => {
-                    // Keep polling the cells we knew: the poll is what keeps them armed, and a
-                    // database outage is exactly when that matters.
-                    let reason = error.reason_code();
-                    if store_failing != Some(reason) {
-                        log::warn!(
-                            "orca_relay_director_feed_poller_cells_unavailable {} known_cells={}",
-                            error.log_fields(),
-                            cells.len()
-                        );
-                    }
-                    store_failing = Some(reason);
-                }
-            }
-            self.round(&cells);
+            let listing = list.latest();
+            let cells = self.board.with_seen(&listing.cells, listing.began_ms);
+            self.round(&cells, listing.began_ms);
             let now = crate::clock::instant();
             next_round += self.period;
             if next_round < now {
@@ -991,9 +1151,10 @@ impl Rounds {
         log::info!("orca_relay_director_feed_poller_stopped");
     }
 
-    /// Hands every due cell to its lane.
-    fn round(&self, cells: &[CellRow]) {
+    /// Hands every due cell to its lane; `listed_at_ms` is when the listing began.
+    fn round(&self, cells: &[CellRow], listed_at_ms: Option<u64>) {
         let now = self.clock.monotonic_ms();
+        let listed_at = listed_at_ms.unwrap_or(now).min(now);
         let retire_after = self.membership.retire_after(now);
         let registered: HashSet<&str> = cells.iter().map(|c| c.cell_id.as_str()).collect();
         self.board.retain(&registered);
@@ -1006,7 +1167,7 @@ impl Rounds {
             let Some(internal_url) = &cell.internal_url else {
                 continue;
             };
-            self.board.observe(cell, now);
+            self.board.observe(cell, listed_at);
             let (lane, due) = self.board.schedule(&cell.cell_id, now, &self.pacing);
             let queue = match lane {
                 Lane::Live => {
@@ -1428,6 +1589,52 @@ mod tests {
             "admitModeEffective":"db","status":{"windowMs":"soon"}}"#;
         let (_, _, parsed) = parse_answer("c7", odd, 3_000).expect("the poll still succeeds");
         assert_eq!(parsed, None);
+    }
+
+    #[test]
+    fn a_cell_seen_registering_is_polled_until_a_later_listing_covers_it() {
+        let board = FeedBoard::new();
+        let seen = |cell_id: &str, url: &str, incarnation| SeenCell {
+            cell_id: cell_id.into(),
+            cell_url: String::new(),
+            internal_url: url.into(),
+            region: String::new(),
+            incarnation,
+        };
+        let ids = |cells: &[CellRow]| {
+            let mut ids: Vec<(String, Option<String>)> = cells
+                .iter()
+                .map(|c| (c.cell_id.clone(), c.internal_url.clone()))
+                .collect();
+            ids.sort();
+            ids
+        };
+        let listed = vec![cell_row("old", 0), cell_row("moved", 0)];
+        board.saw_registered(seen("new", "http://new", 1), 1_000);
+        board.saw_registered(seen("moved", "http://moved-2", 2), 1_000);
+        board.saw_registered(seen("no-url", "", 1), 1_000);
+        let merged = board.with_seen(&listed, Some(900));
+        assert_eq!(
+            ids(&merged),
+            vec![
+                ("moved".into(), Some("http://moved-2".into())),
+                ("new".into(), Some("http://new".into())),
+                ("old".into(), Some("http://old".into())),
+            ],
+            "a listing older than the registrations: merged in"
+        );
+        // A listing that began after them is the truth: "new" was forgotten since.
+        assert_eq!(
+            ids(&board.with_seen(&listed, Some(1_001))),
+            vec![
+                ("moved".into(), Some("http://moved".into())),
+                ("old".into(), Some("http://old".into())),
+            ]
+        );
+        // A deregistration through this director ends it at once.
+        board.saw_registered(seen("gone", "http://gone", 3), 2_000);
+        board.deregistered("gone", 3);
+        assert_eq!(ids(&board.with_seen(&[], Some(1_500))), vec![]);
     }
 
     #[test]

@@ -116,19 +116,37 @@ pub struct CellThreadsState {
 struct Stoppable {
     name: &'static str,
     stop: Sender<()>,
-    handle: JoinHandle<()>,
+    handle: threads::Watched<()>,
+}
+
+impl Stoppable {
+    /// Tells the thread to stop and joins it, or leaves it to end with the process if it is
+    /// still inside a database call after [`super::FINAL_WRITE_WAIT`] (a drain's exit never
+    /// waits on a database that stopped answering).
+    fn stop_and_join(self) {
+        drop(self.stop);
+        self.handle.join_within(self.name, super::FINAL_WRITE_WAIT);
+    }
 }
 
 /// A stoppable thread that gives back what it ends with.
 struct Returning<T> {
     stop: Sender<()>,
-    handle: JoinHandle<T>,
+    handle: threads::Watched<T>,
 }
 
 impl<T> Returning<T> {
+    /// Stops the thread and waits for what it gives back (a live handover needs it).
     fn stop(self, name: &str) -> Option<T> {
         drop(self.stop);
-        threads::join_logged(name, self.handle)
+        self.handle.join(name)
+    }
+
+    /// Stops the thread for a drain: joined within [`super::FINAL_WRITE_WAIT`], else left to
+    /// end with the process (it waits on a database that stopped answering).
+    fn stop_within(self, name: &str) {
+        drop(self.stop);
+        self.handle.join_within(name, super::FINAL_WRITE_WAIT);
     }
 }
 
@@ -138,7 +156,7 @@ struct CellThreads {
     renewer: Returning<Instant>,
     switch: Returning<Switch>,
     watchdog: Returning<(Window, mpsc::Receiver<ClaimResult>)>,
-    claim_loop: JoinHandle<CellAdmitEffectiveWriter<StoreRow>>,
+    claim_loop: threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
     /// The claim loop's other writer handle (the drain's final write goes through it).
     writer: WriterHandle,
 }
@@ -202,7 +220,7 @@ fn spawn_stoppable(
     body: impl FnOnce(mpsc::Receiver<()>) + Send + 'static,
 ) -> Result<Stoppable, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn(name, move || body(receiver))
+    let handle = threads::spawn_watched(name, move || body(receiver))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
     Ok(Stoppable { name, stop, handle })
 }
@@ -212,7 +230,7 @@ fn spawn_returning<T: Send + 'static>(
     body: impl FnOnce(mpsc::Receiver<()>) -> T + Send + 'static,
 ) -> Result<Returning<T>, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn(name, move || body(receiver))
+    let handle = threads::spawn_watched(name, move || body(receiver))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
     Ok(Returning { stop, handle })
 }
@@ -513,7 +531,7 @@ impl CellRuntime {
         }
         let claim_clock = self.clock.clone();
         let claim_writer = state.writer;
-        let claim_loop = threads::spawn("claim-loop", move || {
+        let claim_loop = threads::spawn_watched("claim-loop", move || {
             claim_loop::run(claim_writer, inbox, claim_clock, answers_tx)
         })
         .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
@@ -569,7 +587,7 @@ impl CellRuntime {
         // handle is gone; answers it gives after the watchdog stopped wait in the channel.
         let watched = threads.watchdog.stop("watchdog");
         drop(threads.writer);
-        let writer = threads::join_logged("claim-loop", threads.claim_loop)?;
+        let writer = threads.claim_loop.join("claim-loop")?;
         let (window, answers) = match watched {
             Some((window, answers)) => (Some(window), answers.try_iter().collect()),
             None => (None, Vec::new()),
@@ -752,14 +770,16 @@ impl CellRuntime {
         self.stop_reregistration();
         let cell_threads = lock(&self.cell_threads).take();
         if let Some(cell_threads) = cell_threads {
-            cell_threads.pinger.stop("pinger");
-            cell_threads.renewer.stop("lease-renewer");
-            cell_threads.switch.stop("switch-watcher");
+            // Each joined within FINAL_WRITE_WAIT (the claim loop's final write above all), so
+            // the drain's exit never waits on a database that stopped answering.
+            cell_threads.pinger.stop_within("pinger");
+            cell_threads.renewer.stop_within("lease-renewer");
+            cell_threads.switch.stop_within("switch-watcher");
             // The watchdog is the claim loop's only other writer: stop it before the final
             // row write, so that the drain's write is the row's last word. A watchdog tick
             // after it would write a tripped cell's `db` back, and its slot would stay taken
             // for `TRIP_SLOT_STALE_MS` after the process is gone.
-            cell_threads.watchdog.stop("watchdog");
+            cell_threads.watchdog.stop_within("watchdog");
             // Final row write: `reserve` when the switch says so, which frees any slot (a
             // draining cell gets no new desktops: its feed says draining), else `db`.
             let switch = self.context.mode.switch();
@@ -776,12 +796,13 @@ impl CellRuntime {
             writer.release_slot();
             // This was the last handle: the claim loop carries out what is pending, then ends.
             drop(writer);
-            threads::join_logged("claim-loop", cell_threads.claim_loop);
+            cell_threads
+                .claim_loop
+                .join_within("claim-loop", super::FINAL_WRITE_WAIT);
         }
         let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
         for stoppable in stoppables.into_iter().rev() {
-            drop(stoppable.stop);
-            threads::join_logged(stoppable.name, stoppable.handle);
+            stoppable.stop_and_join();
         }
         // The heartbeat has stopped (a beat after this would register the cell again): leave
         // the fleet, so no director polls or places on this process any more.
@@ -1133,9 +1154,12 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
         None => None,
     };
-    let incarnation = taker
-        .as_ref()
-        .map_or(clock.now_ms() as i64, |taker| taker.document.incarnation);
+    let incarnation = taker.as_ref().map_or_else(
+        // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
+        // cannot make this run look older than the last one (cell::incarnation).
+        || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
+        |taker| taker.document.incarnation,
+    );
 
     // 1. Both listeners first: /health answers while the handshake runs.
     let listeners = super::listeners(&config, taker.as_mut(), true)?;

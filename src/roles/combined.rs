@@ -92,9 +92,12 @@ pub fn run(
         )?),
         None => None,
     };
-    let incarnation = taker
-        .as_ref()
-        .map_or(clock.now_ms() as i64, |taker| taker.document.incarnation);
+    let incarnation = taker.as_ref().map_or_else(
+        // Above the previous run's (DATA_DIR/incarnation): a clock stepped back since
+        // cannot make this run look older than the last one (cell::incarnation).
+        || crate::cell::incarnation::take(&config.data_dir, clock.now_ms()),
+        |taker| taker.document.incarnation,
+    );
     let director_id = format!("combined-{incarnation}");
 
     let listeners = super::listeners(&config, taker.as_mut(), true)?;

@@ -95,7 +95,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let readiness = readiness.clone();
         let clock = clock.clone();
         let period = Duration::from_millis(config.timings.readiness_probe_ms);
-        threads::spawn("readiness", move || {
+        threads::spawn_watched("readiness", move || {
             readiness::run_prober(readiness, probes, clock, period, prober_stop_rx)
         })
         .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?
@@ -188,7 +188,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     drop(sweeper_stop);
     threads::join_logged("fleet-sweeper", sweeper);
     drop(prober_stop);
-    threads::join_logged("readiness", prober);
+    prober.join_within("readiness", super::STOP_WAIT);
     threads::join_logged("migrator", migrator);
     http.stop();
     shutdown.close_signal_listener();

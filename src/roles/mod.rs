@@ -31,6 +31,14 @@ impl std::error::Error for RunError {}
 
 /// Runs the configured role until shutdown.
 pub fn run(config: Config) -> Result<(), RunError> {
+    // Before anything reads the clock: the test knob that runs this process's wall clock off.
+    if config.test_clock_offset_ms != 0 {
+        crate::clock::offset_system_clock(config.test_clock_offset_ms).map_err(RunError)?;
+        log::warn!(
+            "orca_relay_test_clock_offset offset_ms={} note=test_knob_never_set_in_production",
+            config.test_clock_offset_ms
+        );
+    }
     match config.role {
         Role::Combined => combined::run(config, None),
         Role::Cell => cell::run(config, None),
@@ -219,8 +227,23 @@ pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, R
 pub struct Prober {
     pub readiness: crate::readiness::Readiness,
     pub stop: std::sync::mpsc::Sender<()>,
-    pub handle: std::thread::JoinHandle<()>,
+    pub handle: crate::threads::Watched<()>,
 }
+
+/// How long a stopping process waits for a thread that may be inside a database call (the
+/// readiness prober, the feed lister) before it leaves it to end with the process. A probe
+/// bounds its own HTTP call (2 s); a database call whose request the server's kernel took and
+/// whose answer never comes (a partition that healed after the server restarted, a stuck
+/// server or middlebox) has no client-side bound, and a drain's exit must not wait on it
+/// (found by the nemesis: two cells drained and never exited).
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// How long a draining cell waits for each of its threads to end, the claim loop's final
+/// admit-effective write above all: the longest a store call takes on a database that answers
+/// (a pool checkout, a connect and a statement, 5 s each). A thread still inside a database
+/// call after that waits on one that stopped answering; it is left to end with the process
+/// (its row, unwritten, stops counting after `TRIP_SLOT_STALE_MS` as a killed cell's does).
+pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
@@ -266,7 +289,7 @@ pub fn start_prober(
     let (stop, receiver) = std::sync::mpsc::channel();
     let prober_readiness = readiness.clone();
     let clock = clock.clone();
-    let handle = crate::threads::spawn("readiness", move || {
+    let handle = crate::threads::spawn_watched("readiness", move || {
         crate::readiness::run_prober(
             prober_readiness,
             probes,
@@ -524,7 +547,9 @@ pub fn finish_process(
     shutdown: &crate::lifecycle::Shutdown,
 ) {
     drop(prober.stop);
-    crate::threads::join_logged("readiness", prober.handle);
+    // A probe still waiting on a database that stopped answering is left to end with the
+    // process (STOP_WAIT).
+    prober.handle.join_within("readiness", STOP_WAIT);
     // A migrator still retrying against a dead database is left to end with the process.
     if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
         crate::threads::join_logged("migrator", migrator);

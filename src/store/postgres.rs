@@ -170,7 +170,12 @@ impl PgStore {
         };
         // The statement timeout is enforced by the server; a server that vanishes without a
         // reset (a dropped route) is caught by the kernel instead: unacknowledged data older
-        // than the statement timeout plus the connect timeout ends the connection.
+        // than the statement timeout plus the connect timeout ends the connection. A request
+        // the server's kernel acknowledged leaves nothing unacknowledged while the answer is
+        // awaited: keepalive probes (after 2 s of silence, every second) come under the same
+        // timeout, so a server that vanished then (a partition that healed after the server
+        // restarted: its reset was lost) ends the call too, where it waited for hours (the
+        // kernel's 2-hour keepalive default; found by the nemesis).
         let tcp_user_timeout = config
             .statement_timeout_ms
             .saturating_add(config.connect_timeout_ms);
@@ -178,6 +183,9 @@ impl PgStore {
             .application_name(&config.application_name)
             .connect_timeout(Duration::from_millis(config.connect_timeout_ms.max(1)))
             .tcp_user_timeout(Duration::from_millis(tcp_user_timeout.max(1)))
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(2))
+            .keepalives_interval(Duration::from_secs(1))
             .ssl_mode(match tls.mode {
                 SslMode::Disable => postgres::config::SslMode::Disable,
                 SslMode::Prefer => postgres::config::SslMode::Prefer,
