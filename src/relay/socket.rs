@@ -262,6 +262,7 @@ impl Socket {
             Err(TryLockError::WouldBlock) => {
                 // Another thread is writing this socket (a message, a ping): the reaper sends
                 // the close frame once it is done, within the linger.
+                reaper.close_frames.fetch_add(1, Ordering::AcqRel);
                 reaper.send(
                     Doomed::CloseFrame(self.clone(), close_frame_bytes(code.code(), reason)),
                     CLOSE_RETRY,
@@ -492,6 +493,8 @@ pub fn drain_for_linger(stream: &TcpStream) {
 #[derive(Clone)]
 pub struct Reaper {
     sender: Sender<(u64, Doomed)>,
+    /// Close frames handed to the reaper and not yet written or given up.
+    close_frames: Arc<AtomicU64>,
 }
 
 /// What the reaper drops.
@@ -567,8 +570,25 @@ impl Reaper {
     /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
     pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
         let (sender, receiver) = mpsc::channel();
-        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver))?;
-        Ok((Reaper { sender }, handle))
+        let close_frames = Arc::new(AtomicU64::new(0));
+        let owed = close_frames.clone();
+        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed))?;
+        Ok((
+            Reaper {
+                sender,
+                close_frames,
+            },
+            handle,
+        ))
+    }
+
+    /// Waits (at most `limit`) until every close frame handed to the reaper is written or given
+    /// up: the drain calls it before the process exits.
+    pub fn wait_for_close_frames(&self, limit: Duration) {
+        let until = clock::instant() + limit;
+        while self.close_frames.load(Ordering::Acquire) > 0 && clock::instant() < until {
+            clock::sleep(CLOSE_RETRY);
+        }
     }
 
     pub fn schedule(&self, socket: Arc<Socket>, after: Duration) {
@@ -584,6 +604,9 @@ impl Reaper {
     fn send(&self, doomed: Doomed, after: Duration) {
         let due = monotonic_ms() + after.as_millis() as u64;
         if let Err(mpsc::SendError((_, doomed))) = self.sender.send((due, doomed)) {
+            if matches!(doomed, Doomed::CloseFrame(..)) {
+                self.close_frames.fetch_sub(1, Ordering::AcqRel);
+            }
             doomed.shutdown();
         }
     }
@@ -594,13 +617,18 @@ fn monotonic_ms() -> u64 {
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Doomed)>) {
+fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
     loop {
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
             if let Some(Due(_, first, doomed)) = heap.pop() {
-                if let Some((due, first, doomed)) = doomed.act(now, first) {
+                let was_close_frame = matches!(doomed, Doomed::CloseFrame(..));
+                let next = doomed.act(now, first);
+                if was_close_frame && !matches!(next, Some((_, _, Doomed::CloseFrame(..)))) {
+                    close_frames.fetch_sub(1, Ordering::AcqRel);
+                }
+                if let Some((due, first, doomed)) = next {
                     heap.push(Due(due, first, doomed));
                 }
             }
@@ -642,7 +670,11 @@ mod tests {
         // Another thread (a sender of this socket) holds the writer for a moment.
         let writer = lock_writer(&socket.writer);
         assert!(socket.close(CloseCode::PeerDropped, "replaced", &reaper));
+        assert_eq!(reaper.close_frames.load(Ordering::Acquire), 1, "owed");
         drop(writer);
+        // The drain waits for what is owed before the process exits.
+        reaper.wait_for_close_frames(Duration::from_secs(5));
+        assert_eq!(reaper.close_frames.load(Ordering::Acquire), 0, "written");
         let mut bytes = Vec::new();
         let _ = (&mut peer).take(64).read_to_end(&mut bytes);
         let expected = close_frame_bytes(CloseCode::PeerDropped.code(), "replaced");

@@ -739,10 +739,8 @@ impl CellRuntime {
         self.readiness.set_phase(readiness::Phase::Draining);
         self.context.phase.set(Phase::DRAINING);
         self.context.mode.set_draining();
-        // Pending connections (no credential yet) are closed: a splice leg waiting for its
-        // first frame with 4503.
-        let pending = self.stop_acceptor();
-        relay::pending::close_parked(&self.context, pending);
+        // The acceptor keeps answering through the grace: a new upgrade is refused 503
+        // draining at once (a stopped acceptor would leave it unanswered in the backlog).
         let drain = protocol::to_json(&RelayToHost::Drain {
             grace_ms: self.drain_grace.as_millis() as u64,
             recovery: "resolve-director".into(),
@@ -760,11 +758,19 @@ impl CellRuntime {
             // every 100 ms (ten wake-ups a second cost no measurable CPU).
             shutdown.wait_while_in(ShutdownState::Draining, left.min(DRAIN_RECHECK));
         }
+        // Stop accepting; pending connections (no credential yet) are closed: a splice leg
+        // waiting for its first frame with 4503.
+        let pending = self.stop_acceptor();
+        relay::pending::close_parked(&self.context, pending);
         let remaining = self.context.cell.controls();
         for control in &remaining {
             self.context
                 .close(&control.socket, CloseCode::Draining, "draining");
         }
+        // A close frame the reaper still owes (its writer was busy) goes out before the exit.
+        self.context
+            .reaper
+            .wait_for_close_frames(crate::relay::socket::CLOSE_LINGER);
         // Spliced pairs are closed 4503 too, and the splice workers end.
         self.context.splice.stop();
         self.stop_reregistration();
