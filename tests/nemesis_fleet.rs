@@ -26,8 +26,8 @@ use nemesis::schedule::{self, FaultKind, Shape};
 ///   its cells while its database was cut off (`src/director/feed_poller.rs`: the cell list now
 ///   has a thread of its own) and cells refused `409 stale_cell_incarnation` at every start
 ///   after a clock jump back (`src/cell/incarnation.rs`); it catches a claim without its lock,
-///   a watchdog without its pause guard, and a drain whose final write comes before the
-///   watchdog stops.
+///   a watchdog without its pause guard, and (as every seed with a drain does) a drain whose
+///   final write comes before the watchdog stops.
 /// - 3013 sets c5 (the longest window, 2735 ms) five minutes fast at 6.7 s; in the outage of
 ///   every director at 28 s, c0 and c1 take the two slots first and c5 claims after them: a
 ///   claim that judges slot liveness on the cell's clock sees both holders as stale and takes a
