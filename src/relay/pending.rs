@@ -363,9 +363,28 @@ impl Plane {
             self.context.metrics.pending_shed();
         }
         let _ = stream.set_nodelay(true);
-        if stream.set_nonblocking(true).is_err() {
-            return;
+        let id = self.context.next_connection_id();
+        let deadline = clock::instant() + upgrade::UPGRADE_DEADLINE;
+        let head = Stage::Head {
+            buf: Vec::new(),
+            scanned: 0,
+        };
+        // What arrived with the connection is read at once.
+        if let Some(slot) = self.insert(stream, id, deadline, head) {
+            self.progress(slot);
         }
+    }
+
+    /// Puts a connection in the table and the poll, last in the shedding order; `None` (the
+    /// connection dropped) when the descriptor cannot be made non-blocking or registered.
+    fn insert(
+        &mut self,
+        stream: TcpStream,
+        id: u64,
+        deadline: Instant,
+        stage: Stage,
+    ) -> Option<usize> {
+        stream.set_nonblocking(true).ok()?;
         let slot = self.free.pop().unwrap_or_else(|| {
             self.entries.push(None);
             self.entries.len() - 1
@@ -381,27 +400,22 @@ impl Plane {
             .is_err()
         {
             self.free.push(slot);
-            return;
+            return None;
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        let deadline = clock::instant() + upgrade::UPGRADE_DEADLINE;
         self.live += 1;
         self.entries[slot] = Some(Entry {
             stream,
-            id: self.context.next_connection_id(),
+            id,
             seq,
             deadline,
-            stage: Stage::Head {
-                buf: Vec::new(),
-                scanned: 0,
-            },
+            stage,
             backlogged: false,
         });
         self.order.insert(seq, slot);
         self.deadlines.push(Reverse((deadline, slot, seq)));
-        // What arrived with the connection is read at once.
-        self.progress(slot);
+        Some(slot)
     }
 
     /// Removes an entry from the table and the poll; the caller decides its socket's fate.
@@ -938,39 +952,9 @@ impl Plane {
             },
             _ => return,
         };
-        if stream.set_nonblocking(true).is_err() {
+        let Some(slot) = self.insert(stream, id, deadline, stage) else {
             return;
-        }
-        let slot = self.free.pop().unwrap_or_else(|| {
-            self.entries.push(None);
-            self.entries.len() - 1
-        });
-        if self
-            .poll
-            .registry()
-            .register(
-                &mut SourceFd(&stream.as_raw_fd()),
-                Token(slot),
-                Interest::READABLE,
-            )
-            .is_err()
-        {
-            self.free.push(slot);
-            return;
-        }
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.live += 1;
-        self.entries[slot] = Some(Entry {
-            stream,
-            id,
-            seq,
-            deadline,
-            stage,
-            backlogged: false,
-        });
-        self.order.insert(seq, slot);
-        self.deadlines.push(Reverse((deadline, slot, seq)));
+        };
         match text {
             // A version-1 process carried a first frame it had read and not acted on.
             Some(text) => self.authenticate(slot, text),

@@ -1246,20 +1246,9 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let http = match taker.as_mut() {
         Some(taker) => {
             // Every connection behind the gate, then the commit; only then any I/O.
-            if let Err(e) = taker.import_connections(&cell) {
-                return Err(taker.fail(&e.0));
-            }
-            taker.receive_pairs(&cell, &registry, &clock)?;
-            let (pairs, descriptors) = taker.commit(&cell)?;
-            cell.resume_threads()?;
+            let received = taker.take_over(&cell, &registry, &clock)?;
             let http = start_http(http_listener)?;
-            log::info!(
-                "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
-                taker.header.from_pid,
-                taker.header.from_version,
-                taker.received_at.elapsed().as_millis(),
-                taker.phases()
-            );
+            taker.log_received(received);
             http
         }
         None => {

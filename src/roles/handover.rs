@@ -981,6 +981,34 @@ impl Taker {
     }
 
     /// Tells the giver this process cannot go on (it rolls back).
+    /// The next process's whole take-over once the transfer is read: every connection behind
+    /// the gate, the pairs, the commit, then the cell's threads. `(pairs, descriptors)`.
+    pub fn take_over(
+        &mut self,
+        cell: &CellRuntime,
+        registry: &Registry,
+        clock: &SharedClock,
+    ) -> Result<(usize, usize), RunError> {
+        if let Err(e) = self.import_connections(cell) {
+            return Err(self.fail(&e.0));
+        }
+        self.receive_pairs(cell, registry, clock)?;
+        let committed = self.commit(cell)?;
+        cell.resume_threads()?;
+        Ok(committed)
+    }
+
+    /// The line of a take-over done (logged once the HTTP listener serves too).
+    pub fn log_received(&self, (pairs, descriptors): (usize, usize)) {
+        log::info!(
+            "orca_relay_handover_received from_pid={} from_version={} descriptors={descriptors} pairs={pairs} rebuilt_ms={} phases_ms={}",
+            self.header.from_pid,
+            self.header.from_version,
+            self.received_at.elapsed().as_millis(),
+            self.phases()
+        );
+    }
+
     pub fn fail(&self, cause: &str) -> RunError {
         let _ = send(
             &self.channel,
