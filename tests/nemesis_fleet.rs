@@ -26,15 +26,19 @@ use nemesis::schedule::{self, FaultKind, Shape};
 ///   its cells while its database was cut off (`src/director/feed_poller.rs`: the cell list now
 ///   has a thread of its own) and cells refused `409 stale_cell_incarnation` at every start
 ///   after a clock jump back (`src/cell/incarnation.rs`); it catches a claim without its lock,
-///   a watchdog without its pause guard, and a drain whose final write comes before the
-///   watchdog stops.
-/// - 207 has a cell five minutes fast through later outages (it catches slot liveness judged on
-///   the cell's clock), and fails before the same two fixes.
+///   a watchdog without its pause guard, and (as every seed with a drain does) a drain whose
+///   final write comes before the watchdog stops.
+/// - 3013 sets c5 (the longest window, 2735 ms) five minutes fast at 6.7 s; in the outage of
+///   every director at 28 s, c0 and c1 take the two slots first and c5 claims after them: a
+///   claim that judges slot liveness on the cell's clock sees both holders as stale and takes a
+///   third slot, and one that stamps rows with the cell's clock leaves a row five minutes ahead
+///   (checker 1 either way). It replaces 207, whose fast cell never claimed while others held
+///   slots; 22 fails before the same two fixes 207 did.
 /// - 232 has the longest cuts and the most drains; it fails before the feed poller's fix.
 /// - 26 has six pauses longer than any window, several of them of armed cells: a watchdog
 ///   without its pause guard trips or holds there whenever its first tick after the resume
 ///   comes before the directors' polls that queued while the cell was stopped.
-const SEEDS: &[u64] = &[22, 207, 232, 26];
+const SEEDS: &[u64] = &[22, 3013, 232, 26];
 /// How long the nemesis injects faults per seed.
 const LENGTH: Duration = Duration::from_secs(40);
 const DESKTOPS: usize = 12;

@@ -97,7 +97,16 @@ impl Watchdog {
         loop {
             match stop.recv_timeout(period) {
                 Err(RecvTimeoutError::Timeout) => {}
-                _ => return (window, self.answers),
+                _ => {
+                    // Its last word: no tick, so no write of this cell's row, comes after this
+                    // line (a drain's final write must come after it).
+                    log::info!(
+                        "orca_relay_dead_man_stopped cell_id={} state={}",
+                        self.cell_id,
+                        window.state().as_str()
+                    );
+                    return (window, self.answers);
+                }
             }
             let observed = pause.observe(self.clock.monotonic_ms());
             if let Some(gap_ms) = observed.pause_gap_ms {

@@ -724,6 +724,26 @@ impl CellRuntime {
         }
     }
 
+    /// The drain's final row write: `reserve` when the switch says so, which frees any slot (a
+    /// draining cell gets no new desktops: its feed says draining), else `db`. Its line comes
+    /// after the watchdog's `orca_relay_dead_man_stopped`: the fault-injection run
+    /// (`tests/nemesis`, checker 1) judges the order from the two lines.
+    fn final_row_write(&self, writer: &WriterHandle) {
+        let switch = self.context.mode.switch();
+        let mode = if switch.says_reserve() {
+            crate::dead_man::window::Mode::Reserve
+        } else {
+            crate::dead_man::window::Mode::Db
+        };
+        log::info!(
+            "orca_relay_drain_final_write cell_id={} mode={}",
+            self.context.cell_id,
+            mode.as_str()
+        );
+        writer.tick(switch.says_reserve(), mode, false);
+        writer.release_slot();
+    }
+
     /// The SIGTERM sequence (SPEC §9): `/ready` 503 draining, stop accepting, `drain` to every
     /// desktop, wait up to the grace (or until every control has left), close the rest 4503,
     /// final admit-effective write, join the threads. A live handover in progress finishes
@@ -786,20 +806,8 @@ impl CellRuntime {
             // after it would write a tripped cell's `db` back, and its slot would stay taken
             // for `TRIP_SLOT_STALE_MS` after the process is gone.
             cell_threads.watchdog.stop_within("watchdog");
-            // Final row write: `reserve` when the switch says so, which frees any slot (a
-            // draining cell gets no new desktops: its feed says draining), else `db`.
-            let switch = self.context.mode.switch();
             let writer = cell_threads.writer;
-            writer.tick(
-                switch.says_reserve(),
-                if switch.says_reserve() {
-                    crate::dead_man::window::Mode::Reserve
-                } else {
-                    crate::dead_man::window::Mode::Db
-                },
-                false,
-            );
-            writer.release_slot();
+            self.final_row_write(&writer);
             // This was the last handle: the claim loop carries out what is pending, then ends.
             drop(writer);
             cell_threads

@@ -6,7 +6,9 @@
 //!   `src/store/claim.rs` counts slot holders, on the database's clock (checker 1), and
 //!   `pg_stat_activity` per role against `orca-relay budget` of the fleet's file (checker 2).
 //! - Every log line passes through [`Checkers::line`]: a trip or held line is judged against
-//!   the directors' reachability (checker 3), a panic line is a violation (checker 6).
+//!   the directors' reachability (checker 3), a drain's final row write before its
+//!   watchdog's stop line is a slot that may outlive the process (checker 1), a panic line is
+//!   a violation (checker 6).
 //! - [`Checkers::liveness`] judges the fleet after the nemesis stops (checker 5).
 //!
 //! Checker 4 (streams and close codes) lives with the clients; the supervisor reports deaths
@@ -139,6 +141,9 @@ pub struct Checkers {
     knowledge: Arc<Knowledge>,
     pub trips: AtomicU64,
     pub helds: AtomicU64,
+    /// Each cell's watchdog as its log lines tell: (the process's run, running). A drain's
+    /// final write must come after its watchdog's last line (checker 1).
+    watchdogs: Mutex<BTreeMap<usize, (u32, bool)>>,
 }
 
 impl Checkers {
@@ -148,6 +153,7 @@ impl Checkers {
             knowledge,
             trips: AtomicU64::new(0),
             helds: AtomicU64::new(0),
+            watchdogs: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -307,6 +313,31 @@ impl Checkers {
     }
 }
 
+impl Checkers {
+    /// Checker 1, a drained cell's slot: the drain writes the row's last word only once the
+    /// watchdog, its only other writer, has stopped; a watchdog tick after the final write
+    /// would write a tripped cell's `db` back, and the slot would outlive the process by
+    /// `TRIP_SLOT_STALE_MS`. That tick needs a race of microseconds, so the order is judged
+    /// from the lines each thread writes itself (one process's lines keep their order).
+    fn judge_drain_order(&self, c: usize, incarnation: u32, text: &str) {
+        let mut watchdogs = self.watchdogs.lock().unwrap_or_else(|e| e.into_inner());
+        if text.contains("orca_relay_dead_man_started ") {
+            watchdogs.insert(c, (incarnation, true));
+        } else if text.contains("orca_relay_dead_man_stopped ") {
+            watchdogs.insert(c, (incarnation, false));
+        } else if text.contains("orca_relay_drain_final_write ")
+            && watchdogs.get(&c) == Some(&(incarnation, true))
+        {
+            self.history.violation(
+                Checker::Bound,
+                format!(
+                    "c{c} (run {incarnation}) wrote its drain's final row while its watchdog still ran: a tick after it could write a tripped cell's db back, a slot outliving the process"
+                ),
+            );
+        }
+    }
+}
+
 impl Observer for Checkers {
     fn line(&self, who: Who, incarnation: u32, t: u64, text: &str) {
         let name = match who {
@@ -333,6 +364,7 @@ impl Observer for Checkers {
                 .split_whitespace()
                 .find_map(|field| field.strip_prefix("generation="))
                 .and_then(|g| g.parse().ok());
+            self.judge_drain_order(c, incarnation, text);
             if text.contains("orca_relay_cell_reserve_dead_man_tripped") {
                 self.trips.fetch_add(1, Ordering::Relaxed);
                 self.judge_trip(c, t, "tripped", generation);
