@@ -8,6 +8,7 @@ mod harness;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use harness::*;
 
@@ -100,15 +101,6 @@ fn every_metric_in_the_rules_and_the_dashboard_exists_on_a_live_relay() {
     // One desktop and one spliced phone, so families created on first use exist too.
     let mut desktop = Desktop::connect(&relay);
     let (_phone, _leg) = splice(&relay, &mut desktop);
-    let (status, body) = relay.get("/metrics");
-    assert_eq!(status, 200);
-    let exposed: BTreeSet<String> = body
-        .lines()
-        .filter_map(|line| line.strip_prefix("# TYPE "))
-        .filter_map(|line| line.split_whitespace().next())
-        .map(str::to_string)
-        .collect();
-
     let rules = std::fs::read_to_string(monitoring_dir().join(RULES)).unwrap();
     let dashboard = dashboard_queries().join("\n");
     let named: BTreeSet<String> = metric_names(&rules)
@@ -116,7 +108,23 @@ fn every_metric_in_the_rules_and_the_dashboard_exists_on_a_live_relay() {
         .chain(metric_names(&dashboard))
         .collect();
     assert!(named.len() >= 20, "{named:?}");
-    let missing: Vec<&String> = named.difference(&exposed).collect();
+    // Some families appear with their first event (the director's first feed poll of the
+    // cell comes after its first listing of the cells): wait for them, within a deadline.
+    let mut body = String::new();
+    let mut missing: Vec<String> = Vec::new();
+    wait_until(Duration::from_secs(15), || {
+        let (status, text) = relay.get("/metrics");
+        assert_eq!(status, 200);
+        let exposed: BTreeSet<String> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("# TYPE "))
+            .filter_map(|line| line.split_whitespace().next())
+            .map(str::to_string)
+            .collect();
+        missing = named.difference(&exposed).cloned().collect();
+        body = text;
+        missing.is_empty()
+    });
     assert!(
         missing.is_empty(),
         "named in packaging/monitoring but not on /metrics: {missing:?}\n/metrics:\n{body}"
