@@ -535,8 +535,13 @@ impl Nginx {
             default,
             _prefix: prefix,
         };
+        // Listening comes before the master forks its workers: wait for both, or a caller that
+        // takes the workers' pids (to count their CPU) finds none.
+        let master = nginx.child.id();
         let up = harness::wait_until(Duration::from_secs(10), || {
-            TcpStream::connect(tuned).is_ok() && TcpStream::connect(default).is_ok()
+            TcpStream::connect(tuned).is_ok()
+                && TcpStream::connect(default).is_ok()
+                && children_of(master).len() >= 2
         });
         if !up {
             let mut stderr = String::new();
