@@ -296,13 +296,18 @@ impl Proc {
             return false;
         }
         let t = history.now_ms();
+        let favoured = match (self.who, state.child.as_ref()) {
+            (Who::Cell(_), Some(child)) => WatchdogFirst::arrange(child.id()),
+            _ => None,
+        };
         self.signal(&state, libc::SIGCONT);
         state.phase = Phase::Up;
         if let Who::Cell(c) = self.who {
             k.resumed(c, t);
         }
+        let watchdog_first = favoured.map(WatchdogFirst::release).is_some();
         history.event(format!(
-            "signal proc={} incarnation={} signal=CONT",
+            "signal proc={} incarnation={} signal=CONT watchdog_first={watchdog_first}",
             self.name, state.incarnation
         ));
         true
@@ -485,6 +490,115 @@ impl Proc {
         .expect("spawn a log reader");
         state.readers.push(reader);
     }
+}
+
+/// The worst order for a cell's resume: its watchdog's first tick after `SIGCONT` runs before
+/// any other thread of the cell, so before the directors' polls that queued in its sockets
+/// while it was stopped are read (their contact would otherwise refresh the silence first and
+/// hide a watchdog that judges it at once). Which thread runs first after a `SIGCONT` is the
+/// scheduler's choice: on a loaded machine the watchdog often wins, on an idle one the threads
+/// woken first (the oldest) usually do, so without this the pause guard (SPEC §11) was tested
+/// only on loaded machines. For the resume, every thread of the cell is pinned to one CPU and
+/// the watchdog runs `SCHED_FIFO` there, so it runs its tick to its next wait before the others
+/// run; then each thread gets its own CPU mask back and the watchdog its normal policy. Needs
+/// root (`CAP_SYS_NICE`); without it the resume is a plain `SIGCONT`.
+struct WatchdogFirst {
+    pid: u32,
+    watchdog: i32,
+    /// Each thread's CPU mask before the resume.
+    masks: Vec<(i32, libc::cpu_set_t)>,
+}
+
+impl WatchdogFirst {
+    /// Pins the stopped process `pid`'s threads to one CPU and makes its watchdog `SCHED_FIFO`;
+    /// `None` (nothing changed) if it has no watchdog thread or the calls are refused.
+    fn arrange(pid: u32) -> Option<WatchdogFirst> {
+        let tids = task_ids(pid);
+        let watchdog = *tids
+            .iter()
+            .find(|tid| thread_name(pid, **tid).as_deref() == Some("watchdog"))?;
+        let mut masks = Vec::new();
+        for &tid in &tids {
+            // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read and write
+            // the set passed by pointer with its true size.
+            let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            if unsafe { libc::sched_getaffinity(tid, size, &mut mask) } != 0 {
+                continue;
+            }
+            let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            unsafe { libc::CPU_SET(0, &mut one) };
+            if unsafe { libc::sched_setaffinity(tid, size, &one) } == 0 {
+                masks.push((tid, mask));
+            }
+        }
+        let fifo = libc::sched_param { sched_priority: 1 };
+        // SAFETY: sched_setscheduler reads the parameter struct passed by pointer.
+        if unsafe { libc::sched_setscheduler(watchdog, libc::SCHED_FIFO, &fifo) } != 0 {
+            WatchdogFirst {
+                pid,
+                watchdog: 0,
+                masks,
+            }
+            .restore();
+            return None;
+        }
+        Some(WatchdogFirst {
+            pid,
+            watchdog,
+            masks,
+        })
+    }
+
+    /// After the `SIGCONT`: waits (at most 1 s) until the watchdog has run its tick and waits
+    /// again, then restores every thread.
+    fn release(self) {
+        let deadline = orca_relay::clock::instant() + Duration::from_secs(1);
+        while orca_relay::clock::instant() < deadline {
+            let state = thread_state(self.pid, self.watchdog);
+            if !matches!(state, Some('R' | 'T' | 't')) {
+                break;
+            }
+            orca_relay::clock::sleep(Duration::from_millis(1));
+        }
+        self.restore();
+    }
+
+    fn restore(&self) {
+        if self.watchdog != 0 {
+            let other = libc::sched_param { sched_priority: 0 };
+            // SAFETY: as in `arrange`.
+            unsafe { libc::sched_setscheduler(self.watchdog, libc::SCHED_OTHER, &other) };
+        }
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        for (tid, mask) in &self.masks {
+            // SAFETY: as in `arrange`.
+            unsafe { libc::sched_setaffinity(*tid, size, mask) };
+        }
+    }
+}
+
+fn task_ids(pid: u32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn thread_name(pid: u32, tid: i32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .ok()
+        .map(|name| name.trim().to_string())
+}
+
+/// The thread's scheduling state letter (`R`, `S`, `T`, ...), from its `stat`.
+fn thread_state(pid: u32, tid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    // The name is in parentheses and may hold spaces: the state follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// The whole fleet and its supervisor.
