@@ -104,6 +104,23 @@ struct ProcState {
     expected: Option<EndKind>,
     launched_at: u64,
     readers: Vec<JoinHandle<()>>,
+    /// The process that took over from `child` by a live handover (not our child: the
+    /// `handover` command started it; it is ours to reap as the subreaper), while it runs.
+    adopted: Option<u32>,
+    /// A live handover of the current run under way: `Some(next pid)` once the command said
+    /// it committed, `None` inside while its outcome is not known.
+    handover: Option<Option<u32>>,
+}
+
+impl ProcState {
+    /// The pid of the process that is this member now.
+    fn pid(&self) -> Option<u32> {
+        self.adopted.or(self.child.as_ref().map(Child::id))
+    }
+
+    fn running(&self) -> bool {
+        self.pid().is_some()
+    }
 }
 
 /// One log line of some run of a process.
@@ -144,7 +161,7 @@ impl Proc {
 
     /// The pid of the current run, while it has one.
     pub fn pid(&self) -> Option<u32> {
-        self.state.lock().unwrap().child.as_ref().map(Child::id)
+        self.state.lock().unwrap().pid()
     }
 
     /// Each thread of the current run with where it waits in the kernel (`comm:wchan`), for a
@@ -214,18 +231,18 @@ impl Proc {
     }
 
     fn signal(&self, state: &ProcState, signal: i32) -> bool {
-        let Some(child) = &state.child else {
+        let Some(pid) = state.pid() else {
             return false;
         };
-        // SAFETY: kill has no memory-safety preconditions; the pid is our own child, not yet
-        // reaped (the supervisor reaps it under the same lock).
-        unsafe { libc::kill(child.id() as libc::pid_t, signal) == 0 }
+        // SAFETY: kill has no memory-safety preconditions; the pid is our own child (or adopted
+        // one), not yet reaped (the supervisor reaps it under the same lock).
+        unsafe { libc::kill(pid as libc::pid_t, signal) == 0 }
     }
 
     /// `kill -9`; it stays down until [`Proc::start_at`].
     pub fn kill9(&self, k: &Knowledge, history: &History) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state.child.is_none() || state.expected.is_some() {
+        if !state.running() || state.expected.is_some() || state.handover.is_some() {
             return false;
         }
         // The harness's knowledge first: a client that sees its socket reset the moment the
@@ -254,7 +271,11 @@ impl Proc {
         let mut state = self.state.lock().unwrap();
         // A drain of a serving process (a SIGTERM during the start-up handshake is not acted
         // on until the handshake ends; that is the signal handling's business, not this run's).
-        if state.child.is_none() || state.expected.is_some() || state.phase != Phase::Up {
+        if !state.running()
+            || state.expected.is_some()
+            || state.handover.is_some()
+            || state.phase != Phase::Up
+        {
             return false;
         }
         let t = history.now_ms();
@@ -273,7 +294,7 @@ impl Proc {
     /// `SIGSTOP` a running cell.
     pub fn pause(&self, k: &Knowledge, history: &History) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state.phase != Phase::Up {
+        if state.phase != Phase::Up || state.handover.is_some() {
             return false;
         }
         let t = history.now_ms();
@@ -296,8 +317,8 @@ impl Proc {
             return false;
         }
         let t = history.now_ms();
-        let favoured = match (self.who, state.child.as_ref()) {
-            (Who::Cell(_), Some(child)) => WatchdogFirst::arrange(child.id()),
+        let favoured = match (self.who, state.pid()) {
+            (Who::Cell(_), Some(pid)) => WatchdogFirst::arrange(pid),
             _ => None,
         };
         self.signal(&state, libc::SIGCONT);
@@ -322,11 +343,93 @@ impl Proc {
     /// as it takes; the process then stays down for the fault's duration).
     pub fn start_after_exit(&self, delay_ms: u64) {
         let mut state = self.state.lock().unwrap();
-        state.want = if state.child.is_some() {
+        state.want = if state.running() {
             Want::AfterExit { delay_ms }
         } else {
             Want::Run { at_ms: 0 }
         };
+    }
+
+    /// `orca-relay handover` of a serving cell (SPEC §12): the command, run with the cell's
+    /// environment, finds it through its data directory's socket and starts the next process,
+    /// which takes every connection and becomes this member (same ports, same incarnation for
+    /// the fleet, the same log: it writes to the stderr it is handed); the old one exits 0. The
+    /// command runs on a thread of its own; the supervisor follows the new pid once the command
+    /// says it committed. A refusal or a rollback leaves the old process serving (recorded,
+    /// not a violation: the old process keeps every connection either way, which the clients'
+    /// checks hold it to).
+    pub fn hand_over(self: &Arc<Self>, history: &Arc<History>) -> bool {
+        let mut state = self.state.lock().unwrap();
+        if !matches!(self.who, Who::Cell(_))
+            || state.phase != Phase::Up
+            || state.expected.is_some()
+            || state.handover.is_some()
+            || !state.running()
+        {
+            return false;
+        }
+        state.handover = Some(None);
+        let from = state.pid().unwrap_or(0);
+        let incarnation = state.incarnation;
+        drop(state);
+        history.event(format!(
+            "handover proc={} incarnation={incarnation} from_pid={from}",
+            self.name
+        ));
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("handover")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .env(
+                "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
+                self.clock_offset_ms().to_string(),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            // The next process writes here until it takes the cell's stderr; a failure's cause
+            // is also in the cell's own log (`orca_relay_handover_failed cause=…`).
+            .stderr(Stdio::null());
+        let (proc, history) = (self.clone(), history.clone());
+        let spawned =
+            orca_relay::threads::spawn(format!("nemesis-handover-{}", self.name), move || {
+                let output = command.output();
+                let (line, next) = match &output {
+                    Ok(out) => {
+                        let text = format!(
+                            "{} (status {})",
+                            String::from_utf8_lossy(&out.stdout).trim(),
+                            out.status
+                        );
+                        let next = out
+                            .status
+                            .success()
+                            .then(|| {
+                                text.split("-> pid ")
+                                    .nth(1)
+                                    .and_then(|rest| rest.split_whitespace().next())
+                                    .and_then(|pid| pid.parse::<u32>().ok())
+                            })
+                            .flatten();
+                        (text.replace('\n', " | "), next)
+                    }
+                    Err(e) => (format!("cannot run the command: {e}"), None),
+                };
+                let mut state = proc.state.lock().unwrap();
+                state.handover = next.map(Some);
+                history.event(format!(
+                    "handover_outcome proc={} committed={} next_pid={next:?} output={line:?}",
+                    proc.name,
+                    next.is_some()
+                ));
+            });
+        if spawned.is_err() {
+            self.state.lock().unwrap().handover = None;
+            return false;
+        }
+        true
     }
 
     /// One supervisor turn: reap an exit, launch when wanted.
@@ -337,14 +440,52 @@ impl Proc {
         history: &Arc<History>,
         observer: &Arc<dyn Observer>,
     ) {
+        use std::os::unix::process::ExitStatusExt;
         let mut state = self.state.lock().unwrap();
-        let exited = match state.child.as_mut().map(Child::try_wait) {
-            Some(Ok(Some(status))) => Some(status),
-            _ => None,
+        // While a handover's outcome is not known, the running process's exit waits to be
+        // judged (it exits 0 right after a commit, before the command says so).
+        let exited = if state.handover == Some(None) {
+            None
+        } else if let Some(pid) = state.adopted {
+            let mut status = 0;
+            // SAFETY: waitpid writes the status through the pointer; WNOHANG never blocks.
+            let reaped = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+            (reaped == pid as libc::pid_t).then(|| std::process::ExitStatus::from_raw(status))
+        } else {
+            match state.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status),
+                _ => None,
+            }
         };
-        if let Some(status) = exited {
-            use std::os::unix::process::ExitStatusExt;
+        if let (Some(status), Some(Some(next))) = (exited, state.handover) {
+            // The old process of a committed handover: it exits 0 and the next one is this
+            // member now, on the same log (it writes to the stderr it was handed).
             state.child = None;
+            state.handover = None;
+            state.adopted = Some(next);
+            history.event(format!(
+                "exit proc={} incarnation={} code={:?} signal={:?} expected=handover next_pid={next}",
+                self.name,
+                state.incarnation,
+                status.code(),
+                status.signal()
+            ));
+            if status.code() != Some(0) {
+                history.violation(
+                    Checker::Deaths,
+                    format!(
+                        "{} exited {status} after handing over (it must exit 0)\n{}",
+                        self.name,
+                        self.log_tail(15)
+                    ),
+                );
+            }
+            return;
+        }
+        if let Some(status) = exited {
+            state.child = None;
+            state.adopted = None;
+            state.handover = None;
             // Judge the exit on everything the run wrote: wait (without the lock, which the
             // reader takes on a start line) until its stderr has been read to the end.
             if let Some(reader) = state.readers.pop() {
@@ -419,7 +560,7 @@ impl Proc {
                 }
             }
         }
-        if state.child.is_none() {
+        if !state.running() {
             if let Want::Run { at_ms } = state.want {
                 if now >= at_ms {
                     self.launch(&mut state, now, k, history, observer);
@@ -626,6 +767,10 @@ impl Fleet {
         knowledge: Arc<Knowledge>,
         observer: Arc<dyn Observer>,
     ) -> Fleet {
+        // A handed-over cell's next process is started by the `handover` command, which exits
+        // once it is done: this process adopts it (and reaps it) as the subreaper.
+        // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes an integer and touches no memory.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let jwks = jwks_server();
         let binary = PathBuf::from(env!("CARGO_BIN_EXE_orca-relay"));
         let shared: Vec<(String, String)> = [
@@ -671,6 +816,8 @@ impl Fleet {
                     expected: None,
                     launched_at: 0,
                     readers: Vec::new(),
+                    adopted: None,
+                    handover: None,
                 }),
                 log: Mutex::default(),
             })
@@ -897,10 +1044,21 @@ impl Fleet {
             let _ = supervisor.join();
         }
         for proc in self.directors.iter().chain(&self.cells) {
-            let (child, readers) = {
+            let (child, adopted, readers) = {
                 let mut state = proc.state.lock().unwrap();
-                (state.child.take(), std::mem::take(&mut state.readers))
+                (
+                    state.child.take(),
+                    state.adopted.take(),
+                    std::mem::take(&mut state.readers),
+                )
             };
+            if let Some(pid) = adopted {
+                // SAFETY: as in `Proc::signal`; then reaped (it is ours as the subreaper).
+                unsafe {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                    libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+                }
+            }
             if let Some(mut child) = child {
                 let _ = child.kill();
                 let _ = child.wait();

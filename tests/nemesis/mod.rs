@@ -130,7 +130,7 @@ pub fn history_dir() -> PathBuf {
 /// depends on the kinds available). Whoever fills in [`Nemesis::handover`] sets this, checks
 /// that the short run's seeds still draw every kind and catch the mutations, and keeps the
 /// regression seeds' faults (or picks new seeds that find the same defects).
-pub const HANDOVER_FAULT_APPLIED: bool = false;
+pub const HANDOVER_FAULT_APPLIED: bool = true;
 
 /// The fault kinds this machine and binary can inject: the PostgreSQL slowdown needs the CPU
 /// cgroup, the handover needs `orca-relay handover` (issue 23) and the harness's part of it
@@ -291,10 +291,7 @@ impl Nemesis<'_> {
     /// old one exits 0 once the new one confirms), record the run in the [`Knowledge`], and
     /// add what the checkers must hold across it (no stream cut, no trip).
     fn handover(&mut self, c: usize) -> bool {
-        self.history.event(format!(
-            "handover cell=c{c} skipped=not_implemented_in_the_harness_yet"
-        ));
-        false
+        self.fleet.cells[c].hand_over(self.history)
     }
 
     /// Puts the operator's record of a cell back to `reserve` once its row says `reserve`
