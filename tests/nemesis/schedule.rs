@@ -49,7 +49,8 @@ pub enum FaultKind {
     /// the offset sticks for its later restarts. It is stopped with `kill -9` (a machine that
     /// went down) and started again after the duration.
     ClockJump,
-    /// `orca-relay handover` on a cell (issue 23): only when the binary has the command.
+    /// `orca-relay handover` on a cell (issue 23): only when the binary has the command. Drawn
+    /// from a stream of its own ([`draw_handovers`]).
     CellHandover,
 }
 
