@@ -35,8 +35,10 @@
 //! Environment: `ORCA_RELAY_BENCH_NGINX` names the nginx binary (default: `nginx` on `PATH`,
 //! then `/usr/sbin/nginx`). `ORCA_RELAY_BENCH_RELAY_ENV="NAME=value;NAME=value"` adds variables
 //! to the relay processes' environment (for experiments, e.g. `GLIBC_TUNABLES=…`).
-//! `ORCA_RELAY_BENCH_COMPARE=/path/to/another/orca-relay` adds a row for that build (copy the
-//! binary aside before a change, then compare both in one run: the fair way to measure a change). Without nginx the nginx rows are left out; install it with
+//! `ORCA_RELAY_BENCH_COMPARE=/path/to/another/orca-relay` adds a row for that build in the
+//! splice and many-sessions modes (copy the binary aside before a change, then compare both in
+//! one run: the fair way to measure a change). Without nginx the nginx rows are left out;
+//! install it with
 //! `apt-get install -y nginx-light`. nginx runs as a foreground child with a generated config
 //! in a temporary prefix (`nginx -p <prefix> -c <conf> -g 'daemon off;'`), never as the system
 //! service, and is stopped at the end.

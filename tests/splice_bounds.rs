@@ -478,6 +478,75 @@ fn a_declared_8_mib_frame_with_one_byte_sent_costs_under_64_kib() {
     assert_eq!(got.len(), 8 * 1024 * 1024);
 }
 
+/// A 64 KiB frame whose payload is still arriving is forwarded as it arrives (its header and
+/// the part that came go to the peer at once, instead of a copy kept until the frame is
+/// whole), and the frame the peer reads is byte-exact; a small frame after it is unharmed.
+/// (Before: a frame that fit the read buffer was kept whole, and nothing of it reached the
+/// peer until its last byte arrived.)
+#[test]
+fn a_large_frame_is_forwarded_as_it_arrives() {
+    const FRAME: usize = 64 * 1024;
+    const FIRST: usize = 20 * 1024;
+    let relay = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&relay);
+    let (phone, leg) = splice(&relay, &mut desktop);
+    let mut leg_in = raw(&leg);
+    leg_in
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let payload: Vec<u8> = (0..FRAME).map(|i| (i * 31 % 251) as u8).collect();
+    let frame = client_frame(0x82, &payload);
+    let head = frame.len() - FRAME;
+    let mut phone_out = raw(&phone);
+    phone_out.write_all(&frame[..head + FIRST]).unwrap();
+    // The header (4 bytes for this length) and the first part reach the desktop while the
+    // rest has not been sent.
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let arrived = wait_until(Duration::from_secs(10), || {
+        match leg_in.read(&mut buf) {
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => assert!(
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ),
+                "desktop read: {e}"
+            ),
+        }
+        got.len() >= 4 + FIRST
+    });
+    assert!(
+        arrived,
+        "only {} of the frame's first {} bytes reached the desktop before its rest was sent",
+        got.len(),
+        4 + FIRST
+    );
+    phone_out.write_all(&frame[head + FIRST..]).unwrap();
+    phone_out.write_all(&client_frame(0x81, b"after")).unwrap();
+    let mut frames = ServerFrames::default();
+    frames.push(&got);
+    let mut seen = Vec::new();
+    let complete = wait_until(Duration::from_secs(10), || {
+        while let Some(frame) = frames.next() {
+            seen.push(frame);
+        }
+        if seen.len() >= 2 {
+            return true;
+        }
+        if let Ok(n) = leg_in.read(&mut buf) {
+            frames.push(&buf[..n]);
+        }
+        false
+    });
+    assert!(complete, "{} frames reached the desktop", seen.len());
+    assert_eq!(seen[0].0, 0x82);
+    assert!(seen[0].1 == payload, "the streamed frame is not byte-exact");
+    assert_eq!(seen[1], (0x81, b"after".to_vec()));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Silence.
 

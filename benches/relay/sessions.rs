@@ -518,6 +518,16 @@ pub fn sessions_phase(options: &Options) {
             &relay_cap(largest, largest.div_ceil(ppd)),
         )],
     );
+    // Another build of the relay, measured in the same run (`ORCA_RELAY_BENCH_COMPARE`).
+    let compared = std::env::var_os("ORCA_RELAY_BENCH_COMPARE").map(|binary| {
+        start_relay(
+            Some(std::path::Path::new(&binary)),
+            &[(
+                "ORCA_RELAY_CONNECTION_CAP",
+                &relay_cap(largest, largest.div_ceil(ppd)),
+            )],
+        )
+    });
     let nginx = if options.nginx {
         start_nginx(echo, largest)
     } else {
@@ -529,6 +539,14 @@ pub fn sessions_phase(options: &Options) {
         addr: relay.ws.clone(),
         pids: vec![relay.pid()],
     }];
+    if let Some(compared) = &compared {
+        targets.push(Target {
+            name: "orca-relay compare",
+            kind: Kind::Relay,
+            addr: compared.ws.clone(),
+            pids: vec![compared.pid()],
+        });
+    }
     if let Some(nginx) = &nginx {
         targets.push(Target {
             name: "nginx tuned (64k)",
@@ -557,7 +575,18 @@ pub fn sessions_phase(options: &Options) {
     let mut tables: Vec<(usize, Vec<Row>)> = Vec::new();
     for &k in &sessions {
         let started = clock::instant();
-        let mut desktops = open_controls(&relay.ws, &relay.http, k.div_ceil(ppd), SETUP_THREADS);
+        // Each relay target holds its own desktops; the others need none.
+        let relays = [Some(&relay), compared.as_ref()];
+        let mut desktops: Vec<Desktops> = targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match (t.kind, relays.get(i).copied().flatten()) {
+                (Kind::Relay, Some(r)) => {
+                    open_controls(&r.ws, &r.http, k.div_ceil(ppd), SETUP_THREADS)
+                }
+                _ => Vec::new(),
+            })
+            .collect();
         // Let the controls' threads park before the baselines are taken.
         clock::sleep(Duration::from_millis(300));
         let baselines: Vec<Footprint> = targets.iter().map(|t| footprint(&t.pids)).collect();
@@ -572,7 +601,7 @@ pub fn sessions_phase(options: &Options) {
             for j in 0..targets.len() {
                 let i = (run + j) % targets.len();
                 let target = &targets[i];
-                open_sessions(target, k, &mut desktops, ppd, &engine)
+                open_sessions(target, k, &mut desktops[i], ppd, &engine)
                     .unwrap_or_else(|e| panic!("{} K={k}: {e}", target.name));
                 let result = measure_run(&engine, target, options.session_seconds);
                 close_sessions(&engine, target, baselines[i]);
@@ -610,6 +639,7 @@ pub fn sessions_phase(options: &Options) {
     }
     print_sessions_tables(options, &tables);
     drop(nginx);
+    drop(compared);
     drop(relay);
 }
 
