@@ -31,14 +31,7 @@ impl std::error::Error for RunError {}
 
 /// Runs the configured role until shutdown.
 pub fn run(config: Config) -> Result<(), RunError> {
-    // Before anything reads the clock: the test knob that runs this process's wall clock off.
-    if config.test_clock_offset_ms != 0 {
-        crate::clock::offset_system_clock(config.test_clock_offset_ms).map_err(RunError)?;
-        log::warn!(
-            "orca_relay_test_clock_offset offset_ms={} note=test_knob_never_set_in_production",
-            config.test_clock_offset_ms
-        );
-    }
+    apply_test_clock_offset(&config)?;
     match config.role {
         Role::Combined => combined::run(config, None),
         Role::Cell => cell::run(config, None),
@@ -46,16 +39,34 @@ pub fn run(config: Config) -> Result<(), RunError> {
     }
 }
 
+/// Before anything reads the clock: the test knob that runs this process's wall clock off.
+fn apply_test_clock_offset(config: &Config) -> Result<(), RunError> {
+    if config.test_clock_offset_ms != 0 {
+        crate::clock::offset_system_clock(config.test_clock_offset_ms).map_err(RunError)?;
+        log::warn!(
+            "orca_relay_test_clock_offset offset_ms={} note=test_knob_never_set_in_production",
+            config.test_clock_offset_ms
+        );
+    }
+    Ok(())
+}
+
 /// The next process of a live handover (`orca-relay run --take-over …`): the configured role,
 /// built from the running process's state. Any failure before the commit is reported to the
 /// running process, which keeps everything (this process exits 1).
 pub fn take_over(config: Config, take_over: handover::TakeOver) -> Result<(), RunError> {
-    let result = match config.role {
-        Role::Combined => combined::run(config, Some(take_over.clone())),
-        Role::Cell => cell::run(config, Some(take_over.clone())),
-        Role::Director => Err(RunError(
-            "a director holds no connections to hand over: restart it instead".into(),
-        )),
+    // The next process runs on the same machine clock as the one it replaces (a handover of a
+    // cell whose clock is off keeps it off; found by the nemesis: it fell back to the true
+    // clock).
+    let result = match apply_test_clock_offset(&config) {
+        Err(e) => Err(e),
+        Ok(()) => match config.role {
+            Role::Combined => combined::run(config, Some(take_over.clone())),
+            Role::Cell => cell::run(config, Some(take_over.clone())),
+            Role::Director => Err(RunError(
+                "a director holds no connections to hand over: restart it instead".into(),
+            )),
+        },
     };
     if let (Err(e), false) = (&result, handover::committed()) {
         // The running process is still waiting for this one to be ready, or for its

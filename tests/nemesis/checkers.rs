@@ -285,26 +285,52 @@ impl Checkers {
         }
         for director in &fleet.directors {
             match fleet_status(&director.http_url("")) {
-                Ok(summary) => {
+                Ok(listing) => {
+                    let summary = &listing["summary"];
                     let expect = |key: &str, value: u64| -> Option<String> {
-                        let got = pointer(&summary, key);
+                        let got = pointer(summary, key);
                         (got != Some(value)).then(|| {
                             format!("fleet status via {}: {key} is {got:?}, the database and metrics say {value}", director.name)
                         })
                     };
-                    problems.extend(
-                        [
-                            expect("/cells", CELLS as u64),
-                            expect("/byState/live", CELLS as u64),
-                            expect("/ready", CELLS as u64),
-                            expect("/slotsTaken", holders.len() as u64),
-                            expect("/byDeadMan/tripped", tripped),
-                            expect("/byDeadMan/held", 0),
-                            expect("/byDeadMan/armed", CELLS as u64 - tripped),
-                        ]
-                        .into_iter()
-                        .flatten(),
-                    );
+                    let disagreements: Vec<String> = [
+                        expect("/cells", CELLS as u64),
+                        expect("/byState/live", CELLS as u64),
+                        expect("/ready", CELLS as u64),
+                        expect("/slotsTaken", holders.len() as u64),
+                        expect("/byDeadMan/tripped", tripped),
+                        expect("/byDeadMan/held", 0),
+                        expect("/byDeadMan/armed", CELLS as u64 - tripped),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                    if !disagreements.is_empty() {
+                        // Which cell: each one's state, incarnation and report as listed.
+                        let cells: Vec<String> = listing["cells"]
+                            .as_array()
+                            .map(|cells| {
+                                cells
+                                    .iter()
+                                    .map(|cell| {
+                                        format!(
+                                            "{}:{}:inc={}:report={}",
+                                            cell["cellId"].as_str().unwrap_or("?"),
+                                            cell["state"].as_str().unwrap_or("?"),
+                                            cell["incarnation"],
+                                            cell["status"]
+                                        )
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        problems.extend(disagreements);
+                        problems.push(format!(
+                            "cells as {} lists them: {}",
+                            director.name,
+                            cells.join(" ")
+                        ));
+                    }
                 }
                 Err(e) => problems.push(format!("fleet status via {}: {e}", director.name)),
             }
@@ -376,7 +402,7 @@ impl Observer for Checkers {
     }
 }
 
-/// `orca-relay fleet status --director URL --json`: its summary.
+/// `orca-relay fleet status --director URL --json`: the listing (`summary`, `cells`).
 fn fleet_status(director: &str) -> Result<serde_json::Value, String> {
     let output = Command::new(env!("CARGO_BIN_EXE_orca-relay"))
         .args(["fleet", "status", "--director", director, "--json"])
@@ -387,9 +413,7 @@ fn fleet_status(director: &str) -> Result<serde_json::Value, String> {
     if !output.status.success() {
         return Err(String::from_utf8_lossy(&output.stderr).trim().to_string());
     }
-    let listing: serde_json::Value =
-        serde_json::from_slice(&output.stdout).map_err(|e| e.to_string())?;
-    Ok(listing["summary"].clone())
+    serde_json::from_slice(&output.stdout).map_err(|e| e.to_string())
 }
 
 fn pointer(value: &serde_json::Value, path: &str) -> Option<u64> {

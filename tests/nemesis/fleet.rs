@@ -104,6 +104,23 @@ struct ProcState {
     expected: Option<EndKind>,
     launched_at: u64,
     readers: Vec<JoinHandle<()>>,
+    /// The process that took over from `child` by a live handover (not our child: the
+    /// `handover` command started it; it is ours to reap as the subreaper), while it runs.
+    adopted: Option<u32>,
+    /// A live handover of the current run under way: `Some(next pid)` once the command said
+    /// it committed, `None` inside while its outcome is not known.
+    handover: Option<Option<u32>>,
+}
+
+impl ProcState {
+    /// The pid of the process that is this member now.
+    fn pid(&self) -> Option<u32> {
+        self.adopted.or(self.child.as_ref().map(Child::id))
+    }
+
+    fn running(&self) -> bool {
+        self.pid().is_some()
+    }
 }
 
 /// One log line of some run of a process.
@@ -144,7 +161,7 @@ impl Proc {
 
     /// The pid of the current run, while it has one.
     pub fn pid(&self) -> Option<u32> {
-        self.state.lock().unwrap().child.as_ref().map(Child::id)
+        self.state.lock().unwrap().pid()
     }
 
     /// Each thread of the current run with where it waits in the kernel (`comm:wchan`), for a
@@ -214,18 +231,18 @@ impl Proc {
     }
 
     fn signal(&self, state: &ProcState, signal: i32) -> bool {
-        let Some(child) = &state.child else {
+        let Some(pid) = state.pid() else {
             return false;
         };
-        // SAFETY: kill has no memory-safety preconditions; the pid is our own child, not yet
-        // reaped (the supervisor reaps it under the same lock).
-        unsafe { libc::kill(child.id() as libc::pid_t, signal) == 0 }
+        // SAFETY: kill has no memory-safety preconditions; the pid is our own child (or adopted
+        // one), not yet reaped (the supervisor reaps it under the same lock).
+        unsafe { libc::kill(pid as libc::pid_t, signal) == 0 }
     }
 
     /// `kill -9`; it stays down until [`Proc::start_at`].
     pub fn kill9(&self, k: &Knowledge, history: &History) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state.child.is_none() || state.expected.is_some() {
+        if !state.running() || state.expected.is_some() || state.handover.is_some() {
             return false;
         }
         // The harness's knowledge first: a client that sees its socket reset the moment the
@@ -254,7 +271,11 @@ impl Proc {
         let mut state = self.state.lock().unwrap();
         // A drain of a serving process (a SIGTERM during the start-up handshake is not acted
         // on until the handshake ends; that is the signal handling's business, not this run's).
-        if state.child.is_none() || state.expected.is_some() || state.phase != Phase::Up {
+        if !state.running()
+            || state.expected.is_some()
+            || state.handover.is_some()
+            || state.phase != Phase::Up
+        {
             return false;
         }
         let t = history.now_ms();
@@ -273,7 +294,7 @@ impl Proc {
     /// `SIGSTOP` a running cell.
     pub fn pause(&self, k: &Knowledge, history: &History) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state.phase != Phase::Up {
+        if state.phase != Phase::Up || state.handover.is_some() {
             return false;
         }
         let t = history.now_ms();
@@ -296,13 +317,18 @@ impl Proc {
             return false;
         }
         let t = history.now_ms();
+        let favoured = match (self.who, state.pid()) {
+            (Who::Cell(_), Some(pid)) => WatchdogFirst::arrange(pid),
+            _ => None,
+        };
         self.signal(&state, libc::SIGCONT);
         state.phase = Phase::Up;
         if let Who::Cell(c) = self.who {
             k.resumed(c, t);
         }
+        let watchdog_first = favoured.map(WatchdogFirst::release).is_some();
         history.event(format!(
-            "signal proc={} incarnation={} signal=CONT",
+            "signal proc={} incarnation={} signal=CONT watchdog_first={watchdog_first}",
             self.name, state.incarnation
         ));
         true
@@ -317,11 +343,93 @@ impl Proc {
     /// as it takes; the process then stays down for the fault's duration).
     pub fn start_after_exit(&self, delay_ms: u64) {
         let mut state = self.state.lock().unwrap();
-        state.want = if state.child.is_some() {
+        state.want = if state.running() {
             Want::AfterExit { delay_ms }
         } else {
             Want::Run { at_ms: 0 }
         };
+    }
+
+    /// `orca-relay handover` of a serving cell (SPEC §12): the command, run with the cell's
+    /// environment, finds it through its data directory's socket and starts the next process,
+    /// which takes every connection and becomes this member (same ports, same incarnation for
+    /// the fleet, the same log: it writes to the stderr it is handed); the old one exits 0. The
+    /// command runs on a thread of its own; the supervisor follows the new pid once the command
+    /// says it committed. A refusal or a rollback leaves the old process serving (recorded,
+    /// not a violation: the old process keeps every connection either way, which the clients'
+    /// checks hold it to).
+    pub fn hand_over(self: &Arc<Self>, history: &Arc<History>) -> bool {
+        let mut state = self.state.lock().unwrap();
+        if !matches!(self.who, Who::Cell(_))
+            || state.phase != Phase::Up
+            || state.expected.is_some()
+            || state.handover.is_some()
+            || !state.running()
+        {
+            return false;
+        }
+        state.handover = Some(None);
+        let from = state.pid().unwrap_or(0);
+        let incarnation = state.incarnation;
+        drop(state);
+        history.event(format!(
+            "handover proc={} incarnation={incarnation} from_pid={from}",
+            self.name
+        ));
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("handover")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .env(
+                "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
+                self.clock_offset_ms().to_string(),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            // The next process writes here until it takes the cell's stderr; a failure's cause
+            // is also in the cell's own log (`orca_relay_handover_failed cause=…`).
+            .stderr(Stdio::null());
+        let (proc, history) = (self.clone(), history.clone());
+        let spawned =
+            orca_relay::threads::spawn(format!("nemesis-handover-{}", self.name), move || {
+                let output = command.output();
+                let (line, next) = match &output {
+                    Ok(out) => {
+                        let text = format!(
+                            "{} (status {})",
+                            String::from_utf8_lossy(&out.stdout).trim(),
+                            out.status
+                        );
+                        let next = out
+                            .status
+                            .success()
+                            .then(|| {
+                                text.split("-> pid ")
+                                    .nth(1)
+                                    .and_then(|rest| rest.split_whitespace().next())
+                                    .and_then(|pid| pid.parse::<u32>().ok())
+                            })
+                            .flatten();
+                        (text.replace('\n', " | "), next)
+                    }
+                    Err(e) => (format!("cannot run the command: {e}"), None),
+                };
+                let mut state = proc.state.lock().unwrap();
+                state.handover = next.map(Some);
+                history.event(format!(
+                    "handover_outcome proc={} committed={} next_pid={next:?} output={line:?}",
+                    proc.name,
+                    next.is_some()
+                ));
+            });
+        if spawned.is_err() {
+            self.state.lock().unwrap().handover = None;
+            return false;
+        }
+        true
     }
 
     /// One supervisor turn: reap an exit, launch when wanted.
@@ -332,14 +440,52 @@ impl Proc {
         history: &Arc<History>,
         observer: &Arc<dyn Observer>,
     ) {
+        use std::os::unix::process::ExitStatusExt;
         let mut state = self.state.lock().unwrap();
-        let exited = match state.child.as_mut().map(Child::try_wait) {
-            Some(Ok(Some(status))) => Some(status),
-            _ => None,
+        // While a handover's outcome is not known, the running process's exit waits to be
+        // judged (it exits 0 right after a commit, before the command says so).
+        let exited = if state.handover == Some(None) {
+            None
+        } else if let Some(pid) = state.adopted {
+            let mut status = 0;
+            // SAFETY: waitpid writes the status through the pointer; WNOHANG never blocks.
+            let reaped = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+            (reaped == pid as libc::pid_t).then(|| std::process::ExitStatus::from_raw(status))
+        } else {
+            match state.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status),
+                _ => None,
+            }
         };
-        if let Some(status) = exited {
-            use std::os::unix::process::ExitStatusExt;
+        if let (Some(status), Some(Some(next))) = (exited, state.handover) {
+            // The old process of a committed handover: it exits 0 and the next one is this
+            // member now, on the same log (it writes to the stderr it was handed).
             state.child = None;
+            state.handover = None;
+            state.adopted = Some(next);
+            history.event(format!(
+                "exit proc={} incarnation={} code={:?} signal={:?} expected=handover next_pid={next}",
+                self.name,
+                state.incarnation,
+                status.code(),
+                status.signal()
+            ));
+            if status.code() != Some(0) {
+                history.violation(
+                    Checker::Deaths,
+                    format!(
+                        "{} exited {status} after handing over (it must exit 0)\n{}",
+                        self.name,
+                        self.log_tail(15)
+                    ),
+                );
+            }
+            return;
+        }
+        if let Some(status) = exited {
+            state.child = None;
+            state.adopted = None;
+            state.handover = None;
             // Judge the exit on everything the run wrote: wait (without the lock, which the
             // reader takes on a start line) until its stderr has been read to the end.
             if let Some(reader) = state.readers.pop() {
@@ -414,7 +560,7 @@ impl Proc {
                 }
             }
         }
-        if state.child.is_none() {
+        if !state.running() {
             if let Want::Run { at_ms } = state.want {
                 if now >= at_ms {
                     self.launch(&mut state, now, k, history, observer);
@@ -487,6 +633,115 @@ impl Proc {
     }
 }
 
+/// The worst order for a cell's resume: its watchdog's first tick after `SIGCONT` runs before
+/// any other thread of the cell, so before the directors' polls that queued in its sockets
+/// while it was stopped are read (their contact would otherwise refresh the silence first and
+/// hide a watchdog that judges it at once). Which thread runs first after a `SIGCONT` is the
+/// scheduler's choice: on a loaded machine the watchdog often wins, on an idle one the threads
+/// woken first (the oldest) usually do, so without this the pause guard (SPEC §11) was tested
+/// only on loaded machines. For the resume, every thread of the cell is pinned to one CPU and
+/// the watchdog runs `SCHED_FIFO` there, so it runs its tick to its next wait before the others
+/// run; then each thread gets its own CPU mask back and the watchdog its normal policy. Needs
+/// root (`CAP_SYS_NICE`); without it the resume is a plain `SIGCONT`.
+struct WatchdogFirst {
+    pid: u32,
+    watchdog: i32,
+    /// Each thread's CPU mask before the resume.
+    masks: Vec<(i32, libc::cpu_set_t)>,
+}
+
+impl WatchdogFirst {
+    /// Pins the stopped process `pid`'s threads to one CPU and makes its watchdog `SCHED_FIFO`;
+    /// `None` (nothing changed) if it has no watchdog thread or the calls are refused.
+    fn arrange(pid: u32) -> Option<WatchdogFirst> {
+        let tids = task_ids(pid);
+        let watchdog = *tids
+            .iter()
+            .find(|tid| thread_name(pid, **tid).as_deref() == Some("watchdog"))?;
+        let mut masks = Vec::new();
+        for &tid in &tids {
+            // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read and write
+            // the set passed by pointer with its true size.
+            let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            if unsafe { libc::sched_getaffinity(tid, size, &mut mask) } != 0 {
+                continue;
+            }
+            let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            unsafe { libc::CPU_SET(0, &mut one) };
+            if unsafe { libc::sched_setaffinity(tid, size, &one) } == 0 {
+                masks.push((tid, mask));
+            }
+        }
+        let fifo = libc::sched_param { sched_priority: 1 };
+        // SAFETY: sched_setscheduler reads the parameter struct passed by pointer.
+        if unsafe { libc::sched_setscheduler(watchdog, libc::SCHED_FIFO, &fifo) } != 0 {
+            WatchdogFirst {
+                pid,
+                watchdog: 0,
+                masks,
+            }
+            .restore();
+            return None;
+        }
+        Some(WatchdogFirst {
+            pid,
+            watchdog,
+            masks,
+        })
+    }
+
+    /// After the `SIGCONT`: waits (at most 1 s) until the watchdog has run its tick and waits
+    /// again, then restores every thread.
+    fn release(self) {
+        let deadline = orca_relay::clock::instant() + Duration::from_secs(1);
+        while orca_relay::clock::instant() < deadline {
+            let state = thread_state(self.pid, self.watchdog);
+            if !matches!(state, Some('R' | 'T' | 't')) {
+                break;
+            }
+            orca_relay::clock::sleep(Duration::from_millis(1));
+        }
+        self.restore();
+    }
+
+    fn restore(&self) {
+        if self.watchdog != 0 {
+            let other = libc::sched_param { sched_priority: 0 };
+            // SAFETY: as in `arrange`.
+            unsafe { libc::sched_setscheduler(self.watchdog, libc::SCHED_OTHER, &other) };
+        }
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        for (tid, mask) in &self.masks {
+            // SAFETY: as in `arrange`.
+            unsafe { libc::sched_setaffinity(*tid, size, mask) };
+        }
+    }
+}
+
+fn task_ids(pid: u32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn thread_name(pid: u32, tid: i32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .ok()
+        .map(|name| name.trim().to_string())
+}
+
+/// The thread's scheduling state letter (`R`, `S`, `T`, ...), from its `stat`.
+fn thread_state(pid: u32, tid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    // The name is in parentheses and may hold spaces: the state follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
 /// The whole fleet and its supervisor.
 pub struct Fleet {
     pub directors: Vec<Arc<Proc>>,
@@ -512,6 +767,10 @@ impl Fleet {
         knowledge: Arc<Knowledge>,
         observer: Arc<dyn Observer>,
     ) -> Fleet {
+        // A handed-over cell's next process is started by the `handover` command, which exits
+        // once it is done: this process adopts it (and reaps it) as the subreaper.
+        // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes an integer and touches no memory.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let jwks = jwks_server();
         let binary = PathBuf::from(env!("CARGO_BIN_EXE_orca-relay"));
         let shared: Vec<(String, String)> = [
@@ -557,6 +816,8 @@ impl Fleet {
                     expected: None,
                     launched_at: 0,
                     readers: Vec::new(),
+                    adopted: None,
+                    handover: None,
                 }),
                 log: Mutex::default(),
             })
@@ -783,10 +1044,21 @@ impl Fleet {
             let _ = supervisor.join();
         }
         for proc in self.directors.iter().chain(&self.cells) {
-            let (child, readers) = {
+            let (child, adopted, readers) = {
                 let mut state = proc.state.lock().unwrap();
-                (state.child.take(), std::mem::take(&mut state.readers))
+                (
+                    state.child.take(),
+                    state.adopted.take(),
+                    std::mem::take(&mut state.readers),
+                )
             };
+            if let Some(pid) = adopted {
+                // SAFETY: as in `Proc::signal`; then reaped (it is ours as the subreaper).
+                unsafe {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                    libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+                }
+            }
             if let Some(mut child) = child {
                 let _ = child.kill();
                 let _ = child.wait();

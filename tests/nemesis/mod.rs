@@ -124,13 +124,10 @@ pub fn history_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nemesis")
 }
 
-/// Whether [`Nemesis::handover`] applies the live handover (issue 23). The binary has
-/// `orca-relay handover` since issue 23 landed, but the harness does not drive it yet; drawing
-/// the kind meanwhile would only skip it, and would change every seed's schedule (the draw
-/// depends on the kinds available). Whoever fills in [`Nemesis::handover`] sets this, checks
-/// that the short run's seeds still draw every kind and catch the mutations, and keeps the
-/// regression seeds' faults (or picks new seeds that find the same defects).
-pub const HANDOVER_FAULT_APPLIED: bool = false;
+/// Whether [`Nemesis::handover`] applies the live handover (issue 23): on since the harness
+/// follows a handed-over cell's next process ([`fleet::Proc::hand_over`]). Handovers are drawn
+/// from a stream of their own, so turning this off leaves every seed's other faults as they are.
+pub const HANDOVER_FAULT_APPLIED: bool = true;
 
 /// The fault kinds this machine and binary can inject: the PostgreSQL slowdown needs the CPU
 /// cgroup, the handover needs `orca-relay handover` (issue 23) and the harness's part of it
@@ -285,16 +282,12 @@ impl Nemesis<'_> {
         }
     }
 
-    /// The live handover of issue 23. The kind is only drawn when the binary has the command
-    /// (see [`handover_available`]); whoever lands issue 23 fills this in: run `orca-relay
-    /// handover` with cell `c`'s environment, let the supervisor follow the new process (the
-    /// old one exits 0 once the new one confirms), record the run in the [`Knowledge`], and
-    /// add what the checkers must hold across it (no stream cut, no trip).
+    /// The live handover of issue 23 on cell `c` ([`fleet::Proc::hand_over`]): the command runs
+    /// on a thread of its own; the supervisor follows the next process once it committed. The
+    /// [`Knowledge`] does not change (the cell serves throughout), so no stream may be cut and
+    /// no trip is excused by it.
     fn handover(&mut self, c: usize) -> bool {
-        self.history.event(format!(
-            "handover cell=c{c} skipped=not_implemented_in_the_harness_yet"
-        ));
-        false
+        self.fleet.cells[c].hand_over(self.history)
     }
 
     /// Puts the operator's record of a cell back to `reserve` once its row says `reserve`

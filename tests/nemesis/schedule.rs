@@ -49,7 +49,8 @@ pub enum FaultKind {
     /// the offset sticks for its later restarts. It is stopped with `kill -9` (a machine that
     /// went down) and started again after the duration.
     ClockJump,
-    /// `orca-relay handover` on a cell (issue 23): only when the binary has the command.
+    /// `orca-relay handover` on a cell (issue 23): only when the binary has the command. Drawn
+    /// from a stream of its own ([`draw_handovers`]).
     CellHandover,
 }
 
@@ -195,6 +196,15 @@ pub fn draw(seed: u64, length_ms: u64, shape: Shape, available: &[FaultKind]) ->
     let mut busy: BTreeMap<Resource, u64> = BTreeMap::new();
     let mut faults: Vec<Fault> = Vec::new();
     let last_end = length_ms.saturating_sub(COOLDOWN_MS);
+    // The handover is drawn apart, from a stream of its own, once the rest is drawn: a seed
+    // draws the same other faults whether or not the binary can hand over.
+    let handover = available.contains(&FaultKind::CellHandover);
+    let available: Vec<FaultKind> = available
+        .iter()
+        .copied()
+        .filter(|k| *k != FaultKind::CellHandover)
+        .collect();
+    let available = available.as_slice();
     let total_weight: u64 = available.iter().map(|k| k.weight()).sum();
     if total_weight == 0 {
         return faults;
@@ -310,11 +320,57 @@ pub fn draw(seed: u64, length_ms: u64, shape: Shape, available: &[FaultKind]) ->
             }
         }
     }
+    if handover {
+        draw_handovers(seed, last_end, shape, &mut busy, &mut faults);
+    }
     faults.sort_by_key(|f| (f.at_ms, f.id));
     for (id, fault) in faults.iter_mut().enumerate() {
         fault.id = id;
     }
     faults
+}
+
+/// Live handovers, from their own stream: one every 3-12 s, each of a cell whose process no
+/// other fault touches from the handover to [`RESTART_MARGIN_MS`] after it (a handover of a
+/// cell that is down, paused or draining is refused by design and teaches nothing).
+fn draw_handovers(
+    seed: u64,
+    last_end: u64,
+    shape: Shape,
+    busy: &mut BTreeMap<Resource, u64>,
+    faults: &mut Vec<Fault>,
+) {
+    let mut rng = Rng::derive(seed, 0x4A4D_0FE2);
+    let mut t = WARMUP_MS;
+    loop {
+        t += rng.between(3_000, 12_000);
+        if t >= last_end {
+            break;
+        }
+        let first = rng.below(shape.cells);
+        let free = (0..shape.cells)
+            .map(|i| Target::Cell((first + i) % shape.cells))
+            .find(|target| {
+                let span = (t.saturating_sub(RESTART_MARGIN_MS), t + RESTART_MARGIN_MS);
+                busy.get(&Resource::Process(*target))
+                    .is_none_or(|&free_at| free_at <= span.0)
+                    && !faults.iter().any(|f| {
+                        resource(f.kind, f.target) == Resource::Process(*target)
+                            && f.at_ms < span.1
+                            && f.at_ms + f.duration_ms + RESTART_MARGIN_MS > span.0
+                    })
+            });
+        let Some(target) = free else { continue };
+        busy.insert(Resource::Process(target), t + RESTART_MARGIN_MS);
+        faults.push(Fault {
+            id: faults.len(),
+            at_ms: t,
+            kind: FaultKind::CellHandover,
+            target,
+            duration_ms: 0,
+            value: 0,
+        });
+    }
 }
 
 fn targets(kind: FaultKind, shape: Shape) -> Vec<Target> {
