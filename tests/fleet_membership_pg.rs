@@ -3,6 +3,8 @@
 //! forgotten (every row but the operator's admit-mode record deleted); a director restart
 //! retires no one until it has been up `CELL_RETIRE_MS`; a forgotten cell that comes back
 //! registers again with its next heartbeat, in the mode its operator recorded.
+//! A cell whose registration the database lost (its row names an older incarnation) is
+//! registered again by its next heartbeat, so the listing counts its reports.
 //! Ages are the database's. Short knobs: retire after 3 s, forget after 5 s.
 //!
 //! Needs `ORCA_RELAY_TEST_DATABASE_URL` (`eval "$(scripts/test-postgres.sh start)"`).
@@ -286,4 +288,51 @@ fn a_forgotten_reserve_cell_that_comes_back_registers_again_in_its_operators_mod
         recorded_at,
         "the operator's record survived the forgetting"
     );
+}
+
+/// A cell whose registration the database lost (an immediate restart with asynchronous commit,
+/// a failover to a replica that lagged) while an older incarnation's row stayed: its next
+/// heartbeat registers the running incarnation again, so the listing counts its status reports
+/// once more. The nemesis (seed 26) caught it: a cell registered 150 ms before `pg_ctl stop -m
+/// immediate` was then handed over (a handed-over process never registers again), its
+/// heartbeats were accepted against the old row, and both directors dropped every report of it
+/// as another incarnation's: `byDeadMan/armed` one short for good.
+#[test]
+fn a_heartbeat_newer_than_the_registration_registers_the_running_incarnation() {
+    let setup = Setup::new();
+    let director = setup.director();
+    let _cell = setup.cell("c-lost", &director);
+    let mut listed = Value::Null;
+    wait_for("c-lost listed with its status report", || {
+        listed = entry(&listing(&director), "c-lost").unwrap_or(Value::Null);
+        listed["status"]["deadMan"].is_string()
+    });
+    let incarnation = listed["incarnation"].as_i64().expect("incarnation");
+    // What the lost write leaves: the row of the previous incarnation.
+    setup.store.deregister_cell("c-lost", incarnation).unwrap();
+    setup
+        .store
+        .register_cell(
+            "c-lost",
+            listed["cellUrl"].as_str().unwrap(),
+            listed["internalUrl"].as_str().unwrap(),
+            listed["region"].as_str().unwrap(),
+            incarnation - 1,
+        )
+        .unwrap();
+    wait_for(
+        "c-lost listed at its running incarnation with a report",
+        || {
+            listed = entry(&listing(&director), "c-lost").unwrap_or(Value::Null);
+            listed["incarnation"] == incarnation && listed["status"]["deadMan"].is_string()
+        },
+    );
+    assert!(director
+        .wait_for_log(
+            &format!(
+                "orca_relay_director_cell_registered_by_heartbeat cell_id=c-lost incarnation={incarnation}"
+            ),
+            DEADLINE
+        )
+        .is_some());
 }

@@ -412,7 +412,8 @@ impl AdminContext {
         };
         let outcome = record().and_then(|outcome| match outcome {
             HeartbeatOutcome::Unregistered => {
-                // Not registered here (never, or forgotten): the heartbeat registers it.
+                // This incarnation is not registered (never, forgotten, or its registration
+                // lost with the database's last writes): the heartbeat registers it.
                 self.store.register_cell(
                     &body.cell_id,
                     &body.cell_url,

@@ -268,8 +268,13 @@ pub enum HeartbeatOutcome {
     Accepted,
     /// An older incarnation than the one stored: a process that has since been replaced.
     StaleIncarnation,
-    /// The cell has no registration (never registered here, deregistered, or forgotten):
-    /// nothing was written; register it first.
+    /// This incarnation has no registration: the cell has none (never registered here,
+    /// deregistered, or forgotten), or the row names an older incarnation (the registration
+    /// was lost: an immediate restart of a database with asynchronous commit, a failover to a
+    /// replica that lagged). Nothing was written; register it first. Accepting the beat would
+    /// leave the row naming the old incarnation for good (a handed-over process never
+    /// registers again), and every listing would drop the cell's status reports as another
+    /// incarnation's.
     Unregistered,
 }
 
@@ -626,8 +631,9 @@ impl Store {
     }
 
     /// Records a heartbeat, stamped with the database's clock, unless it comes from an older
-    /// incarnation than the one stored in `relay_cell_runtime` or `relay_cells`, or the cell is
-    /// not registered.
+    /// incarnation than the one stored in `relay_cell_runtime` or `relay_cells`, or this
+    /// incarnation is not the registered one (no row, or a row of an older incarnation:
+    /// [`HeartbeatOutcome::Unregistered`]).
     pub fn heartbeat(
         &self,
         cell_id: &str,

@@ -642,6 +642,11 @@ impl PgStore {
             if beat.incarnation < registered_incarnation {
                 return Ok(HeartbeatOutcome::StaleIncarnation);
             }
+            if beat.incarnation > registered_incarnation {
+                // This incarnation's registration is not in the database (a lost write):
+                // accepted, the row would name the old incarnation for good.
+                return Ok(HeartbeatOutcome::Unregistered);
+            }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
                 &mut tx,

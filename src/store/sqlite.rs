@@ -624,6 +624,11 @@ impl SqliteStore {
             if beat.incarnation < registered {
                 return Ok(HeartbeatOutcome::StaleIncarnation);
             }
+            if beat.incarnation > registered {
+                // This incarnation's registration is not in the database (a lost write):
+                // accepted, the row would name the old incarnation for good.
+                return Ok(HeartbeatOutcome::Unregistered);
+            }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
                 conn,

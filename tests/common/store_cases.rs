@@ -210,11 +210,28 @@ pub fn cells_register_heartbeat_and_list(store: &Db) {
     );
     assert_eq!(beat(3, 4), HeartbeatOutcome::Accepted);
     assert_eq!(beat(3, 5), HeartbeatOutcome::Accepted);
+    // A newer incarnation than the registration: its registration is not in the database (a
+    // write the database lost: an immediate restart with asynchronous commit, a failover to a
+    // replica that lagged). Accepting the beat would leave relay_cells naming the old
+    // incarnation for good (a handed-over process never registers again), and every listing
+    // would drop the cell's reports as another incarnation's. Nothing is written; the caller
+    // registers it from the beat and beats again.
+    assert_eq!(
+        beat(4, 6),
+        HeartbeatOutcome::Unregistered,
+        "newer than relay_cells"
+    );
+    let c1 = store.list_cells().unwrap().remove(1);
+    assert_eq!(c1.incarnation, 3, "a heartbeat never registers by itself");
+    assert_eq!(c1.runtime.as_ref().map(|r| r.cell_incarnation), Some(3));
+    store
+        .register_cell("c1", "ws://c1b", "http://c1", "eu", 4)
+        .unwrap();
     assert_eq!(beat(4, 6), HeartbeatOutcome::Accepted);
     assert_eq!(
         beat(3, 7),
         HeartbeatOutcome::StaleIncarnation,
-        "older than relay_cell_runtime"
+        "older than the registration"
     );
     let runtime = store.list_cells().unwrap()[1]
         .runtime
