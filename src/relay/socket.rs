@@ -194,6 +194,14 @@ impl Socket {
         }
     }
 
+    /// Sends `text` to each of `owed` whose writer is free, and keeps in `owed` those whose
+    /// writer another thread held (a ping, an answer): the caller tries them again soon, so a
+    /// frame that must arrive (the drain's) is never dropped for a moment's contention.
+    /// Sockets that are closing or wedged leave `owed` unsent: nothing can reach them.
+    pub fn send_to_each_free(owed: &mut Vec<Arc<Socket>>, text: &str) {
+        owed.retain(|socket| matches!(socket.try_send(Message::text(text)), Ok(false)));
+    }
+
     fn send_locked(&self, writer: &mut Writer, message: Message) -> Result<(), SendError> {
         if writer.broken {
             return Err(SendError::Wedged);
@@ -661,6 +669,23 @@ mod tests {
         let (ours, _) = listener.accept().unwrap();
         peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         (Socket::new_control(1, ours), peer)
+    }
+
+    #[test]
+    fn a_frame_for_a_busy_writer_stays_owed_until_the_writer_is_free() {
+        let (socket, mut peer) = socket_pair();
+        let text = r#"{"type":"drain"}"#;
+        let mut owed = vec![socket.clone()];
+        // Another thread (the pinger) holds the writer: the frame is not dropped, it is owed.
+        let writer = lock_writer(&socket.writer);
+        Socket::send_to_each_free(&mut owed, text);
+        assert_eq!(owed.len(), 1, "still owed while the writer is busy");
+        drop(writer);
+        Socket::send_to_each_free(&mut owed, text);
+        assert!(owed.is_empty(), "sent once the writer is free");
+        let mut bytes = vec![0u8; 2 + text.len()];
+        peer.read_exact(&mut bytes).unwrap();
+        assert_eq!(bytes, server_frame(0x81, text.as_bytes()));
     }
 
     #[test]

@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tungstenite::Message;
 
 use crate::auth::Verifier;
 use crate::carry::{Carry, Snapshot};
@@ -60,6 +59,9 @@ use super::{service_tokens, RunError};
 
 /// How often a drain waiting out its grace looks whether every desktop has left.
 const DRAIN_RECHECK: Duration = Duration::from_millis(100);
+
+/// How soon a drain frame that found its desktop's writer busy is tried again.
+const DRAIN_FRAME_RETRY: Duration = Duration::from_millis(5);
 
 /// Everything a cell needs from its role.
 pub struct CellSetup<'a> {
@@ -765,9 +767,17 @@ impl CellRuntime {
             grace_ms: self.drain_grace.as_millis() as u64,
             recovery: "resolve-director".into(),
         });
-        for control in self.context.cell.controls() {
-            let _ = control.socket.try_send(Message::text(drain.clone()));
-        }
+        // Every desktop gets the drain frame: one whose writer another thread held at that
+        // moment (the pinger, an answer) is tried again within a few ms, never skipped (it
+        // would learn of the drain only from its 4503 at the end of the grace).
+        let mut owed: Vec<_> = self
+            .context
+            .cell
+            .controls()
+            .into_iter()
+            .map(|control| control.socket)
+            .collect();
+        Socket::send_to_each_free(&mut owed, &drain);
         let deadline = crate::clock::instant() + self.drain_grace;
         while self.context.cell.control_count() > 0 && !shutdown.is_immediate() {
             let left = deadline.saturating_duration_since(crate::clock::instant());
@@ -775,8 +785,15 @@ impl CellRuntime {
                 break;
             }
             // Sleeps; wakes early only for a second signal, otherwise re-checks the controls
-            // every 100 ms (ten wake-ups a second cost no measurable CPU).
-            shutdown.wait_while_in(ShutdownState::Draining, left.min(DRAIN_RECHECK));
+            // every 100 ms (ten wake-ups a second cost no measurable CPU), sooner while a
+            // drain frame is owed.
+            let recheck = if owed.is_empty() {
+                DRAIN_RECHECK
+            } else {
+                DRAIN_FRAME_RETRY
+            };
+            shutdown.wait_while_in(ShutdownState::Draining, left.min(recheck));
+            Socket::send_to_each_free(&mut owed, &drain);
         }
         // Stop accepting; pending connections (no credential yet) are closed: a splice leg
         // waiting for its first frame with 4503.
