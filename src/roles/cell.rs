@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-
 use crate::auth::Verifier;
 use crate::carry::{Carry, Snapshot};
 use crate::cell::bookings::BookingRecord;
