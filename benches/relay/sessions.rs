@@ -19,6 +19,7 @@ use super::{
     cpu_seconds, median, nginx_binary, open_controls, percentile, start_relay, target_line,
     ControlDesktop, Nginx, Options,
 };
+use crate::harness::Relay;
 use orca_relay::clock;
 
 /// Bytes per message in the many-sessions mode.
@@ -45,6 +46,20 @@ struct Target {
     addr: String,
     /// The middlebox's processes: the relay, or nginx's master and workers; none for direct.
     pids: Vec<u32>,
+    /// A relay's HTTP address (`host:port`), where its desktops are assigned.
+    http: Option<String>,
+}
+
+impl Target {
+    fn relay(name: &'static str, relay: &Relay) -> Target {
+        Target {
+            name,
+            kind: Kind::Relay,
+            addr: relay.ws.clone(),
+            pids: vec![relay.pid()],
+            http: Some(relay.http.clone()),
+        }
+    }
 }
 
 /// The relay's desktops for one K, handed to the set-up threads and back.
@@ -533,19 +548,9 @@ pub fn sessions_phase(options: &Options) {
     } else {
         None
     };
-    let mut targets = vec![Target {
-        name: "orca-relay",
-        kind: Kind::Relay,
-        addr: relay.ws.clone(),
-        pids: vec![relay.pid()],
-    }];
+    let mut targets = vec![Target::relay("orca-relay", &relay)];
     if let Some(compared) = &compared {
-        targets.push(Target {
-            name: "orca-relay compare",
-            kind: Kind::Relay,
-            addr: compared.ws.clone(),
-            pids: vec![compared.pid()],
-        });
+        targets.push(Target::relay("orca-relay compare", compared));
     }
     if let Some(nginx) = &nginx {
         targets.push(Target {
@@ -553,6 +558,7 @@ pub fn sessions_phase(options: &Options) {
             kind: Kind::Nginx,
             addr: nginx.tuned.to_string(),
             pids: nginx_pids(nginx),
+            http: None,
         });
     }
     targets.push(Target {
@@ -560,6 +566,7 @@ pub fn sessions_phase(options: &Options) {
         kind: Kind::Direct,
         addr: echo.to_string(),
         pids: Vec::new(),
+        http: None,
     });
 
     println!();
@@ -576,15 +583,11 @@ pub fn sessions_phase(options: &Options) {
     for &k in &sessions {
         let started = clock::instant();
         // Each relay target holds its own desktops; the others need none.
-        let relays = [Some(&relay), compared.as_ref()];
         let mut desktops: Vec<Desktops> = targets
             .iter()
-            .enumerate()
-            .map(|(i, t)| match (t.kind, relays.get(i).copied().flatten()) {
-                (Kind::Relay, Some(r)) => {
-                    open_controls(&r.ws, &r.http, k.div_ceil(ppd), SETUP_THREADS)
-                }
-                _ => Vec::new(),
+            .map(|t| match &t.http {
+                Some(http) => open_controls(&t.addr, http, k.div_ceil(ppd), SETUP_THREADS),
+                None => Vec::new(),
             })
             .collect();
         // Let the controls' threads park before the baselines are taken.
@@ -814,12 +817,7 @@ pub fn memory_phase(options: &Options) {
                     let mut desktops =
                         open_controls(&relay.ws, &relay.http, pairs.div_ceil(ppd), SETUP_THREADS);
                     clock::sleep(Duration::from_millis(300));
-                    let target = Target {
-                        name: "orca-relay",
-                        kind: Kind::Relay,
-                        addr: relay.ws.clone(),
-                        pids: vec![relay.pid()],
-                    };
+                    let target = Target::relay("orca-relay", &relay);
                     relay_runs.push(idle_pair_cost(&engine, &target, &mut desktops, pairs, ppd));
                 }
                 Kind::Nginx => {
@@ -834,6 +832,7 @@ pub fn memory_phase(options: &Options) {
                         kind: Kind::Nginx,
                         addr: nginx.tuned.to_string(),
                         pids: nginx_pids(&nginx),
+                        http: None,
                     };
                     nginx_runs.push(idle_pair_cost(
                         &engine,

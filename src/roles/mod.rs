@@ -58,16 +58,13 @@ pub fn take_over(config: Config, take_over: handover::TakeOver) -> Result<(), Ru
     // The next process runs on the same machine clock as the one it replaces (a handover of a
     // cell whose clock is off keeps it off; found by the nemesis: it fell back to the true
     // clock).
-    let result = match apply_test_clock_offset(&config) {
-        Err(e) => Err(e),
-        Ok(()) => match config.role {
-            Role::Combined => combined::run(config, Some(take_over.clone())),
-            Role::Cell => cell::run(config, Some(take_over.clone())),
-            Role::Director => Err(RunError(
-                "a director holds no connections to hand over: restart it instead".into(),
-            )),
-        },
-    };
+    let result = apply_test_clock_offset(&config).and_then(|()| match config.role {
+        Role::Combined => combined::run(config, Some(take_over.clone())),
+        Role::Cell => cell::run(config, Some(take_over.clone())),
+        Role::Director => Err(RunError(
+            "a director holds no connections to hand over: restart it instead".into(),
+        )),
+    });
     if let (Err(e), false) = (&result, handover::committed()) {
         // The running process is still waiting for this one to be ready, or for its
         // confirmation (a closed socket tells it too).
