@@ -28,6 +28,8 @@ const MESSAGE_BYTES: usize = 256;
 const MEMORY_FRAME_BYTES: usize = 64 * 1024;
 /// Blocking set-up threads (the sessions' own traffic runs on the engine's loops).
 const SETUP_THREADS: usize = 4;
+/// How many `rate_limited` invite refusals one session's set-up waits out.
+const INVITE_RETRIES: u32 = 20;
 /// How long a system may take to let go of a run's sessions.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -77,25 +79,56 @@ fn status_field(status: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// RSS (KiB), threads and descriptors of a set of processes, summed.
+/// RSS (KiB), threads and sockets of a set of processes, summed. Sockets, not every
+/// descriptor (a database file opened in the middle of the bench is not a session left
+/// behind), and not a connection of the processes to themselves: the combined role's director
+/// polls its own cell over HTTP on a keep-alive connection that comes and goes.
 #[derive(Debug, Clone, Copy, Default)]
 struct Footprint {
     rss_kib: u64,
     threads: u64,
-    fds: u64,
+    sockets: u64,
 }
 
 fn footprint(pids: &[u32]) -> Footprint {
     let mut total = Footprint::default();
+    let mut inodes = std::collections::HashSet::new();
     for pid in pids {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         total.rss_kib += status_field(&status, "VmRSS:");
         total.threads += status_field(&status, "Threads:");
-        total.fds += std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .map(|dir| dir.count() as u64)
-            .unwrap_or(0);
+        for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(target) = std::fs::read_link(entry.path()) {
+                let target = target.to_string_lossy();
+                if let Some(inode) = target.strip_prefix("socket:[") {
+                    inodes.insert(inode.trim_end_matches(']').to_string());
+                }
+            }
+        }
     }
+    total.sockets = inodes.len() as u64 - self_connections(&inodes);
     total
+}
+
+/// Sockets among `inodes` (TCP, by `/proc/net/tcp{,6}`) whose peer is also among them.
+fn self_connections(inodes: &std::collections::HashSet<String>) -> u64 {
+    let mut ends = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() > 9 && inodes.contains(fields[9]) {
+                ends.insert((fields[1].to_string(), fields[2].to_string()));
+            }
+        }
+    }
+    ends.iter()
+        .filter(|(local, remote)| ends.contains(&(remote.clone(), local.clone())))
+        .count() as u64
 }
 
 /// One thread's (voluntary, involuntary) context switches and its name.
@@ -177,12 +210,20 @@ fn switch_delta(
 // Sessions: set-up and tear-down.
 
 fn read_control(ws: &mut super::IdleSocket, wanted: &str) -> Result<serde_json::Value, String> {
+    read_control_of(ws, &[wanted])
+}
+
+/// The next control message of one of the `wanted` types (others are skipped).
+fn read_control_of(
+    ws: &mut super::IdleSocket,
+    wanted: &[&str],
+) -> Result<serde_json::Value, String> {
     loop {
         match ws.read().map_err(|e| format!("control read: {e}"))? {
             Message::Text(text) => {
                 let value: serde_json::Value =
                     serde_json::from_str(&text).map_err(|e| format!("control JSON: {e}"))?;
-                if value["type"] == wanted {
+                if wanted.iter().any(|&w| value["type"] == w) {
                     return Ok(value);
                 }
             }
@@ -195,11 +236,26 @@ fn read_control(ws: &mut super::IdleSocket, wanted: &str) -> Result<serde_json::
 /// One relay session: invite, phone relay-auth, conn-open, data leg host-data-auth,
 /// relay-hello; then the phone and the data leg go to the engine.
 fn relay_session(ws: &str, desktop: &mut ControlDesktop, engine: &Engine) -> Result<(), String> {
-    desktop
-        .ws
-        .send(Message::text(r#"{"type":"invite-create","reqId":"b"}"#))
-        .map_err(|e| format!("invite-create: {e}"))?;
-    let created = read_control(&mut desktop.ws, "invite-created")?;
+    // A desktop may create 8 invites at once, then one a second (`invite-refused`
+    // `rate_limited` with `retryAfterMs`): short runs come back to a desktop before its bucket
+    // is full again, so a refusal waits as it says and asks again.
+    let mut refusals = 0;
+    let created = loop {
+        desktop
+            .ws
+            .send(Message::text(r#"{"type":"invite-create","reqId":"b"}"#))
+            .map_err(|e| format!("invite-create: {e}"))?;
+        let answer = read_control_of(&mut desktop.ws, &["invite-created", "invite-refused"])?;
+        if answer["type"] == "invite-created" {
+            break answer;
+        }
+        refusals += 1;
+        if answer["reason"] != "rate_limited" || refusals > INVITE_RETRIES {
+            return Err(format!("invite refused: {answer}"));
+        }
+        let wait_ms = answer["retryAfterMs"].as_u64().unwrap_or(1_000).min(5_000);
+        clock::sleep(Duration::from_millis(wait_ms));
+    };
     let invite = created["inviteToken"]
         .as_str()
         .ok_or("invite-created without a token")?
@@ -320,13 +376,13 @@ fn close_sessions(engine: &Engine, target: &Target, baseline: Footprint) {
     }
     let settled = crate::harness::wait_until(SETTLE_TIMEOUT, || {
         let now = footprint(&target.pids);
-        now.fds <= baseline.fds && now.threads <= baseline.threads
+        now.sockets <= baseline.sockets && now.threads <= baseline.threads
     });
     if !settled {
         let now = footprint(&target.pids);
         println!(
-            "  ({}: still {} fds / {} threads after closing, baseline {} / {})",
-            target.name, now.fds, now.threads, baseline.fds, baseline.threads
+            "  ({}: still {} sockets / {} threads after closing, baseline {} / {})",
+            target.name, now.sockets, now.threads, baseline.sockets, baseline.threads
         );
     }
 }
@@ -676,6 +732,7 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
         "LG s/M",
     );
     let mut verdicts = Vec::new();
+    let mut paired = Vec::new();
     for (k, rows) in tables {
         let tuned = rows.iter().find(|r| r.name.starts_with("nginx tuned"));
         let base_rate = tuned.and_then(|r| r.median_of(|x| Some(x.rate)));
@@ -746,10 +803,60 @@ fn print_sessions_tables(options: &Options, tables: &[(usize, Vec<Row>)]) {
                 }
             }
         }
+        if let Some(tuned) = tuned {
+            for row in rows.iter().filter(|r| r.name.starts_with("orca-relay")) {
+                paired.push((*k, row.name, paired_ratios(row, tuned)));
+            }
+        }
     }
     println!();
     for (k, target, value, pass) in verdicts {
         target_line(&format!("K={k} {target}"), format!("{value:.2}x"), pass);
+    }
+    print_paired(&paired);
+}
+
+/// One relay row's paired ratios at one K: (K, row name, (round trips/s, CPU per message)).
+type Paired<'a> = (usize, &'a str, (Vec<f64>, Vec<f64>));
+
+/// Per run, a relay row's value over nginx tuned's in the same run (the systems of a run are
+/// measured back to back, so a drift of the machine between runs cancels out): round trips/s
+/// and CPU per message.
+fn paired_ratios(row: &Row, tuned: &Row) -> (Vec<f64>, Vec<f64>) {
+    let pairs = row.runs.iter().zip(&tuned.runs);
+    let rates = pairs.clone().map(|(r, t)| r.rate / t.rate).collect();
+    let cpus = pairs
+        .filter_map(|(r, t)| Some(r.cpu_per_million? / t.cpu_per_million?))
+        .collect();
+    (rates, cpus)
+}
+
+/// The paired ratios' medians with a distribution-free 95 % interval: an interval that holds
+/// 1.0 is parity within this run's noise, whichever side the median fell.
+fn print_paired(paired: &[Paired<'_>]) {
+    if paired.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "paired by run (each run's ratio to nginx tuned in the same run), median and its 95 % \
+         interval (order statistics; fewer than 6 runs cover less, as shown):"
+    );
+    for (k, name, (rates, cpus)) in paired {
+        let describe = |values: &[f64]| match super::median_interval(values, 0.95) {
+            Some((low, high, coverage)) => format!(
+                "{:.2}x [{low:.2}, {high:.2}] ({:.1} %)",
+                median(values),
+                coverage * 100.0
+            ),
+            None => "-".into(),
+        };
+        println!(
+            "  K={k:<5} {name:<19} rt/s {:<30} CPU per message {:<30} {} runs",
+            describe(rates),
+            describe(cpus),
+            rates.len()
+        );
     }
 }
 
