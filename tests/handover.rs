@@ -671,11 +671,12 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
         .collect();
     for run in runs {
         let (name, cause, relay, outcome, report, finished) = run.join().unwrap();
-        assert_eq!(outcome.code, 1, "{name}: {outcome:?}");
+        assert_eq!(outcome.code, 1, "{name}: {outcome:?}\n{}", relay.log_text());
         assert!(
             outcome.stderr.contains("the running relay keeps serving")
                 && outcome.stderr.contains(cause),
-            "{name}: {outcome:?}"
+            "{name}: {outcome:?}\n{}",
+            relay.log_text()
         );
         assert_eq!(
             relay.count_log("orca_relay_handover_failed"),

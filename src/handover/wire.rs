@@ -454,6 +454,9 @@ impl Channel {
         let control_len =
             unsafe { libc::CMSG_SPACE((253 * std::mem::size_of::<RawFd>()) as u32) } as usize;
         let mut control = vec![0u64; control_len.div_ceil(8)];
+        // A peer that closed with one of our messages unread leaves this socket reset, and the
+        // reset is reported (once) before the messages the peer sent first: read on past it.
+        let mut reset_seen = false;
         loop {
             let mut iov = libc::iovec {
                 iov_base: bytes.as_mut_ptr() as *mut libc::c_void,
@@ -479,6 +482,10 @@ impl Channel {
                     io::ErrorKind::Interrupted => continue,
                     io::ErrorKind::WouldBlock => {
                         wait(self.fd.as_raw_fd(), libc::POLLIN, deadline)?;
+                        continue;
+                    }
+                    io::ErrorKind::ConnectionReset if !reset_seen => {
+                        reset_seen = true;
                         continue;
                     }
                     io::ErrorKind::ConnectionReset => return Err(WireError::Closed),
@@ -628,6 +635,23 @@ mod tests {
             b.send(1, b"x", &[], soon()),
             Err(WireError::Closed)
         ));
+    }
+
+    /// A peer that sends its last message and closes while one of ours lies unread on its
+    /// side: Linux then marks our socket reset, and `recvmsg` reports `ECONNRESET` before the
+    /// messages still queued. Its last message must still be read. Seen in a clean-clone CI
+    /// run: the handover command aborted (its next process had exited), the running relay sent
+    /// its outcome and closed with the abort unread, and the command reported "went away
+    /// without an outcome".
+    #[test]
+    fn the_last_message_of_a_peer_that_closed_with_ours_unread_is_read() {
+        let (a, b) = pair().unwrap();
+        a.send(1, b"unread", &[], soon()).unwrap();
+        b.send(2, b"outcome", &[], soon()).unwrap();
+        drop(b);
+        let last = a.recv(soon()).unwrap();
+        assert_eq!((last.kind, last.payload.as_slice()), (2, &b"outcome"[..]));
+        assert!(matches!(a.recv(soon()), Err(WireError::Closed)));
     }
 
     /// A connection on the handover socket can take every live connection of the process, so
