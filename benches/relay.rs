@@ -114,9 +114,9 @@
 //! systems alternate run by run. The load average before and after is printed. The many-sessions
 //! mode also pairs each relay run with nginx tuned's run of the same round and prints the
 //! median of those per-run ratios with a distribution-free 95 % interval (order statistics of
-//! the runs; 6 runs or more reach 95 %, 12 give about ±5 % at K=100 on the 2-core machine): an
-//! interval that holds 1.0 means this run cannot tell the two apart, whichever side its median
-//! fell on.
+//! the runs; 6 runs or more reach 95 %; 12 gave intervals about 0.1 wide at K=100 on the 2-core
+//! machine): an interval that holds 1.0 means this run cannot tell the two apart, whichever
+//! side its median fell on.
 
 #[path = "../tests/harness/mod.rs"]
 mod harness;

@@ -110,7 +110,7 @@ fn footprint(pids: &[u32]) -> Footprint {
             }
         }
     }
-    total.sockets = inodes.len() as u64 - self_connections(&inodes);
+    total.sockets = (inodes.len() as u64).saturating_sub(self_connections(&inodes));
     total
 }
 
