@@ -134,7 +134,6 @@ use std::time::Duration;
 
 use tungstenite::client::IntoClientRequest;
 use tungstenite::protocol::WebSocketConfig;
-use tungstenite::stream::MaybeTlsStream;
 use tungstenite::{Bytes, Message, WebSocket};
 
 use harness::{Relay, TempDir, Ws};
@@ -625,10 +624,9 @@ fn children_of(pid: u32) -> Vec<u32> {
 }
 
 fn tune_client(ws: &Ws) {
-    if let MaybeTlsStream::Plain(stream) = ws.get_ref() {
-        let _ = stream.set_nodelay(true);
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-    }
+    let stream = ws.get_ref().tcp();
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
 }
 
 fn phone_to(url: &str) -> Ws {
@@ -741,9 +739,7 @@ fn relay_system(binary: Option<&Path>) -> (Relay, harness::Desktop, Ws) {
     let mut desktop = harness::Desktop::connect(&relay);
     let (phone, leg) = harness::splice(&relay, &mut desktop);
     harness::set_read_timeout(&leg, None);
-    if let MaybeTlsStream::Plain(stream) = leg.get_ref() {
-        let _ = stream.set_nodelay(true);
-    }
+    let _ = leg.get_ref().tcp().set_nodelay(true);
     tune_client(&phone);
     orca_relay::threads::spawn("bench-data-leg", move || serve_desktop(leg))
         .expect("spawn the data leg");

@@ -8,6 +8,11 @@
 //!
 //! The black-box form of the same question (the whole relay stopped and continued) is
 //! `tests/pause_blackbox.rs`.
+//!
+//! The suite's own WebSocket client (`tests/harness`) is held to the same rule: a test process
+//! can be stopped and continued too.
+
+mod harness;
 
 use std::sync::mpsc;
 use std::sync::Once;
@@ -49,9 +54,11 @@ fn interrupted<T: Send + 'static>(call: impl FnOnce() -> T + Send + 'static) -> 
     .unwrap();
     let thread = thread_rx.recv().unwrap();
     let mut signals = 0;
-    while done_rx.recv_timeout(Duration::from_millis(20)).is_err() {
-        // SAFETY: the thread is alive until it sends `done` (joined below), so its
-        // pthread_t is valid.
+    // Until the call returns, or panics (its end of the channel drops: the join below fails).
+    while let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(Duration::from_millis(20))
+    {
+        // SAFETY: the thread is not joined before the loop ends (below), so its pthread_t is
+        // valid.
         unsafe { libc::pthread_kill(thread, libc::SIGUSR2) };
         signals += 1;
     }
@@ -200,4 +207,23 @@ fn the_first_frame_reader_retries_interrupted_reads_and_reads_the_frame() {
     let _client = writer.join().unwrap();
     assert!(signals >= 10, "interrupted {signals} times");
     assert!(event.contains("Text(\"spliced\")"), "{event}");
+}
+
+/// The harness's WebSocket client reads through interrupted calls. A clean-clone CI run saw
+/// `operations_blackbox::a_drain_with_a_desktop_still_connected_sleeps_instead_of_spinning`
+/// read no close code: the relay drained and closed the desktop 4503 as it should, but the
+/// test process had been stopped and continued while its client waited in a timed `recv`,
+/// which failed with `EINTR`, and tungstenite passed that on as a failed read.
+#[test]
+fn the_harness_client_reads_through_interrupted_calls() {
+    let relay = harness::Relay::combined(&[("ORCA_RELAY_PING_MS", "300")]);
+    let desktop = harness::Desktop::connect(&relay);
+    let mut control = desktop.control;
+    // Each ping is waited for ~300 ms in one blocking read, interrupted every 20 ms.
+    let ((), signals) = interrupted(move || {
+        for _ in 0..3 {
+            harness::expect_ping(&mut control);
+        }
+    });
+    assert!(signals >= 10, "interrupted {signals} times");
 }

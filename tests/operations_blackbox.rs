@@ -167,7 +167,14 @@ fn a_drain_with_a_desktop_still_connected_sleeps_instead_of_spinning() {
     let (cpu_before, wall_before) = (cpu_time(relay.pid()), orca_relay::clock::instant());
     // The desktop stays: the drain waits out its grace, then closes it 4503.
     set_read_timeout(&desktop.control, Some(Duration::from_secs(30)));
-    assert_eq!(read_close(&mut desktop.control), Some(4503));
+    let code = read_close(&mut desktop.control);
+    if code != Some(4503) {
+        relay.wait_exit(WAIT);
+        panic!(
+            "closed {code:?}, not 4503; the relay's log:\n{}",
+            relay.log_text()
+        );
+    }
     let (cpu, wall) = (cpu_time(relay.pid()) - cpu_before, wall_before.elapsed());
     assert_eq!(relay.wait_exit(WAIT), Some(0), "{}", relay.log_text());
     eprintln!("the drain used {cpu:?} of CPU in {wall:?}");

@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harness::*;
-use tungstenite::stream::MaybeTlsStream;
 use tungstenite::Message;
 
 // ---------------------------------------------------------------------------------------------
@@ -34,10 +33,7 @@ fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
 /// The TCP stream under a harness WebSocket (after `relay-hello`, nothing else is buffered in
 /// it: the relay sends nothing more until the peer does).
 fn raw(ws: &Ws) -> TcpStream {
-    match ws.get_ref() {
-        MaybeTlsStream::Plain(stream) => stream.try_clone().expect("clone the stream"),
-        _ => unreachable!("tests use plain sockets"),
-    }
+    ws.get_ref().tcp().try_clone().expect("clone the stream")
 }
 
 /// An incremental reader of unmasked server frames: (first header byte, payload).

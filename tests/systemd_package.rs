@@ -29,13 +29,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use harness::{
-    es256_token, jwks_body, read_close, read_json, send_json, set_read_timeout, token, Ws,
-    SERVICE_TOKEN, TEST_ISSUER, TEST_KEY,
+    es256_token, jwks_body, read_close, read_json, send_json, set_read_timeout, token, ws_client,
+    Ws, SERVICE_TOKEN, TEST_ISSUER, TEST_KEY,
 };
 use serde_json::json;
 use systemd_harness::{Entry, Namespace};
 use tungstenite::client::IntoClientRequest;
-use tungstenite::stream::MaybeTlsStream;
 
 const CELL: &str = "orca-relay-cell.service";
 const DIRECTOR: &str = "orca-relay-director.service";
@@ -255,8 +254,7 @@ impl Desktop {
             .headers_mut()
             .insert("Authorization", format!("Bearer {token}").parse().unwrap());
         let stream = ns.connect(WS_ADDR);
-        let (mut control, _) =
-            tungstenite::client(request, MaybeTlsStream::Plain(stream)).expect("control upgrade");
+        let mut control = ws_client(request, stream).expect("control upgrade");
         set_read_timeout(&control, Some(Duration::from_secs(20)));
         send_json(
             &mut control,

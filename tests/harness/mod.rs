@@ -2,7 +2,7 @@
 //! real sockets with a real WebSocket client.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -14,10 +14,75 @@ pub mod proxy;
 pub mod raw_http;
 
 use tungstenite::client::IntoClientRequest;
-use tungstenite::stream::MaybeTlsStream;
 use tungstenite::{Message, WebSocket};
 
-pub type Ws = WebSocket<MaybeTlsStream<TcpStream>>;
+pub type Ws = WebSocket<Stream>;
+
+/// The test clients' TCP stream: a read or write that a signal interrupted is tried again.
+/// A process that is stopped and continued (a paused VM, a debugger, another test's SIGSTOP and
+/// SIGCONT sent to a pid this process's thread has since taken) sees `EINTR` from socket calls
+/// with a timeout, and tungstenite reports it as a failed read: an interrupted call is never a
+/// peer that left.
+#[derive(Debug)]
+pub struct Stream(pub TcpStream);
+
+impl Stream {
+    pub fn tcp(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match self.0.read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                result => return result,
+            }
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        loop {
+            match self.0.write(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                result => return result,
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// Opens a WebSocket over `stream` (the upgrade request is `request`), reads and writes
+/// through [`Stream`].
+pub fn ws_client(
+    request: tungstenite::handshake::client::Request,
+    stream: TcpStream,
+) -> Result<Ws, tungstenite::Error> {
+    match tungstenite::client(request, Stream(stream)) {
+        Ok((ws, _)) => Ok(ws),
+        Err(tungstenite::HandshakeError::Failure(e)) => Err(e),
+        Err(tungstenite::HandshakeError::Interrupted(_)) => Err(tungstenite::Error::Io(
+            std::io::ErrorKind::WouldBlock.into(),
+        )),
+    }
+}
+
+/// The TCP connection for `request`'s `host:port`.
+fn tcp_for(request: &tungstenite::handshake::client::Request) -> std::io::Result<TcpStream> {
+    let uri = request.uri();
+    let host = uri.host().unwrap_or_default();
+    let port = uri.port_u16().unwrap_or(80);
+    let tcp = TcpStream::connect((host, port))?;
+    // As tungstenite's own `connect` does: a small frame goes out at once.
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
+}
 
 /// The self-hosted HS256 key every combined test relay uses.
 pub const TEST_KEY: &str = "test-self-hosted-key-0123456789abcdefghijklmnop";
@@ -472,8 +537,9 @@ pub fn ws_connect(url: &str, bearer: Option<&str>) -> Result<Ws, u16> {
             .headers_mut()
             .insert("Authorization", format!("Bearer {token}").parse().unwrap());
     }
-    match tungstenite::connect(request) {
-        Ok((ws, _)) => {
+    let tcp = tcp_for(&request).unwrap_or_else(|e| panic!("connect {url}: {e}"));
+    match ws_client(request, tcp) {
+        Ok(ws) => {
             set_read_timeout(&ws, Some(Duration::from_secs(20)));
             Ok(ws)
         }
@@ -483,9 +549,7 @@ pub fn ws_connect(url: &str, bearer: Option<&str>) -> Result<Ws, u16> {
 }
 
 pub fn set_read_timeout(ws: &Ws, timeout: Option<Duration>) {
-    if let MaybeTlsStream::Plain(stream) = ws.get_ref() {
-        stream.set_read_timeout(timeout).unwrap();
-    }
+    ws.get_ref().tcp().set_read_timeout(timeout).unwrap();
 }
 
 pub fn send_json(ws: &mut Ws, value: serde_json::Value) {
