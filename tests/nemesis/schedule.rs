@@ -50,8 +50,8 @@ pub enum FaultKind {
     /// went down) and started again after the duration.
     ClockJump,
     /// `orca-relay handover` on a cell (issue 23): only when the binary has the command. Drawn
-    /// from a stream of its own ([`draw_handovers`]). A `value` other than 0 steps the cell's
-    /// wall clock by that many ms just before (a time sync, a machine suspended and resumed):
+    /// from a stream of its own ([`draw_handovers`]). Its `value` steps the cell's wall clock by
+    /// that many ms just before (a time sync, a machine suspended and resumed):
     /// the running process, which anchored its wall time at its start, does not see the step;
     /// the next one does, and must not take it for time the carried state spent travelling.
     /// The offset sticks for the cell's later runs, as with [`FaultKind::ClockJump`].
@@ -368,14 +368,10 @@ fn draw_handovers(
             });
         let Some(target) = free else { continue };
         busy.insert(Resource::Process(target), t + RESTART_MARGIN_MS);
-        // A third without a step, a third ahead, a third behind; ahead by more than the
-        // handover's 10 s limit of travel is what a wall-clock travel would take whole.
+        // Two thirds ahead, a third behind: ahead by more than the handover's 10 s limit of
+        // travel is what a travel measured on the two wall clocks would take whole.
         let step = steps.between(10_000, 20_000) as i64;
-        let value = match steps.below(3) {
-            0 => 0,
-            1 => step,
-            _ => -step,
-        };
+        let value = if steps.below(3) < 2 { step } else { -step };
         faults.push(Fault {
             id: faults.len(),
             at_ms: t,
