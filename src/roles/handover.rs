@@ -56,7 +56,9 @@ use super::RunError;
 ///    the pending loop, as a version-2 process would have them); a spliced leg carries its
 ///    output's frame cursor (version 1: its output taken as ending at a frame boundary), a
 ///    frame it streams, the control frames owed to it, and its idle clock (version 1: starts
-///    at the handover); the pair's desktop for both legs.
+///    at the handover); the pair's desktop for both legs. Later, without a new version (an
+///    optional field each side may ignore): `snapshotMachineMs`, the snapshot on the machine's
+///    monotonic clock (absent: the travel is measured on the two wall clocks, as before).
 pub const STATE_VERSION: u32 = 2;
 /// The versions this build reads (every one from the first).
 pub const READS: &[u32] = &[1, 2];
