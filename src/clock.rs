@@ -143,6 +143,30 @@ pub fn sleep(duration: Duration) {
     std::thread::sleep(duration)
 }
 
+/// Milliseconds on the machine's monotonic clock (`CLOCK_MONOTONIC`, the clock [`instant`]
+/// reads): one origin for every process of the machine, and a step of the wall clock (a time
+/// sync, a suspended machine resumed) does not move it. For a time measured between two
+/// processes of one machine (a live handover's travel); never compared across machines.
+/// `None` if the kernel will not say (it always does on Linux).
+pub fn machine_ms() -> Option<u64> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec it is given, which lives for the call.
+    let result = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    if result != 0 {
+        return None;
+    }
+    let seconds = u64::try_from(now.tv_sec).ok()?;
+    let nanos = u64::try_from(now.tv_nsec).ok()?;
+    Some(
+        seconds
+            .saturating_mul(1_000)
+            .saturating_add(nanos / 1_000_000),
+    )
+}
+
 /// A monotonic instant for measuring short elapsed times (benchmarks, I/O deadlines).
 #[allow(clippy::disallowed_methods)]
 pub fn instant() -> Instant {
@@ -175,6 +199,21 @@ mod tests {
         );
         assert!((a - p - 300_000).abs() < 1_000, "ahead by {}", a - p);
         assert!((p - b - 300_000).abs() < 1_000, "behind by {}", p - b);
+    }
+
+    #[test]
+    fn the_machine_clock_is_the_monotonic_clock_of_instant() {
+        let before = instant();
+        let a = machine_ms().expect("CLOCK_MONOTONIC");
+        sleep(Duration::from_millis(20));
+        let b = machine_ms().expect("CLOCK_MONOTONIC");
+        let took = before.elapsed().as_millis() as u64;
+        assert!(b >= a + 19, "{a} then {b}");
+        assert!(
+            b - a <= took + 1,
+            "{} ms on the machine clock, {took} ms on Instant",
+            b - a
+        );
     }
 
     #[test]

@@ -726,13 +726,21 @@ const PEER: &str = "c-peer";
 fn dead_man_cell(
     flags: serde_json::Value,
 ) -> (Relay, orca_relay::store::Store, FakeServer, FakeServer) {
+    dead_man_cell_with_window(flags, "1500")
+}
+
+/// [`dead_man_cell`] with a window of `base_ms`.
+fn dead_man_cell_with_window(
+    flags: serde_json::Value,
+    base_ms: &str,
+) -> (Relay, orca_relay::store::Store, FakeServer, FakeServer) {
     let jwks = jwks_server();
     let director = accepting_director();
     let dir = Arc::new(TempDir::new("handover-dead-man"));
     write_switch(&dir.0.join("switch.json"), CELL, 1, flags);
     let mut env = cell_env(CELL, &jwks, &[&director]);
     for (name, value) in [
-        ("ORCA_RELAY_DEAD_MAN_BASE_MS", "1500"),
+        ("ORCA_RELAY_DEAD_MAN_BASE_MS", base_ms),
         ("ORCA_RELAY_DEAD_MAN_SPREAD_MS", "0"),
         ("ORCA_RELAY_TRIP_CLAIM_RETRY_MS", "700"),
         ("ORCA_RELAY_SWITCH_POLL_MS", "50"),
@@ -848,6 +856,50 @@ fn the_dead_man_goes_on_where_it_was() {
     .unwrap();
     held.join().expect("held");
     tripped.join().expect("tripped");
+}
+
+/// The seat feed's answer (`reserver=1` in `query` is dead-man contact; without it, not).
+fn feed(relay: &Relay, query: &str) -> Value {
+    let (status, body) = relay.internal_get(&format!("/internal/seats{query}"));
+    assert_eq!(status, 200, "the seat feed: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// The wall clock stepped between the running process's start and the next one's (a time
+/// sync, a machine suspended and resumed) does not age the dead-man's silence: the time the
+/// state travelled is measured on the machine's monotonic clock, which both processes read,
+/// not as the difference of their wall clocks. The next process here reads its wall clock a
+/// minute ahead (the test knob). Before: it took that minute (bounded to the handover's 10 s)
+/// for the travel and added it to every carried age, so a cell a director had polled a second
+/// earlier came up 11 s silent (a nemesis run saw one held 135 ms after its handover, its
+/// directors gone for a second of a 2.7 s window).
+#[test]
+fn a_wall_clock_step_between_the_two_processes_does_not_age_the_silence() {
+    handover_kit::adopt_orphans();
+    let (relay, _store, _jwks, _director) =
+        dead_man_cell_with_window(json!({"admitMode":"reserve","deadManTripSlots":1}), "60000");
+    assert!(wait_until(DEADLINE, || metric_value(
+        &relay,
+        "orca_relay_dead_man_state{state=\"armed\"}"
+    ) == 1.0));
+    let contact = orca_relay::clock::instant();
+    feed(&relay, "?reserver=1");
+    let (_, serving) = handed(
+        &relay,
+        None,
+        &[("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", "60000")],
+    );
+    let status = feed(&relay, "")["status"].clone();
+    // Both bounds from the test's own clock: the contact came after `contact`, the report
+    // before now (1 ms a moment for the carried ages' rounding).
+    let most = contact.elapsed().as_millis() as u64 + 10;
+    let silent = status["silentMs"].as_u64().expect("silentMs while armed");
+    assert!(
+        silent <= most,
+        "the next process counts {silent} ms of silence, at most {most} ms passed since the contact: {status}"
+    );
+    assert_eq!(status["deadMan"], "armed", "{status}");
+    drop(serving);
 }
 
 /// On a reserve-mode combined relay: a desktop that leaves before the handover and comes back

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::carry::{Carry, Snapshot};
+use crate::carry::{Carry, Snapshot, Stamp};
 use crate::clock::{self, SharedClock};
 use crate::handover::wire::{self, Channel};
 use crate::handover::{
@@ -56,7 +56,9 @@ use super::RunError;
 ///    the pending loop, as a version-2 process would have them); a spliced leg carries its
 ///    output's frame cursor (version 1: its output taken as ending at a frame boundary), a
 ///    frame it streams, the control frames owed to it, and its idle clock (version 1: starts
-///    at the handover); the pair's desktop for both legs.
+///    at the handover); the pair's desktop for both legs. Later, without a new version (an
+///    optional field each side may ignore): `snapshotMachineMs`, the snapshot on the machine's
+///    monotonic clock (absent: the travel is measured on the two wall clocks, as before).
 pub const STATE_VERSION: u32 = 2;
 /// The versions this build reads (every one from the first).
 pub const READS: &[u32] = &[1, 2];
@@ -107,6 +109,11 @@ pub struct Document {
     pub incarnation: i64,
     /// When the giver took the snapshot, by its clock (ms since the epoch).
     pub snapshot_ms: u64,
+    /// The same moment on the machine's monotonic clock (`clock::machine_ms`), which the
+    /// next process measures the travel against (absent from an older build: the wall clocks
+    /// are compared then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_machine_ms: Option<u64>,
     pub from_version: String,
     pub listeners: ListenerIndices,
     pub cell: CellRecord,
@@ -121,8 +128,39 @@ pub struct Document {
 pub struct PairsDocument {
     pub v: u32,
     pub snapshot_ms: u64,
+    /// As in [`Document::snapshot_machine_ms`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_machine_ms: Option<u64>,
     pub metrics: Vec<SeriesRecord>,
     pub pairs: Vec<PairEntry>,
+}
+
+impl Document {
+    /// When the giver took the snapshot.
+    pub fn sent_at(&self) -> Stamp {
+        Stamp {
+            wall_ms: self.snapshot_ms,
+            machine_ms: self.snapshot_machine_ms,
+        }
+    }
+}
+
+impl PairsDocument {
+    /// When the giver took the pairs' snapshot.
+    pub fn sent_at(&self) -> Stamp {
+        Stamp {
+            wall_ms: self.snapshot_ms,
+            machine_ms: self.snapshot_machine_ms,
+        }
+    }
+}
+
+/// This process's moment, to measure a document's travel against.
+fn here(clock: &SharedClock) -> Stamp {
+    Stamp {
+        wall_ms: clock.now_ms(),
+        machine_ms: clock::machine_ms(),
+    }
 }
 
 /// Reads a part of the state document of any version this build knows, upgraded to the
@@ -432,6 +470,7 @@ impl InFlight<'_> {
         Ok(Snapshot {
             now_ms: self.parts.clock.now_ms(),
             now: clock::instant(),
+            machine_ms: clock::machine_ms(),
         })
     }
 
@@ -443,6 +482,7 @@ impl InFlight<'_> {
         let snapshot = Snapshot {
             now_ms: self.parts.clock.now_ms(),
             now: clock::instant(),
+            machine_ms: clock::machine_ms(),
         };
         quiesced.paused_at = Some(clock::instant());
         quiesced.pairs = Some(Vec::new());
@@ -485,6 +525,7 @@ impl InFlight<'_> {
             cell_id: cell.context.cell_id.to_string(),
             incarnation: cell.context.incarnation,
             snapshot_ms: snapshot.now_ms,
+            snapshot_machine_ms: snapshot.machine_ms,
             from_version: protocol::version(),
             listeners,
             cell: cell.record(&snapshot, threads),
@@ -517,6 +558,7 @@ impl InFlight<'_> {
         let document = PairsDocument {
             v: STATE_VERSION,
             snapshot_ms: snapshot.now_ms,
+            snapshot_machine_ms: snapshot.machine_ms,
             metrics: self.parts.registry.record(),
             pairs,
         };
@@ -945,7 +987,7 @@ impl Taker {
             return Err(fail(&channel, cause));
         }
         let received_at = clock::instant();
-        let carry = Carry::new(clock.now_ms(), received_at, document.snapshot_ms);
+        let carry = Carry::new(received_at, here(clock), document.sent_at());
         crate::lifecycle::adopt_systemd(
             received.header.notify_socket.as_deref(),
             received.header.watchdog_usec,
@@ -1154,7 +1196,7 @@ impl Taker {
             Err(cause) => return Err(self.fail(&cause)),
         };
         registry.restore(&document.metrics);
-        let carry = Carry::new(clock.now_ms(), clock::instant(), document.snapshot_ms);
+        let carry = Carry::new(clock::instant(), here(clock), document.sent_at());
         self.fds = received.fds.into_iter().map(Some).collect();
         let context = &cell.context;
         for entry in document.pairs {

@@ -373,8 +373,9 @@ impl Proc {
         let incarnation = state.incarnation;
         drop(state);
         history.event(format!(
-            "handover proc={} incarnation={incarnation} from_pid={from}",
-            self.name
+            "handover proc={} incarnation={incarnation} from_pid={from} clock_offset_ms={}",
+            self.name,
+            self.clock_offset_ms()
         ));
         let mut command = Command::new(&self.binary);
         command

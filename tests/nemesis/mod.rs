@@ -244,7 +244,7 @@ impl Nemesis<'_> {
                 proc.set_clock_offset_ms(fault.value);
                 proc.kill9(k, h)
             }
-            (FaultKind::CellHandover, Target::Cell(c)) => self.handover(c),
+            (FaultKind::CellHandover, Target::Cell(c)) => self.handover(c, fault.value),
             _ => false,
         }
     }
@@ -285,9 +285,14 @@ impl Nemesis<'_> {
     /// The live handover of issue 23 on cell `c` ([`fleet::Proc::hand_over`]): the command runs
     /// on a thread of its own; the supervisor follows the next process once it committed. The
     /// [`Knowledge`] does not change (the cell serves throughout), so no stream may be cut and
-    /// no trip is excused by it.
-    fn handover(&mut self, c: usize) -> bool {
-        self.fleet.cells[c].hand_over(self.history)
+    /// no trip is excused by it. A `step` moves the cell's wall clock first: the next process
+    /// starts with it, the running one never sees it.
+    fn handover(&mut self, c: usize, step: i64) -> bool {
+        let cell = &self.fleet.cells[c];
+        if step != 0 {
+            cell.set_clock_offset_ms(cell.clock_offset_ms() + step);
+        }
+        cell.hand_over(self.history)
     }
 
     /// Puts the operator's record of a cell back to `reserve` once its row says `reserve`

@@ -50,7 +50,11 @@ pub enum FaultKind {
     /// went down) and started again after the duration.
     ClockJump,
     /// `orca-relay handover` on a cell (issue 23): only when the binary has the command. Drawn
-    /// from a stream of its own ([`draw_handovers`]).
+    /// from a stream of its own ([`draw_handovers`]). Its `value` steps the cell's wall clock by
+    /// that many ms just before (a time sync, a machine suspended and resumed):
+    /// the running process, which anchored its wall time at its start, does not see the step;
+    /// the next one does, and must not take it for time the carried state spent travelling.
+    /// The offset sticks for the cell's later runs, as with [`FaultKind::ClockJump`].
     CellHandover,
 }
 
@@ -341,6 +345,8 @@ fn draw_handovers(
     faults: &mut Vec<Fault>,
 ) {
     let mut rng = Rng::derive(seed, 0x4A4D_0FE2);
+    // The steps from a stream of their own: the handovers' times and cells stay as they were.
+    let mut steps = Rng::derive(seed, 0x57E9_C10C);
     let mut t = WARMUP_MS;
     loop {
         t += rng.between(3_000, 12_000);
@@ -362,13 +368,17 @@ fn draw_handovers(
             });
         let Some(target) = free else { continue };
         busy.insert(Resource::Process(target), t + RESTART_MARGIN_MS);
+        // Two thirds ahead, a third behind: ahead by more than the handover's 10 s limit of
+        // travel is what a travel measured on the two wall clocks would take whole.
+        let step = steps.between(10_000, 20_000) as i64;
+        let value = if steps.below(3) < 2 { step } else { -step };
         faults.push(Fault {
             id: faults.len(),
             at_ms: t,
             kind: FaultKind::CellHandover,
             target,
             duration_ms: 0,
-            value: 0,
+            value,
         });
     }
 }
