@@ -770,3 +770,98 @@ fn budget_prints_the_seed_rows() {
     }
     assert!(stdout.contains("usable 490"), "{stdout}");
 }
+
+/// The names of the process's threads (`/proc/<pid>/task/*/comm`).
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+                .map(|name| name.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A process started by the socket units stops without closing a connection it accepted but
+/// whose request head had not been read: systemd holds the listener and the next process goes
+/// on accepting, so that client chose this process by chance and is answered. Before, a
+/// `systemctl restart` under the socket units answered one `/ready` of 124 with nothing
+/// (`tests/handover_systemd.rs`, under load): the old process's HTTP stop closed it.
+#[test]
+fn a_stop_serves_a_connection_accepted_on_a_listener_from_systemd() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let fd = listener.as_raw_fd();
+    // systemd's LISTEN_PID names the process it passes the descriptors to: the shell's pid,
+    // which `exec` keeps.
+    let dir = Arc::new(TempDir::new("socket-unit"));
+    let script = dir.0.join("socket-activated.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nLISTEN_PID=$$ exec {} \"$@\"\n",
+            env!("CARGO_BIN_EXE_orca-relay")
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let mut relay = Relay::launch_binary_with(
+        &script,
+        dir,
+        &[("LISTEN_FDS", "1"), ("LISTEN_FDNAMES", "http")],
+        move |command| {
+            // SAFETY: dup2 and fcntl are async-signal-safe; fd 3 is where systemd puts the
+            // first socket, open across the exec (dup2 onto itself would keep close-on-exec).
+            unsafe {
+                command.pre_exec(move || {
+                    if fd != 3 && libc::dup2(fd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::fcntl(3, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        },
+    )
+    .expect_listening("orca_relay_started");
+    assert_eq!(
+        relay.count_log("orca_relay_listeners_from_systemd ws=false http=true"),
+        1
+    );
+    assert_eq!(relay.http, listener.local_addr().unwrap().to_string());
+
+    // A connection the relay accepts (a descriptor more in it) whose head is half sent.
+    let fds = || std::fs::read_dir(format!("/proc/{}/fd", relay.pid())).map_or(0, Iterator::count);
+    let before = fds();
+    let mut client = std::net::TcpStream::connect(&relay.http).unwrap();
+    client.write_all(b"GET /health HTTP/1.1\r\n").unwrap();
+    assert!(wait_until(WAIT, || fds() > before), "never accepted");
+    relay.signal("TERM");
+    // The HTTP server stops accepting (its acceptor thread ends), then deals with the
+    // connections it holds: the rest of the head comes after that.
+    assert!(
+        wait_until(WAIT, || !thread_names(relay.pid())
+            .iter()
+            .any(|n| n == "http-acceptor")),
+        "the HTTP acceptor never stopped"
+    );
+    client.write_all(b"Host: relay\r\n\r\n").unwrap();
+    client.set_read_timeout(Some(WAIT)).unwrap();
+    let mut answer = Vec::new();
+    let _ = client.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "answered {answer:?}; the relay's log:\n{}",
+        relay.log_text()
+    );
+    assert_eq!(relay.wait_exit(WAIT), Some(0), "{}", relay.log_text());
+}

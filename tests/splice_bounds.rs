@@ -30,10 +30,11 @@ fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The TCP stream under a harness WebSocket (after `relay-hello`, nothing else is buffered in
-/// it: the relay sends nothing more until the peer does).
-fn raw(ws: &Ws) -> TcpStream {
-    ws.get_ref().tcp().try_clone().expect("clone the stream")
+/// The TCP stream under a harness WebSocket, its reads and writes retried when interrupted
+/// (after `relay-hello`, nothing else is buffered in it: the relay sends nothing more until the
+/// peer does).
+fn raw(ws: &Ws) -> Stream {
+    Stream(ws.get_ref().tcp().try_clone().expect("clone the stream"))
 }
 
 /// An incremental reader of unmasked server frames: (first header byte, payload).
@@ -362,9 +363,12 @@ fn a_ping_flood_keeps_another_pair_on_its_worker_within_twice_its_idle_p99() {
     let _ = flood_reader.join();
     drop((flooder, flood_leg));
     assert!(pongs.load(Ordering::Relaxed) > 0, "the flooder got no pong");
-    // A 1 ms floor under the idle figure: a loaded 2-core machine's scheduler alone moves a
-    // p99 of a fraction of a millisecond by that much.
-    let allowed = 2 * idle_p99.max(Duration::from_millis(1));
+    // A 5 ms floor under the idle figure. The flooded worker is busy, where the idle one
+    // sleeps and wakes at once: with a busy loop per core beside the suite, the scheduler lets
+    // each busy loop run its slice (3 ms) before the worker, and a p99 of 0.48 ms idle came out
+    // at 4.2 ms under the flood. The defect this guards against (a ping flood starving the
+    // worker) took the other pair to 1,442 ms.
+    let allowed = 2 * idle_p99.max(Duration::from_millis(5));
     assert!(
         flood_p99 <= allowed,
         "p99 {flood_p99:?} under the flood, {idle_p99:?} without"
@@ -388,7 +392,7 @@ fn a_ping_flood_that_reads_nothing_costs_at_most_one_pending_pong() {
         .cycle()
         .take(ping.len() * 512)
         .collect();
-    let flood_for = |duration: Duration, out: &mut TcpStream| {
+    let flood_for = |duration: Duration, out: &mut Stream| {
         let until = orca_relay::clock::instant() + duration;
         while orca_relay::clock::instant() < until {
             // The relay stops reading it once its socket is full: a write that times out is
@@ -578,7 +582,7 @@ fn a_silent_pair_is_closed_at_the_idle_timeout_and_a_pinging_pair_stays() {
     // The silent pair: closed 4408 on both legs, after the idle window and not long after.
     let mut phone_in = raw(&silent_phone);
     let mut leg_in = raw(&silent_leg);
-    let close_of = |stream: &mut TcpStream| -> Option<u16> {
+    let close_of = |stream: &mut Stream| -> Option<u16> {
         stream
             .set_read_timeout(Some(Duration::from_secs(15)))
             .unwrap();

@@ -293,6 +293,15 @@ impl HttpServer {
         self.stop_closing(true);
     }
 
+    /// Stops a server whose listener another process goes on accepting on (a socket unit's:
+    /// the client of a connection this process accepted chose it by chance, as in a handover):
+    /// as [`HttpServer::stop_for_handover`] when `shared`, else as [`HttpServer::stop`]. A
+    /// `systemctl restart` under the socket units once answered a `/ready` with nothing: the
+    /// old process closed a connection it had accepted before its request head was read.
+    pub fn stop_shared(self, shared: bool) {
+        self.stop_closing(shared);
+    }
+
     /// Stops accepting (the acceptor returns at once and closes its listener: the port stops
     /// taking connections unless another process holds it too, a live handover's next process
     /// or a socket unit, which then goes on accepting). Connections already accepted are

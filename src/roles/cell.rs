@@ -1197,6 +1197,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (http_listener, http_addr) = listeners.http;
+    let http_shared = listeners.http_shared;
     let cell_url = super::url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
     let internal_url =
         super::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
@@ -1351,7 +1352,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         giver.stop();
     }
     if let Some(http) = lock(&http).take() {
-        http.stop();
+        http.stop_shared(http_shared);
     }
     super::finish_process("cell", prober, migrator, signals, &shutdown);
     Ok(())

@@ -105,6 +105,7 @@ pub fn run(
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (http_listener, http_addr) = listeners.http;
+    let http_shared = listeners.http_shared;
     let cell_url = url_for_bound(&config.cell_url, "ws", config.ws_addr, ws_addr);
     // The director is in this process: it reaches the cell's internal API over loopback.
     let internal_url = loopback_url(http_addr);
@@ -353,7 +354,7 @@ pub fn run(
     threads::join_logged("self-record", record_thread);
     let http = http.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(http) = http {
-        http.stop();
+        http.stop_shared(http_shared);
     }
     super::finish_process("combined", prober, migrator, signals, &shutdown);
     Ok(())

@@ -83,6 +83,8 @@ pub fn listeners(
     with_ws: bool,
 ) -> Result<ListenerPair, RunError> {
     let (mut ws, mut http) = (None, None);
+    let http_shared = taker.is_some();
+    let mut http_from_systemd = false;
     if let Some(taker) = taker {
         let (received_ws, received_http) = taker.listeners()?;
         ws = Some(received_ws);
@@ -92,7 +94,10 @@ pub fn listeners(
         for (name, listener) in passed {
             match name.as_str() {
                 "ws" => ws = Some(listener),
-                "http" => http = Some(listener),
+                "http" => {
+                    http_from_systemd = true;
+                    http = Some(listener);
+                }
                 other => log::warn!("orca_relay_listen_fd_ignored name={other}"),
             }
         }
@@ -126,9 +131,11 @@ pub fn listeners(
         None => None,
     };
     let http_addr = address("ORCA_RELAY_HTTP_ADDR", &http)?;
+    let http_shared = http_shared || http_from_systemd;
     Ok(ListenerPair {
         ws,
         http: (http, http_addr),
+        http_shared,
     })
 }
 
@@ -136,6 +143,11 @@ pub fn listeners(
 pub struct ListenerPair {
     pub ws: Option<(TcpListener, std::net::SocketAddr)>,
     pub http: (TcpListener, std::net::SocketAddr),
+    /// The HTTP listener is also held by another process, which goes on accepting when this
+    /// one stops: systemd's socket unit (it passed the listener), or the process this one took
+    /// over from (its socket unit, if it had one). Stopping then serves the connections
+    /// already accepted rather than closing them ([`crate::http::HttpServer::stop_shared`]).
+    pub http_shared: bool,
 }
 
 /// Opens the store and applies migrations.

@@ -32,6 +32,15 @@ impl Stream {
     }
 }
 
+/// The socket calls other than read and write (timeouts, `shutdown`, `try_clone`).
+impl std::ops::Deref for Stream {
+    type Target = TcpStream;
+
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         loop {
@@ -342,7 +351,8 @@ impl Relay {
         .expect_listening("orca_relay_started")
     }
 
-    fn launch_binary_with(
+    /// As [`Relay::launch_binary`], `configure` applied to the command first (a `pre_exec`).
+    pub fn launch_binary_with(
         binary: &std::path::Path,
         data_dir: Arc<TempDir>,
         env: &[(&str, &str)],
