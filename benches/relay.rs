@@ -624,7 +624,7 @@ fn children_of(pid: u32) -> Vec<u32> {
 }
 
 fn tune_client(ws: &Ws) {
-    let stream = ws.get_ref().tcp();
+    let stream: &std::net::TcpStream = ws.get_ref();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
 }
@@ -739,7 +739,7 @@ fn relay_system(binary: Option<&Path>) -> (Relay, harness::Desktop, Ws) {
     let mut desktop = harness::Desktop::connect(&relay);
     let (phone, leg) = harness::splice(&relay, &mut desktop);
     harness::set_read_timeout(&leg, None);
-    let _ = leg.get_ref().tcp().set_nodelay(true);
+    let _ = leg.get_ref().set_nodelay(true);
     tune_client(&phone);
     orca_relay::threads::spawn("bench-data-leg", move || serve_desktop(leg))
         .expect("spawn the data leg");

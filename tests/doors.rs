@@ -569,7 +569,7 @@ fn ten_thousand_invite_creates_leave_the_bound_outstanding() {
     let mut desktop = Desktop::connect(&relay);
     let first = desktop.invite();
     let rss_before = rss_kib(relay.pid());
-    let writer = desktop.control.get_ref().tcp().try_clone().unwrap();
+    let writer = desktop.control.get_ref().try_clone().unwrap();
     // The frames are written by another thread while this one reads the answers, so neither
     // side's buffers fill.
     let sender = orca_relay::threads::spawn("test-invite-flood", move || {

@@ -34,7 +34,7 @@ fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
 /// (after `relay-hello`, nothing else is buffered in it: the relay sends nothing more until the
 /// peer does).
 fn raw(ws: &Ws) -> Stream {
-    Stream(ws.get_ref().tcp().try_clone().expect("clone the stream"))
+    Stream(ws.get_ref().try_clone().expect("clone the stream"))
 }
 
 /// An incremental reader of unmasked server frames: (first header byte, payload).

@@ -286,18 +286,11 @@ impl HttpServer {
         self.stop_closing(false);
     }
 
-    /// Stops as a live handover's running process does before it exits: as [`HttpServer::stop`],
-    /// except that a connection still waiting for its first request head is served, not closed
-    /// (the next process shares the listener; the client chose this process by chance).
-    pub fn stop_for_handover(self) {
-        self.stop_closing(true);
-    }
-
-    /// Stops a server whose listener another process goes on accepting on (a socket unit's:
-    /// the client of a connection this process accepted chose it by chance, as in a handover):
-    /// as [`HttpServer::stop_for_handover`] when `shared`, else as [`HttpServer::stop`]. A
-    /// `systemctl restart` under the socket units once answered a `/ready` with nothing: the
-    /// old process closed a connection it had accepted before its request head was read.
+    /// As [`HttpServer::stop`], except that, when another process goes on accepting on the
+    /// listener (`shared`: a live handover's next process, a socket unit), a connection still
+    /// waiting for its first request head is served, not closed: its client chose this process
+    /// by chance. A `systemctl restart` under the socket units once answered a `/ready` with
+    /// nothing: the old process closed a connection it had accepted before reading its head.
     pub fn stop_shared(self, shared: bool) {
         self.stop_closing(shared);
     }

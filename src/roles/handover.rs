@@ -727,7 +727,7 @@ impl InFlight<'_> {
         }
         self.parts.cell.stop_heartbeat();
         if let Some(http) = http {
-            http.stop_for_handover();
+            http.stop_shared(true);
         }
         log::info!(
             "orca_relay_shutdown_finished role={} handed_over=true",

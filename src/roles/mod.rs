@@ -83,8 +83,8 @@ pub fn listeners(
     with_ws: bool,
 ) -> Result<ListenerPair, RunError> {
     let (mut ws, mut http) = (None, None);
-    let http_shared = taker.is_some();
-    let mut http_from_systemd = false;
+    // Not bound by this process: another one (systemd, or the process handing over) holds it.
+    let mut http_shared = taker.is_some();
     if let Some(taker) = taker {
         let (received_ws, received_http) = taker.listeners()?;
         ws = Some(received_ws);
@@ -95,7 +95,7 @@ pub fn listeners(
             match name.as_str() {
                 "ws" => ws = Some(listener),
                 "http" => {
-                    http_from_systemd = true;
+                    http_shared = true;
                     http = Some(listener);
                 }
                 other => log::warn!("orca_relay_listen_fd_ignored name={other}"),
@@ -131,7 +131,6 @@ pub fn listeners(
         None => None,
     };
     let http_addr = address("ORCA_RELAY_HTTP_ADDR", &http)?;
-    let http_shared = http_shared || http_from_systemd;
     Ok(ListenerPair {
         ws,
         http: (http, http_addr),

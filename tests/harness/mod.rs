@@ -26,12 +26,6 @@ pub type Ws = WebSocket<Stream>;
 #[derive(Debug)]
 pub struct Stream(pub TcpStream);
 
-impl Stream {
-    pub fn tcp(&self) -> &TcpStream {
-        &self.0
-    }
-}
-
 /// The socket calls other than read and write (timeouts, `shutdown`, `try_clone`).
 impl std::ops::Deref for Stream {
     type Target = TcpStream;
@@ -559,7 +553,7 @@ pub fn ws_connect(url: &str, bearer: Option<&str>) -> Result<Ws, u16> {
 }
 
 pub fn set_read_timeout(ws: &Ws, timeout: Option<Duration>) {
-    ws.get_ref().tcp().set_read_timeout(timeout).unwrap();
+    ws.get_ref().set_read_timeout(timeout).unwrap();
 }
 
 pub fn send_json(ws: &mut Ws, value: serde_json::Value) {
