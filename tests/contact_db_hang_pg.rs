@@ -276,6 +276,12 @@ fn a_cell_whose_database_hangs_drains_and_exits() {
             ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
         ],
     );
+    // The director answers a registration 503 `starting` until it is ready; a cell refused
+    // at its handshake exits (a clean-clone CI run on a loaded moment saw exactly that).
+    assert!(
+        wait_until(Duration::from_secs(30), || director.get("/ready").0 == 200),
+        "the director never became ready"
+    );
     let director_url = director.http_url("");
     let mut cell = Relay::start_in(
         Arc::new(TempDir::new("drain-db-hang-cell")),
