@@ -160,13 +160,6 @@ fn setup(name: &str, cell_id: &'static str, feed_poll_ms: u64) -> Setup {
             ("ORCA_RELAY_FEED_POLL_MS", &poll),
         ],
     );
-    assert!(
-        director
-            .wait_for_log("orca_relay_migrations_applied", Duration::from_secs(30))
-            .is_some(),
-        "{}",
-        director.log_text()
-    );
     Setup {
         proxy,
         cell,
@@ -275,12 +268,6 @@ fn a_cell_whose_database_hangs_drains_and_exits() {
             ("ORCA_RELAY_JWKS_URL", &jwks_url),
             ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
         ],
-    );
-    // The director answers a registration 503 `starting` until it is ready; a cell refused
-    // at its handshake exits (a clean-clone CI run on a loaded moment saw exactly that).
-    assert!(
-        wait_until(Duration::from_secs(30), || director.get("/ready").0 == 200),
-        "the director never became ready"
     );
     let director_url = director.http_url("");
     let mut cell = Relay::start_in(

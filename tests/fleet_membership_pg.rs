@@ -98,11 +98,7 @@ impl Setup {
     fn director(&self) -> Relay {
         let mut env = self.env.clone();
         env.push(("ORCA_RELAY_ROLE".into(), "director".into()));
-        let director = Relay::start_in(Arc::new(TempDir::new("director")), &env_refs(&env));
-        assert!(director
-            .wait_for_log("orca_relay_migrations_applied", DEADLINE)
-            .is_some());
-        director
+        Relay::start_in(Arc::new(TempDir::new("director")), &env_refs(&env))
     }
 
     fn cell(&self, cell_id: &str, director: &Relay) -> Relay {
@@ -335,4 +331,69 @@ fn a_heartbeat_newer_than_the_registration_registers_the_running_incarnation() {
             DEADLINE
         )
         .is_some());
+}
+
+/// The advisory-lock key the relay's migrations take (`MIGRATION_LOCK_KEY`, "orcamigr").
+const MIGRATION_LOCK_KEY: i64 = 0x6f72_6361_6d69_6772;
+
+/// The harness's `Relay::start_in` returns a director once it serves registrations: until its
+/// migrations are applied it answers a cell's registration 503 `starting`, and a cell refused at
+/// its startup handshake exits. Two clean-clone CI runs lost a test to that race; here the
+/// migrations are made slow on purpose (another session holds their lock until the director
+/// waits for it, and half a second more).
+#[test]
+fn a_started_director_with_slow_migrations_registers_a_cell() {
+    let setup = Setup::new();
+    let url = setup
+        .env
+        .iter()
+        .find(|(name, _)| name == "DATABASE_URL")
+        .map(|(_, value)| value.clone())
+        .unwrap();
+    let mut holder = common::pg::connect(&url);
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .unwrap();
+    let release = orca_relay::threads::spawn("test-migration-lock", move || {
+        let mut watcher = common::pg::connect(&url);
+        let waiting = wait_until(DEADLINE, || {
+            let row = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                    &[],
+                )
+                .unwrap();
+            row.get::<_, i64>(0) > 0
+        });
+        // The slow migration itself: the lock is held a while after the director queued on it.
+        orca_relay::clock::sleep(Duration::from_millis(500));
+        holder
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+            .unwrap();
+        waiting
+    })
+    .expect("spawn");
+    let director = setup.director();
+    // The cell on a database of its own, so that its own migrations do not queue on the lock
+    // (a cell on SQLite, as in the combined tests, does not share the director's either).
+    let mut env = setup.env.clone();
+    env.retain(|(name, _)| name != "DATABASE_URL");
+    env.extend(owned(&[
+        (
+            "DATABASE_URL",
+            &common::pg::fresh_database("membership-cell"),
+        ),
+        ("ORCA_RELAY_ROLE", "cell"),
+        ("ORCA_RELAY_CELL_ID", "c-slow-migrations"),
+        ("ORCA_RELAY_DIRECTOR_URLS", &director.http_url("")),
+    ]));
+    let cell = Relay::start_in(Arc::new(TempDir::new("c-slow-migrations")), &env_refs(&env));
+    assert!(
+        release.join().unwrap(),
+        "the director never waited for the migration lock"
+    );
+    wait_for("c-slow-migrations listed", || {
+        entry(&listing(&director), "c-slow-migrations").is_some()
+    });
+    assert_eq!(cell.get("/health").0, 200);
 }

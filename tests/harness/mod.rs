@@ -282,8 +282,11 @@ impl Relay {
         Relay::start_in(dir, env)
     }
 
+    /// Starts the binary and waits until it serves: its listening line, and for a director its
+    /// migrations too (until then it answers a cell's registration 503 `starting`, and a cell
+    /// refused at its startup handshake exits).
     pub fn start_in(data_dir: Arc<TempDir>, env: &[(&str, &str)]) -> Relay {
-        Relay::launch(data_dir, env).expect_listening("orca_relay_started")
+        Relay::launch(data_dir, env).expect_started()
     }
 
     /// As [`Relay::start_in`] with another build of the binary (the bench compares two).
@@ -292,7 +295,7 @@ impl Relay {
         data_dir: Arc<TempDir>,
         env: &[(&str, &str)],
     ) -> Relay {
-        Relay::launch_binary(binary, data_dir, env).expect_listening("orca_relay_started")
+        Relay::launch_binary(binary, data_dir, env).expect_started()
     }
 
     /// Starts the binary without waiting for anything: for processes that are expected to fail
@@ -409,6 +412,27 @@ impl Relay {
         self.ws = field(&line, "ws").unwrap_or_default();
         self.http = field(&line, "http").expect("http= in the listening line");
         self
+    }
+
+    /// [`Relay::expect_listening`] on `orca_relay_started`; a director is waited for until its
+    /// migrations are applied.
+    fn expect_started(self) -> Relay {
+        let relay = self.expect_listening("orca_relay_started");
+        let director = relay
+            .env
+            .iter()
+            .any(|(name, value)| name == "ORCA_RELAY_ROLE" && value == "director");
+        if director
+            && relay
+                .wait_for_log("orca_relay_migrations_applied", Duration::from_secs(30))
+                .is_none()
+        {
+            panic!(
+                "the director never applied its migrations; log:\n{}",
+                relay.log_text()
+            );
+        }
+        relay
     }
 
     /// Waits for a log line containing `needle`; returns it.
