@@ -360,9 +360,13 @@ mod tests {
     use crate::database_tls::CaSource;
     use std::path::PathBuf;
 
+    /// This process's directory for the CA files of its tests; the test removes it.
+    fn unit_dir() -> PathBuf {
+        std::env::temp_dir().join(format!("orca-relay-tls-unit-{}", std::process::id()))
+    }
+
     fn temp_file(name: &str, body: &[u8]) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("orca-relay-tls-unit-{}-{name}", std::process::id()));
+        let dir = unit_dir();
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(name);
         std::fs::write(&path, body).unwrap();
@@ -401,6 +405,7 @@ mod tests {
             b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
         );
         assert!(load_roots(&ca(garbage)).is_err());
+        let _ = std::fs::remove_dir_all(unit_dir());
     }
 
     #[test]
