@@ -5,6 +5,7 @@
 //! (pool size, mode, dead-man state) are registered as sampling functions and read at render
 //! time.
 
+use crate::carry::process::SeriesRecord;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -251,22 +252,6 @@ impl Registry {
         }
         out
     }
-}
-
-/// A counter or histogram as a live handover carries it: the next process goes on counting
-/// from the running one's totals.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SeriesRecord {
-    pub name: String,
-    pub help: String,
-    pub labels: Vec<(String, String)>,
-    /// A counter's value; a histogram's per-bucket counts (the overflow last) and sum.
-    pub value: u64,
-    #[serde(default)]
-    pub bounds: Vec<u64>,
-    #[serde(default)]
-    pub buckets: Vec<u64>,
 }
 
 impl Registry {

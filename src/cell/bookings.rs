@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::carry::cell::BookingRecord;
 use crate::cell::state::{ConnectionSlots, SlotGuard};
 
 /// The longest booking a director may ask for (SPEC §5.4 `ttlMs` ≤ 30000).
@@ -200,19 +201,9 @@ impl Bookings {
     }
 }
 
-/// A booking as a live handover carries it: its key and the time left.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct BookingRecord {
-    pub user_id: String,
-    pub relay_host_id: String,
-    pub epoch: i64,
-    pub expires_in_ms: u64,
-}
-
 impl Bookings {
     /// The live bookings at `at`, for a handover.
-    pub fn record(&self, at: &crate::carry::Snapshot) -> Vec<BookingRecord> {
+    pub fn record(&self, at: &crate::carry::time::Snapshot) -> Vec<BookingRecord> {
         let mut records: Vec<BookingRecord> = self
             .lock()
             .iter()
@@ -230,7 +221,7 @@ impl Bookings {
 
     /// Books what a handover carried, each with a unit of the cap (taken even past it: the
     /// director was told `ok`), for the time it had left.
-    pub fn restore(&self, records: Vec<BookingRecord>, carry: &crate::carry::Carry) {
+    pub fn restore(&self, records: Vec<BookingRecord>, carry: &crate::carry::time::Carry) {
         let mut book = self.lock();
         for record in records {
             let expires_at_ms = carry.deadline_ms(record.expires_in_ms);

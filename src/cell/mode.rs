@@ -8,6 +8,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::carry::cell::ModeRecord;
 use crate::cell::switch::Switch;
 
 /// The dead-man's state as the cell reports it (`dead_man::DeadManState` mirrors it).
@@ -138,21 +139,8 @@ impl CellMode {
     }
 }
 
-/// The mode as a live handover carries it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ModeRecord {
-    pub switch: crate::cell::switch::SwitchRecord,
-    pub raw_reserve: bool,
-    pub effective_reserve: bool,
-    /// `off`, `armed`, `held`, `tripped`.
-    pub dead_man: String,
-    /// The age of the effective last contact at the watchdog's last tick (0: none yet).
-    pub silence_started_ago_ms: Option<u64>,
-}
-
 impl CellMode {
-    pub fn record(&self, at: &crate::carry::Snapshot) -> ModeRecord {
+    pub fn record(&self, at: &crate::carry::time::Snapshot) -> ModeRecord {
         let silence_started = self.silence_started_ms();
         ModeRecord {
             switch: self.switch().into(),
@@ -164,7 +152,7 @@ impl CellMode {
     }
 
     /// Takes a handover's mode (the window is the next process's own: its configuration's).
-    pub fn restore(&self, record: &ModeRecord, carry: &crate::carry::Carry) {
+    pub fn restore(&self, record: &ModeRecord, carry: &crate::carry::time::Carry) {
         *self.lock_switch() = record.switch.into();
         self.set_raw_reserve(record.raw_reserve);
         self.set_effective_reserve(record.effective_reserve);

@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::carry::cell::{ChangeRecord, FeedSeatRecord, SeatLogRecord};
 use serde_json::{json, Value};
 
 /// The ring's default size: at the production poll period (1 s) a cell would need more than
@@ -317,40 +318,6 @@ impl SeatLog {
             body,
         }
     }
-}
-
-/// One change of the ring, as a live handover carries it (timestamps as they were reported).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ChangeRecord {
-    pub seq: u64,
-    pub kind: String,
-    pub user_id: String,
-    pub relay_host_id: String,
-    pub epoch: i64,
-    pub generation: u64,
-    pub at_ms: u64,
-}
-
-/// A current seat of the feed, as a live handover carries it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct FeedSeatRecord {
-    pub relay_host_id: String,
-    pub user_id: String,
-    pub epoch: i64,
-    pub generation: u64,
-    pub since_ms: u64,
-}
-
-/// The seat log as a live handover carries it: a director's cursor stays valid across it (the
-/// incarnation is kept, the sequence goes on).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SeatLogRecord {
-    pub seq: u64,
-    pub current: Vec<FeedSeatRecord>,
-    pub ring: Vec<ChangeRecord>,
 }
 
 impl SeatLog {

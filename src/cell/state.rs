@@ -20,8 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use serde::{Deserialize, Serialize};
-
+use crate::carry::cell::{CellStateRecord, InviteRecord, SeatRecord};
 use crate::clock::SharedClock;
 use crate::protocol::{INVITE_MAX_ATTEMPTS, INVITE_TTL_MS, MAX_PHONES_PER_HOST};
 
@@ -553,46 +552,10 @@ impl<S: Peer> CellState<S> {
     }
 }
 
-/// A seat as a live handover carries it (its control, if any, travels as a connection; its
-/// phones as the phones' places).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SeatRecord {
-    pub relay_host_id: String,
-    pub user_id: String,
-    pub epoch: i64,
-    pub generation: u64,
-    /// How long ago the host left (its memory's age); `None` while seated.
-    pub left_ago_ms: Option<u64>,
-    pub demoted: bool,
-}
-
-/// An invite as a live handover carries it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InviteRecord {
-    pub token: String,
-    pub relay_host_id: String,
-    pub expires_in_ms: u64,
-    pub attempts_left: u32,
-}
-
-/// The cell model as a live handover carries it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CellStateRecord {
-    pub seats: Vec<SeatRecord>,
-    /// Host by host, each host's oldest first (since state version 2; a version-1 document
-    /// has them in token order, which only decides which one a new invite replaces).
-    pub invites: Vec<InviteRecord>,
-    /// The counter of connection ids (`conn-open`), so ids stay unique.
-    pub next_conn: u64,
-}
-
 impl<S: Peer> CellState<S> {
     /// What a handover carries of the model at `at` (pending entries and live controls travel
     /// with their connections).
-    pub fn record(&self, at: &crate::carry::Snapshot) -> CellStateRecord {
+    pub fn record(&self, at: &crate::carry::time::Snapshot) -> CellStateRecord {
         let inner = self.lock();
         let mut seats: Vec<SeatRecord> = inner
             .seats
@@ -631,7 +594,7 @@ impl<S: Peer> CellState<S> {
     /// Rebuilds the model from a handover's record (into a cell that has none yet). Controls
     /// are put back with [`CellState::restore_control`], phone places with
     /// [`CellState::take_phone_place`].
-    pub fn restore(&self, record: CellStateRecord, carry: &crate::carry::Carry) {
+    pub fn restore(&self, record: CellStateRecord, carry: &crate::carry::time::Carry) {
         let mut inner = self.lock();
         for seat in record.seats {
             inner.seats.insert(

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::carry::cell::SwitchRecord;
 use crate::local_file::{self, LocalFileError, MAX_LOCAL_FILE_BYTES};
 
 /// The largest `deadManTripSlots` an operator may set.
@@ -80,16 +81,6 @@ impl Switch {
     pub fn says_reserve(&self) -> bool {
         self.flags.admit_mode == AdmitMode::Reserve
     }
-}
-
-/// An applied switch as a live handover carries it (the next process applies nothing again
-/// unless the file has a higher generation).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SwitchRecord {
-    pub generation: u64,
-    pub reserve: bool,
-    pub dead_man_trip_slots: Option<u32>,
 }
 
 impl From<Switch> for SwitchRecord {

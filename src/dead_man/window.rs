@@ -15,6 +15,7 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::carry::cell::WindowRecord;
 use crate::config::Timings;
 
 /// A cell's raw admission mode (SPEC §5.3): `db` unless the switch says `reserve` and the
@@ -345,25 +346,6 @@ impl Window {
     }
 }
 
-/// The window as a live handover carries it: its generation, latch and held/permit
-/// bookkeeping, with every moment as its age. (The window length and the claim retry are the
-/// next process's own configuration.)
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct WindowRecord {
-    pub generation: Option<u64>,
-    pub armed_ago_ms: u64,
-    pub tripped: bool,
-    pub slots: Option<u32>,
-    /// `off`, `armed`, `held`, `tripped`.
-    pub state: String,
-    pub silence_started_ago_ms: u64,
-    /// The silence whose held line was logged (its age).
-    pub held_logged_for_ago_ms: Option<u64>,
-    /// The last permit request: (the silence it was for, when it was asked), as ages.
-    pub last_request_ago_ms: Option<(u64, u64)>,
-}
-
 impl DeadManState {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -385,7 +367,7 @@ impl DeadManState {
 }
 
 impl Window {
-    pub fn record(&self, at: &crate::carry::Snapshot) -> WindowRecord {
+    pub fn record(&self, at: &crate::carry::time::Snapshot) -> WindowRecord {
         WindowRecord {
             generation: self.generation,
             armed_ago_ms: at.age_ms(self.armed_at_ms),
@@ -404,7 +386,7 @@ impl Window {
     /// carried: the same generation, latch, held line and permit request, every moment moved to
     /// this process's clock by its age, so the window, a held cell's next claim and the latch
     /// go on as they were.
-    pub fn restored(mut self, record: &WindowRecord, carry: &crate::carry::Carry) -> Window {
+    pub fn restored(mut self, record: &WindowRecord, carry: &crate::carry::time::Carry) -> Window {
         self.generation = record.generation;
         self.armed_at_ms = carry.moment_ms(record.armed_ago_ms);
         self.tripped = record.tripped;

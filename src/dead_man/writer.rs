@@ -25,6 +25,7 @@ use std::fmt;
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::carry::cell::WriterRecord;
 use crate::clock::Clock;
 use crate::config::Timings;
 use crate::dead_man::window::{ClaimResult, Mode};
@@ -313,21 +314,8 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
     }
 }
 
-/// What the writer knows, as a live handover carries it: the last row written (its age) and
-/// the views that decide the next write, including a permit still held for the watchdog.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct WriterRecord {
-    /// The mode of the last row written (`db`, `reserve`) and its age.
-    pub row: Option<(String, u64)>,
-    pub switch_says_reserve: bool,
-    pub raw_reserve: bool,
-    pub tripped: bool,
-    pub permit_hold: bool,
-}
-
 impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
-    pub fn record(&self, at: &crate::carry::Snapshot) -> WriterRecord {
+    pub fn record(&self, at: &crate::carry::time::Snapshot) -> WriterRecord {
         WriterRecord {
             row: self
                 .row
@@ -341,7 +329,7 @@ impl<S: EffectiveRowStore> CellAdmitEffectiveWriter<S> {
 
     /// Takes a handover's record: the row this cell wrote (so a refresh is due when it would
     /// have been) and a permit still held.
-    pub fn restore(&mut self, record: &WriterRecord, carry: &crate::carry::Carry) {
+    pub fn restore(&mut self, record: &WriterRecord, carry: &crate::carry::time::Carry) {
         self.row = record.row.as_ref().map(|(mode, age)| RowWritten {
             mode: if mode == "reserve" {
                 Mode::Reserve

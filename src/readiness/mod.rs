@@ -23,6 +23,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::carry::process::{DependencyRecord, ReadinessRecord};
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::metrics::Registry;
@@ -301,29 +302,8 @@ fn run_probe(probe: &Probe, panicked: &'static str) -> Result<(), ProbeFailure> 
     catch_unwind(AssertUnwindSafe(probe)).unwrap_or(Err(panicked.into()))
 }
 
-/// One dependency as a live handover carries it: its last success as an age (so a grace window
-/// keeps its deadline), its last failure, and the status last reported (so no crossing is
-/// logged twice).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DependencyRecord {
-    pub dependency: String,
-    pub last_success_ago_ms: Option<u64>,
-    pub last_failure: Option<String>,
-    /// `healthy`, `grace` or `down`, with the failure reported then.
-    pub reported: String,
-    pub reported_failure: Option<String>,
-}
-
-/// Readiness as a live handover carries it (the phase is the next process's own).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReadinessRecord {
-    pub dependencies: Vec<DependencyRecord>,
-}
-
 impl Readiness {
-    pub fn state_record(&self, at: &crate::carry::Snapshot) -> ReadinessRecord {
+    pub fn state_record(&self, at: &crate::carry::time::Snapshot) -> ReadinessRecord {
         let inner = self.lock();
         let dependencies = Dependency::ALL
             .iter()
@@ -348,7 +328,7 @@ impl Readiness {
 
     /// Takes a handover's last-known-good state: a dependency inside its grace window stays in
     /// it with the same deadline, and `/ready` answers as it did before the first probe here.
-    pub fn restore_state(&self, record: &ReadinessRecord, carry: &crate::carry::Carry) {
+    pub fn restore_state(&self, record: &ReadinessRecord, carry: &crate::carry::time::Carry) {
         let mut inner = self.lock();
         for dependency in Dependency::ALL {
             let Some(carried) = record

@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 use tungstenite::Message;
 
 use super::control_reader::{Deadline, ReadEvent, Reader};
-use super::park::{ClaimsRecord, ControlRecord, InviteBucket, Stage};
+use super::park::{InviteBucket, Stage};
 use super::socket::Socket;
 use super::{read_first_text, FirstFrame, RelayContext, Served};
 use crate::auth::HostClaims;
+use crate::carry::connection::{ClaimsRecord, ControlRecord};
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};

@@ -21,8 +21,9 @@ use tungstenite::protocol::frame::coding::Data;
 use tungstenite::Message;
 
 use super::frames::{FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
-use super::park::{wait_readable, Quiesce, ReaderRecord, Waited};
+use super::park::{wait_readable, Quiesce, Waited};
 use super::socket::{drain_for_linger, Socket};
+use crate::carry::connection::ReaderRecord;
 use crate::clock;
 use crate::protocol::CONTROL_MAX_FRAME_BYTES;
 

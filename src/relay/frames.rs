@@ -34,6 +34,8 @@ use std::ops::Range;
 
 use tungstenite::protocol::frame::coding::Data;
 
+use crate::carry::connection::ParserRecord;
+
 /// The longest frame header: two bytes, an 8-byte extended length and a 4-byte mask.
 pub const MAX_HEADER_BYTES: usize = 14;
 /// RFC 6455 §5.5: control frames carry at most 125 payload bytes.
@@ -145,17 +147,6 @@ pub enum Parsed {
     Violation(Violation),
 }
 
-/// What a parser carries across a handover: the fragmented message in progress, if any. (A
-/// parser that found a violation is not carried: its leg is closing.)
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ParserState {
-    /// The opcode of the open message (1 text, 2 binary), if one is open.
-    pub open_opcode: Option<u8>,
-    /// Its bytes so far.
-    pub open_len: usize,
-}
-
 /// Per-leg parser state: which data message is open, and a violation once found.
 #[derive(Debug, Clone)]
 pub struct FrameParser {
@@ -183,7 +174,7 @@ impl FrameParser {
     }
 
     /// A parser in the state `state` (see [`FrameParser::state`]).
-    pub fn with_state(max_message: usize, state: ParserState) -> FrameParser {
+    pub fn with_state(max_message: usize, state: ParserRecord) -> FrameParser {
         let open = match state.open_opcode {
             Some(1) => Some((Data::Text, state.open_len)),
             Some(2) => Some((Data::Binary, state.open_len)),
@@ -197,16 +188,16 @@ impl FrameParser {
     }
 
     /// What a handover carries of this parser.
-    pub fn state(&self) -> ParserState {
+    pub fn state(&self) -> ParserRecord {
         match self.open {
-            Some((data, len)) => ParserState {
+            Some((data, len)) => ParserRecord {
                 open_opcode: Some(match data {
                     Data::Text => 1,
                     _ => 2,
                 }),
                 open_len: len,
             },
-            None => ParserState::default(),
+            None => ParserRecord::default(),
         }
     }
 

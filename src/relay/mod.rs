@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::auth::{HostClaims, Verifier};
+use crate::carry::connection::{ClaimsRecord, ReaderRecord};
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
@@ -44,7 +45,7 @@ use crate::protocol::CloseCode;
 use crate::store::Store;
 use crate::threads::{Permit, Permits};
 use control_reader::{ControlFrames, Deadline};
-use park::{Gate, Parked, ParkedConn, Quiesce, ReaderRecord, Stage, Wake};
+use park::{Gate, Parked, ParkedConn, Quiesce, Stage, Wake};
 use socket::{Reaper, Socket};
 use upgrade::Route;
 
@@ -441,7 +442,7 @@ fn spawn_control(
             let hold = ConnectionHold::new(unit, context.metrics.connections("control"));
             let stage = Stage::FirstFrame {
                 path: "/v1/host/control".into(),
-                claims: Some(park::ClaimsRecord::from(&claims)),
+                claims: Some(ClaimsRecord::from(&claims)),
                 reader: ReaderRecord {
                     buffered: tail,
                     ..ReaderRecord::default()

@@ -13,7 +13,7 @@
 //! Never: holds its lock across I/O; loses a deposit (a deposit is only taken by the handover,
 //! which either sends it on or resumes it).
 //!
-//! The serialized form of a stage ([`StageRecord`]) carries deadlines as the time left.
+//! A stage's record (`carry::connection::StageRecord`) carries deadlines as the time left.
 
 use std::io;
 use std::net::TcpStream;
@@ -21,11 +21,12 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-use super::frames::ParserState;
 use super::socket::Socket;
 use super::ConnectionHold;
+use crate::carry::connection::{
+    AdmitPathRecord, ClaimsRecord, ControlRecord, InviteRateRecord, ReaderRecord, StageRecord,
+    WaitingPhoneRecord,
+};
 use crate::cell::state::AdmitPath;
 use crate::clock;
 pub use crate::wake::{wait_acceptable, Wake};
@@ -299,15 +300,6 @@ impl ParkedConn {
     }
 }
 
-/// What a desktop's token said, as far as the relay uses it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ClaimsRecord {
-    pub user_id: String,
-    pub relay_host_id: String,
-    pub expires_at: u64,
-}
-
 impl From<&crate::auth::HostClaims> for ClaimsRecord {
     fn from(claims: &crate::auth::HostClaims) -> Self {
         ClaimsRecord {
@@ -326,39 +318,6 @@ impl From<&ClaimsRecord> for crate::auth::HostClaims {
             expires_at: record.expires_at,
         }
     }
-}
-
-/// What a frame reader had: bytes read past the last frame it acted on (at most one partial
-/// frame, or frames not yet looked at) and the parser's fragmentation state; a control reader
-/// also has the fragments of a message it is assembling.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReaderRecord {
-    #[serde(with = "crate::relay::park::base64_bytes")]
-    pub buffered: Vec<u8>,
-    pub parser: ParserState,
-    /// A control reader's message in progress: its fragments' payload so far.
-    #[serde(default, with = "crate::relay::park::base64_option")]
-    pub message: Option<Vec<u8>>,
-}
-
-/// A control's identity in the cell (its seat holds it).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ControlRecord {
-    pub claims: ClaimsRecord,
-    pub epoch: i64,
-    pub generation: u64,
-    pub admitted_via: AdmitPathRecord,
-    pub lease_id: Option<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum AdmitPathRecord {
-    Booking,
-    Memory,
-    Database,
 }
 
 impl From<AdmitPath> for AdmitPathRecord {
@@ -387,24 +346,6 @@ impl From<AdmitPathRecord> for AdmitPath {
 pub struct InviteBucket {
     pub available: u32,
     pub refilled_at: Instant,
-}
-
-/// [`InviteBucket`] as the state document carries it: the refill moment as its age.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InviteRateRecord {
-    pub available: u32,
-    pub refilled_ago_ms: u64,
-}
-
-/// A phone waiting for its host's data leg: its pending entry in the cell.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct WaitingPhoneRecord {
-    pub relay_host_id: String,
-    pub conn_id: String,
-    pub ticket: String,
-    pub generation: u64,
 }
 
 /// Where a relay thread was in a connection's life when it deposited it.
@@ -436,42 +377,6 @@ pub enum Stage {
         phone: WaitingPhoneRecord,
         reader: ReaderRecord,
         attach_deadline: Instant,
-    },
-}
-
-/// A [`Stage`] as the state document carries it: deadlines as the time left.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "stage", rename_all = "camelCase")]
-pub enum StageRecord {
-    #[serde(rename_all = "camelCase")]
-    Upgrading {
-        #[serde(with = "crate::relay::park::base64_bytes")]
-        received: Vec<u8>,
-        deadline_left_ms: u64,
-    },
-    #[serde(rename_all = "camelCase")]
-    FirstFrame {
-        path: String,
-        claims: Option<ClaimsRecord>,
-        reader: ReaderRecord,
-        text: Option<String>,
-        deadline_left_ms: u64,
-    },
-    #[serde(rename_all = "camelCase")]
-    Control {
-        control: ControlRecord,
-        reader: ReaderRecord,
-        silence_left_ms: u64,
-        /// Since state version 2: the control's `invite-create` bucket. A version-1 process had
-        /// no limit: its controls resume with a full bucket.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        invites: Option<InviteRateRecord>,
-    },
-    #[serde(rename_all = "camelCase")]
-    PhoneWaiting {
-        phone: WaitingPhoneRecord,
-        reader: ReaderRecord,
-        attach_left_ms: u64,
     },
 }
 
@@ -548,12 +453,12 @@ impl Stage {
     }
 }
 
-impl StageRecord {
-    /// The live stage, with its deadlines counted from `now`, less `elapsed_ms` (the time the
-    /// record spent travelling).
-    pub fn stage(self, now: Instant, elapsed_ms: u64) -> Stage {
+impl Stage {
+    /// The live stage of `record`, with its deadlines counted from `now`, less `elapsed_ms` (the
+    /// time the record spent travelling).
+    pub fn from_record(record: StageRecord, now: Instant, elapsed_ms: u64) -> Stage {
         let at = |left: u64| deadline_in(left.saturating_sub(elapsed_ms), now);
-        match self {
+        match record {
             StageRecord::Upgrading {
                 received,
                 deadline_left_ms,
@@ -607,53 +512,6 @@ impl StageRecord {
     }
 }
 
-/// Byte buffers in the state document: standard base64.
-pub mod base64_bytes {
-    use base64::Engine;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&base64::engine::general_purpose::STANDARD.encode(bytes))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        base64::engine::general_purpose::STANDARD
-            .decode(text)
-            .map_err(serde::de::Error::custom)
-    }
-}
-
-/// An optional byte buffer: base64 or `null`.
-pub mod base64_option {
-    use base64::Engine;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(
-        bytes: &Option<Vec<u8>>,
-        serializer: S,
-    ) -> Result<S::Ok, S::Error> {
-        match bytes {
-            Some(bytes) => {
-                serializer.serialize_some(&base64::engine::general_purpose::STANDARD.encode(bytes))
-            }
-            None => serializer.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(
-        deserializer: D,
-    ) -> Result<Option<Vec<u8>>, D::Error> {
-        match Option::<String>::deserialize(deserializer)? {
-            Some(text) => base64::engine::general_purpose::STANDARD
-                .decode(text)
-                .map(Some)
-                .map_err(serde::de::Error::custom),
-            None => Ok(None),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -692,6 +550,34 @@ mod tests {
         assert_eq!(waiter.join().unwrap(), Waited::Quiesce);
     }
 
+    /// A control from a version-1 process (no `invite-create` limit then) resumes with a full
+    /// bucket.
+    #[test]
+    fn a_control_without_an_invite_bucket_resumes_with_a_full_one() {
+        let record = StageRecord::Control {
+            control: ControlRecord {
+                claims: ClaimsRecord {
+                    user_id: "u".into(),
+                    relay_host_id: "h".into(),
+                    expires_at: 0,
+                },
+                epoch: 1,
+                generation: 1,
+                admitted_via: AdmitPathRecord::Memory,
+                lease_id: None,
+            },
+            reader: ReaderRecord::default(),
+            silence_left_ms: 1_000,
+            invites: None,
+        };
+        match Stage::from_record(record, clock::instant(), 0) {
+            Stage::Control { invites, .. } => {
+                assert_eq!(invites.available, crate::protocol::INVITE_CREATE_BURST)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn deadlines_travel_as_the_time_left_less_the_transfer() {
         let now = clock::instant();
@@ -710,7 +596,7 @@ mod tests {
         let json = serde_json::to_string(&record).unwrap();
         let back: StageRecord = serde_json::from_str(&json).unwrap();
         let later = now + Duration::from_secs(100);
-        match back.stage(later, 250) {
+        match Stage::from_record(back, later, 250) {
             Stage::Upgrading { deadline, .. } => {
                 assert_eq!(deadline, later + Duration::from_millis(3_750))
             }

@@ -22,11 +22,12 @@ use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
-use super::park::{ReaderRecord, Stage, WaitingPhoneRecord};
+use super::park::Stage;
 use super::pending::{close_pending, close_pending_socket, PendingLeg};
 use super::socket::Socket;
 use super::splice::{LegHandOff, Pair, Release};
 use super::{ConnectionHold, RelayContext, Served};
+use crate::carry::connection::{ReaderRecord, WaitingPhoneRecord};
 use crate::cell::state::{random_token, CellState, Control, Pending, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 

@@ -18,7 +18,7 @@ use std::net::TcpStream;
 use tungstenite::protocol::frame::coding::Data;
 
 use super::frames::{FrameKind, FrameParser, Parsed, Violation};
-use super::park::ReaderRecord;
+use crate::carry::connection::ReaderRecord;
 use crate::protocol::CloseCode;
 
 /// The most a first frame (header included) may take, and the most the reader buffers.

@@ -25,14 +25,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::auth::Verifier;
-use crate::carry::{Carry, Snapshot};
-use crate::cell::bookings::BookingRecord;
+use crate::carry::cell::CellRecord;
+use crate::carry::time::{Carry, Snapshot};
 use crate::cell::contact::Contact;
 use crate::cell::heartbeat::{self, Heartbeat, LastBeat, Sink};
 use crate::cell::internal_api::{CellStatus, InternalApi, InternalApiParts};
-use crate::cell::mode::{DeadManView, ModeRecord};
-use crate::cell::seats::SeatLogRecord;
-use crate::cell::state::CellStateRecord;
+use crate::cell::mode::DeadManView;
 use crate::cell::status_report::{self, PoolReport, ReportFn, StatusReport};
 use crate::cell::switch::{run_switch_watcher, AdmitMode, Switch};
 use crate::clock::SharedClock;
@@ -40,8 +38,8 @@ use crate::config::Config;
 use crate::dead_man::claim_loop::{self, StoreRow};
 use crate::dead_man::reregister::Reregistration;
 use crate::dead_man::watchdog::Watchdog;
-use crate::dead_man::window::{ClaimResult, Window, WindowRecord};
-use crate::dead_man::writer::{CellAdmitEffectiveWriter, WriterHandle, WriterRecord};
+use crate::dead_man::window::{ClaimResult, Window};
+use crate::dead_man::writer::{CellAdmitEffectiveWriter, WriterHandle};
 use crate::http::{Reply, Request};
 use crate::lifecycle::{Shutdown, ShutdownState};
 use crate::metrics::Registry;
@@ -80,27 +78,6 @@ pub struct CellSetup<'a> {
     /// A live handover's record of the cell, for the next process: the cell is built from it
     /// and starts no thread until [`CellRuntime::resume_threads`].
     pub resume: Option<(CellRecord, Carry)>,
-}
-
-/// The cell's part of a live handover's state document (connections travel apart, with their
-/// descriptors).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CellRecord {
-    pub model: CellStateRecord,
-    pub seat_log: SeatLogRecord,
-    pub bookings: Vec<BookingRecord>,
-    pub mode: ModeRecord,
-    pub contact_ago_ms: Option<u64>,
-    pub window: Option<WindowRecord>,
-    /// Claim answers the watchdog had not taken yet: (generation, silence's age, permit).
-    pub claim_answers: Vec<(u64, u64, bool)>,
-    pub writer: Option<WriterRecord>,
-    pub next_ping_in_ms: u64,
-    pub next_lease_renewal_in_ms: u64,
-    /// The last heartbeat: its age and the `ready` it carried.
-    pub last_heartbeat: Option<(u64, bool)>,
-    pub next_connection_id: u64,
 }
 
 /// The cell-wide threads' state when they are stopped for a live handover: what they go on

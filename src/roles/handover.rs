@@ -23,9 +23,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::carry::{Carry, Snapshot, Stamp};
+use crate::carry::connection::ConnectionRecord;
+use crate::carry::document::{Document, ListenerIndices, PairsDocument};
+use crate::carry::pair::{LegRecord, PairEntry};
+use crate::carry::time::{Carry, Snapshot, Stamp};
+use crate::carry::{read_document, write_document, MAX_DOCUMENT, READS, STATE_VERSION};
 use crate::clock::{self, SharedClock};
 use crate::handover::wire::{self, Channel};
 use crate::handover::{
@@ -33,127 +37,20 @@ use crate::handover::{
     HANDOVER_TIMEOUT,
 };
 use crate::http::HttpServer;
-use crate::metrics::{Registry, SeriesRecord};
-use crate::readiness::ReadinessRecord;
-use crate::relay::park::{Gate, Parked, ParkedConn, Stage, StageRecord};
+use crate::metrics::Registry;
+use crate::relay::park::{Gate, Parked, ParkedConn, Stage};
 use crate::relay::phone::{Attach, PhonePlace};
 use crate::relay::socket::Socket;
-use crate::relay::splice::carry::{PairRecord, ParkedPair, ResumedLeg, ResumedPair};
+use crate::relay::splice::parked::{ParkedPair, ResumedLeg, ResumedPair};
 use crate::relay::{self, ConnectionHold, Phase};
 use crate::threads;
 
-use super::cell::{CellRecord, CellRuntime, CellThreadsState};
+use super::cell::{CellRuntime, CellThreadsState};
 use super::RunError;
 
-/// The state document's version this build writes.
-///
-/// 1. The first.
-/// 2. A control carries its `invite-create` bucket (`invites`; a version-1 control resumes with
-///    a full one: its process had no limit); invites are listed host by host, oldest first
-///    (version 1: by token), at most 8 a host (the oldest of a version-1 host beyond that are
-///    dropped); a connection the acceptor's pending loop held (a head arriving, a splice leg's
-///    first frame) is one with no `claims` (version 1 had them on relay threads: they go to
-///    the pending loop, as a version-2 process would have them); a spliced leg carries its
-///    output's frame cursor (version 1: its output taken as ending at a frame boundary), a
-///    frame it streams, the control frames owed to it, and its idle clock (version 1: starts
-///    at the handover); the pair's desktop for both legs. Later, without a new version (an
-///    optional field each side may ignore): `snapshotMachineMs`, the snapshot on the machine's
-///    monotonic clock (absent: the travel is measured on the two wall clocks, as before).
-pub const STATE_VERSION: u32 = 2;
-/// The versions this build reads (every one from the first).
-pub const READS: &[u32] = &[1, 2];
-/// The most a state document may weigh (pending output is bounded per leg; this bounds a
-/// document that lies about its size).
-const MAX_DOCUMENT: usize = 1 << 30;
 /// How long the taker waits for the giver's word after confirming: the giver's own limit plus
 /// a margin (the giver commits or rolls back within its 10 s).
 const TAKER_WAIT: Duration = Duration::from_secs(20);
-
-/// The listeners' descriptors in the transfer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ListenerIndices {
-    pub ws: usize,
-    pub http: usize,
-    /// The running process's standard error: the next process logs where it did.
-    pub stderr: Option<usize>,
-}
-
-/// A connection a relay thread deposited: its descriptor's index and where it was.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ConnectionRecord {
-    pub fd: usize,
-    pub id: u64,
-    pub stage: StageRecord,
-}
-
-/// A spliced pair: its legs' descriptors' indices and the pair as the worker had it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PairEntry {
-    pub phone_fd: Option<usize>,
-    pub host_fd: Option<usize>,
-    pub pair: PairRecord,
-}
-
-/// The state document's first part (see ARCHITECTURE.md "The state format"): everything but
-/// the spliced pairs, sent while streams still flow.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Document {
-    pub v: u32,
-    /// `cell` or `combined`: the next process must run the same role.
-    pub role: String,
-    pub cell_id: String,
-    pub incarnation: i64,
-    /// When the giver took the snapshot, by its clock (ms since the epoch).
-    pub snapshot_ms: u64,
-    /// The same moment on the machine's monotonic clock (`clock::machine_ms`), which the
-    /// next process measures the travel against (absent from an older build: the wall clocks
-    /// are compared then).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub snapshot_machine_ms: Option<u64>,
-    pub from_version: String,
-    pub listeners: ListenerIndices,
-    pub cell: CellRecord,
-    pub readiness: ReadinessRecord,
-    pub connections: Vec<ConnectionRecord>,
-}
-
-/// The state document's second part: the spliced pairs and the metrics' totals, sent once the
-/// splice workers are parked.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PairsDocument {
-    pub v: u32,
-    pub snapshot_ms: u64,
-    /// As in [`Document::snapshot_machine_ms`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub snapshot_machine_ms: Option<u64>,
-    pub metrics: Vec<SeriesRecord>,
-    pub pairs: Vec<PairEntry>,
-}
-
-impl Document {
-    /// When the giver took the snapshot.
-    pub fn sent_at(&self) -> Stamp {
-        Stamp {
-            wall_ms: self.snapshot_ms,
-            machine_ms: self.snapshot_machine_ms,
-        }
-    }
-}
-
-impl PairsDocument {
-    /// When the giver took the pairs' snapshot.
-    pub fn sent_at(&self) -> Stamp {
-        Stamp {
-            wall_ms: self.snapshot_ms,
-            machine_ms: self.snapshot_machine_ms,
-        }
-    }
-}
 
 /// This process's moment, to measure a document's travel against.
 fn here(clock: &SharedClock) -> Stamp {
@@ -161,37 +58,6 @@ fn here(clock: &SharedClock) -> Stamp {
         wall_ms: clock.now_ms(),
         machine_ms: clock::machine_ms(),
     }
-}
-
-/// Reads a part of the state document of any version this build knows, upgraded to the
-/// current one.
-pub fn read_document<T: serde::de::DeserializeOwned>(
-    bytes: &[u8],
-    reads: &[u32],
-) -> Result<T, String> {
-    #[derive(Deserialize)]
-    struct Version {
-        v: u32,
-    }
-    let version: Version = serde_json::from_slice(bytes)
-        .map_err(|e| format!("the state document is not readable: {e}"))?;
-    if !reads.contains(&version.v) {
-        return Err(format!(
-            "state version {} is not one this build reads ({})",
-            version.v,
-            reads
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    serde_json::from_slice(bytes).map_err(|e| {
-        format!(
-            "the state document (version {}) is not readable: {e}",
-            version.v
-        )
-    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -573,8 +439,7 @@ impl InFlight<'_> {
         milestone: &'static str,
     ) -> Result<(), String> {
         let (next, _) = self.next.as_ref().ok_or("no new process")?;
-        let bytes = serde_json::to_vec(document)
-            .map_err(|e| format!("cannot write the state document: {e}"))?;
+        let bytes = write_document(document)?;
         let header = Transfer {
             version: STATE_VERSION,
             document_bytes: bytes.len(),
@@ -1099,7 +964,7 @@ impl Taker {
         for record in records {
             let fd = self.take_fd(record.fd)?;
             let stream = std::net::TcpStream::from(fd);
-            let stage = record.stage.stage(now, self.carry.elapsed_ms);
+            let stage = Stage::from_record(record.stage, now, self.carry.elapsed_ms);
             let wedge = Duration::from_millis(context.timings.wedge_ms);
             let parked = match stage {
                 // The acceptor's pending loop takes these once the handover has committed.
@@ -1201,7 +1066,7 @@ impl Taker {
         let context = &cell.context;
         for entry in document.pairs {
             let mut leg = |fd: Option<usize>,
-                           record: Option<crate::relay::splice::carry::LegRecord>,
+                           record: Option<LegRecord>,
                            kind: &'static str,
                            host: Option<&str>|
              -> Result<Option<ResumedLeg>, RunError> {
@@ -1305,48 +1170,6 @@ fn stage_kind(stage: &Stage) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_known_versions_are_read() {
-        let document = br#"{"v":99}"#;
-        let error = read_document::<Document>(document, READS).unwrap_err();
-        assert!(error.contains("state version 99"), "{error}");
-        assert!(read_document::<PairsDocument>(b"not json", READS).is_err());
-    }
-
-    /// The state a version-1 build sent (`tests/fixtures/handover/v1`, captured from the build
-    /// before the format's last change) reads as this version: its controls resume with a
-    /// full invite bucket.
-    #[test]
-    fn a_version_1_document_reads() {
-        let cell = include_bytes!("../../tests/fixtures/handover/v1/cell.json");
-        let pairs = include_bytes!("../../tests/fixtures/handover/v1/pairs.json");
-        let document = read_document::<Document>(cell, READS).unwrap();
-        assert_eq!(document.v, 1);
-        let controls: Vec<_> = document
-            .connections
-            .iter()
-            .filter(|record| {
-                matches!(
-                    record.stage,
-                    crate::relay::park::StageRecord::Control { .. }
-                )
-            })
-            .collect();
-        assert_eq!(controls.len(), 3);
-        let now = clock::instant();
-        for record in controls {
-            match record.stage.clone().stage(now, 0) {
-                Stage::Control { invites, .. } => {
-                    assert_eq!(invites.available, crate::protocol::INVITE_CREATE_BURST)
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        let pairs = read_document::<PairsDocument>(pairs, READS).unwrap();
-        assert_eq!(pairs.pairs.len(), 1);
-        assert!(read_document::<Document>(cell, &[2]).is_err());
-    }
 
     #[test]
     fn faults_parse_by_name() {

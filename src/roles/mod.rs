@@ -274,7 +274,10 @@ pub fn start_prober(
     store: &Store,
     migrated: &Migrated,
     clock: &SharedClock,
-    resume: Option<(&crate::readiness::ReadinessRecord, &crate::carry::Carry)>,
+    resume: Option<(
+        &crate::carry::process::ReadinessRecord,
+        &crate::carry::time::Carry,
+    )>,
 ) -> Result<Prober, RunError> {
     let readiness = crate::readiness::Readiness::from_config(config);
     // A live handover's last-known-good state, before the first probe of this process.

@@ -61,7 +61,7 @@ pub fn capture(data_dir: &Path) -> Result<Captured, String> {
         token: accepted.token.clone(),
         pid: std::process::id(),
         version: "capture".into(),
-        reads: orca_relay::roles::handover::READS.to_vec(),
+        reads: orca_relay::carry::READS.to_vec(),
     };
     send(&next, Kind::Ready, &ready, deadline()).map_err(|e| e.to_string())?;
     let part = |channel: &Channel| -> Result<Vec<u8>, String> {

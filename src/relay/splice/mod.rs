@@ -17,8 +17,8 @@
 //! loop, `EINTR` is retried); reads the clock other than through the injected clock; lets one
 //! leg's failure (an error, a protocol violation, a panic) end the worker or touch another pair.
 
-pub mod carry;
 pub mod leg;
+pub mod parked;
 pub mod timers;
 pub mod worker;
 
@@ -75,14 +75,14 @@ pub struct Pair {
 pub enum Command {
     Splice(Box<Pair>),
     /// A pair a live handover brought, resumed where it was.
-    Resume(Box<carry::ResumedPair>),
+    Resume(Box<parked::ResumedPair>),
     /// The control of this desktop has left: close its pairs 4408.
     CloseHost(Arc<str>),
     /// Close every leg 4503 (drain) and end once they are gone.
     Stop,
     /// A live handover: export every leg (as of the snapshot) and stop moving bytes until
     /// [`Command::Unpark`] (the handover failed; this process goes on).
-    Park(carry::ParkRequest),
+    Park(parked::ParkRequest),
     Unpark,
 }
 
@@ -210,7 +210,7 @@ impl SplicePlane {
 
     /// Gives a pair a live handover brought to the least-loaded worker; `Err` gives it back
     /// when no worker can take it.
-    pub fn resume(&self, pair: carry::ResumedPair) -> Result<(), Box<carry::ResumedPair>> {
+    pub fn resume(&self, pair: parked::ResumedPair) -> Result<(), Box<parked::ResumedPair>> {
         let index = timers::least_loaded(&self.legs_per_worker());
         let Some(worker) = self.workers.get(index) else {
             return Err(Box::new(pair));
@@ -248,15 +248,15 @@ impl SplicePlane {
     /// `deadline`: the caller unparks and fails the handover).
     pub fn park(
         &self,
-        at: crate::carry::Snapshot,
+        at: crate::carry::time::Snapshot,
         deadline: std::time::Instant,
-    ) -> Result<Vec<carry::ParkedPair>, &'static str> {
+    ) -> Result<Vec<parked::ParkedPair>, &'static str> {
         let mut answers = Vec::new();
         for worker in &self.workers {
             let (reply, answer) = mpsc::channel();
             if worker
                 .inbox
-                .send(Command::Park(carry::ParkRequest { at, reply }))
+                .send(Command::Park(parked::ParkRequest { at, reply }))
                 .is_err()
             {
                 return Err("splice worker gone");

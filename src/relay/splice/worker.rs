@@ -48,16 +48,14 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
-use super::carry::{
-    ControlFrameRecord, CursorRecord, LegRecord, PairRecord, ParkRequest, ParkedPair, ResumedLeg,
-    ResumedPair, StreamInRecord,
-};
 use super::leg::{
     close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
     Flushed, FrameCursor, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
+use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
 use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
+use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
 use crate::relay::frames::{unmask_at, FrameKind, Parsed};
@@ -337,7 +335,7 @@ impl Worker {
 
     /// Every pair (or lone closing leg) this worker holds, as of `at`. Called between two
     /// turns: no leg is being read, nothing is staged.
-    fn export(&self, at: &crate::carry::Snapshot) -> Vec<ParkedPair> {
+    fn export(&self, at: &crate::carry::time::Snapshot) -> Vec<ParkedPair> {
         let mut pairs = Vec::new();
         for leg in self.slots.iter().flatten() {
             // Each pair once: from its phone leg, or from a leg whose peer has ended.
@@ -369,7 +367,7 @@ impl Worker {
         pairs
     }
 
-    fn leg_record(&self, leg: &Leg, at: &crate::carry::Snapshot) -> LegRecord {
+    fn leg_record(&self, leg: &Leg, at: &crate::carry::time::Snapshot) -> LegRecord {
         let linger_left_ms = if leg.linger_armed {
             self.timers
                 .due_of(leg.key, TimerKind::Linger)

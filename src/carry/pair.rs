@@ -1,27 +1,17 @@
-//! Spliced pairs across a live handover (ARCHITECTURE.md "Live handover").
+//! The records of a spliced pair as they outlive its process: each leg's bytes read and not
+//! acted on (a partial frame, or whole frames a turn's control budget left unparsed), its
+//! parser's fragmentation state, a large frame being forwarded as its payload arrives, the
+//! output its socket has not taken yet and where the socket is in the frames written to it, the
+//! control frames owed to it, whether it is paused or closing, and its timers as the time passed
+//! or left.
 //!
-//! A parked worker exports each of its legs as a [`LegRecord`] beside its socket: the bytes it
-//! read and has not acted on (a partial frame, or whole frames a turn's control budget left
-//! unparsed), the parser's fragmentation state, a large frame being forwarded as its payload
-//! arrives (the payload still to come and its mask), the output its socket has not taken yet,
-//! where the socket is in the frames written to it, the control frames owed to it (a pong, the
-//! relay's idle ping, one of them perhaps half written), whether its reading is paused by its
-//! peer's output (backpressure), whether it is closing, and its timers as the time that has
-//! passed since the output last moved (wedge) or since bytes last arrived (idle), or the time
-//! left (linger). The next process's worker takes each pair back ([`ResumedPair`]) and goes
-//! on: what was owed is written first, the bytes not acted on are parsed, a streamed frame goes
-//! on streaming, a paused leg stays paused until its peer drains.
-
-use std::sync::mpsc::Sender;
-use std::sync::Arc;
+//! Plain data: a parked splice worker builds these (`relay/splice/worker.rs`) and a worker of
+//! the next process resumes from them.
 
 use serde::{Deserialize, Serialize};
 
-use super::leg::Release;
-use crate::carry::Snapshot;
-use crate::relay::frames::ParserState;
-use crate::relay::park::base64_bytes;
-use crate::relay::socket::Socket;
+use super::bytes::base64_bytes;
+use super::connection::ParserRecord;
 
 /// One leg as a live handover carries it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,7 +19,7 @@ use crate::relay::socket::Socket;
 pub struct LegRecord {
     /// The connection id (logs).
     pub id: u64,
-    pub parser: ParserState,
+    pub parser: ParserRecord,
     /// Bytes read past the last whole frame (a frame not yet whole).
     #[serde(with = "base64_bytes")]
     pub partial: Vec<u8>,
@@ -70,7 +60,7 @@ pub struct LegRecord {
     pub idle_pinged: bool,
 }
 
-/// [`super::leg::FrameCursor`] as a handover carries it.
+/// A splice leg's frame cursor (`relay::splice::leg::FrameCursor`) as a record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CursorRecord {
@@ -79,7 +69,7 @@ pub struct CursorRecord {
     pub head: Vec<u8>,
 }
 
-/// [`super::leg::StreamIn`] as a handover carries it.
+/// A frame forwarded as its payload arrives (`relay::splice::leg::StreamIn`) as a record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StreamInRecord {
@@ -109,43 +99,11 @@ pub struct PairRecord {
     pub host: Option<LegRecord>,
 }
 
-/// What a parked worker gives the handover: each pair's record and the legs' sockets (which the
-/// worker keeps, untouched, until the handover ends).
-pub struct ParkedPair {
-    pub record: PairRecord,
-    pub phone: Option<Arc<Socket>>,
-    pub host: Option<Arc<Socket>>,
-}
-
-/// A handover asks a worker to park: export as of `at`, answer on `reply`.
-pub struct ParkRequest {
-    pub at: Snapshot,
-    pub reply: Sender<Vec<ParkedPair>>,
-}
-
-/// One leg to resume: its socket, its record, what it releases when it ends (its unit and
-/// gauge; the phone's place), and its timers on this process's clock.
-pub struct ResumedLeg {
-    pub socket: Arc<Socket>,
-    pub record: LegRecord,
-    pub release: Vec<Release>,
-    /// When the output last moved (the wedge window runs from it).
-    pub last_progress_ms: u64,
-    /// When a running linger ends.
-    pub linger_due_ms: Option<u64>,
-    /// When bytes last arrived (the idle window runs from it).
-    pub last_arrival_ms: u64,
-}
-
-/// A pair a live handover brought to this process.
-pub struct ResumedPair {
-    pub relay_host_id: Option<String>,
-    pub phone: Option<ResumedLeg>,
-    pub host: Option<ResumedLeg>,
-}
-
-impl ResumedPair {
-    pub fn legs(&self) -> usize {
-        usize::from(self.phone.is_some()) + usize::from(self.host.is_some())
-    }
+/// A spliced pair: its legs' descriptors' indices and the pair as the worker had it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PairEntry {
+    pub phone_fd: Option<usize>,
+    pub host_fd: Option<usize>,
+    pub pair: PairRecord,
 }
