@@ -365,7 +365,7 @@ pub fn execute(command: Command) -> i32 {
             }
         }
         Command::Migrate => with_config(|config| {
-            crate::roles::migrate(&config).map_err(|e| e.to_string())?;
+            crate::roles::process::migrate(&config).map_err(|e| e.to_string())?;
             eprintln!("orca-relay: migrations applied");
             Ok(())
         }),
@@ -456,7 +456,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                 let _ = crate::lifecycle::raise_fd_limit();
                 match crate::capacity::read_limits() {
                     Ok(limits) => {
-                        let needs = crate::roles::cell::capacity_needs(&config);
+                        let needs = crate::roles::cell_runtime::capacity_needs(&config);
                         let plan = crate::capacity::plan(&limits, needs);
                         let _ = writeln!(out, "effective capacity: {}", plan.summary());
                         for figure in &plan.capacity.figures {

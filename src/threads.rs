@@ -7,6 +7,15 @@
 
 use std::io;
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How long a stopping process waits for a thread that may be inside a database call (the
+/// readiness prober, the feed lister) before it leaves it to end with the process. A probe
+/// bounds its own HTTP call (2 s); a database call whose request the server's kernel took and
+/// whose answer never comes (a partition that healed after the server restarted, a stuck
+/// server or middlebox) has no client-side bound, and a drain's exit must not wait on it
+/// (found by the nemesis: two cells drained and never exited).
+pub const STOP_WAIT: Duration = Duration::from_secs(3);
 
 /// Stack size for a relay thread: one per WebSocket connection. Only touched pages count
 /// towards resident memory; 256 KiB leaves room for the postgres client and RSA verification.

@@ -1099,7 +1099,7 @@ impl FeedPoller {
             // The lister ends after its current listing; one that waits on a database that
             // stopped answering is left to end with the process.
             drop(lister_stop);
-            lister.join_within("feed-lister", crate::roles::STOP_WAIT);
+            lister.join_within("feed-lister", crate::threads::STOP_WAIT);
             // The queues are closed: each worker ends after its current poll (≤ 2 s).
             live.close();
             suspect.close();

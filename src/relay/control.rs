@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
+use super::context::RelayContext;
 use super::control_reader::{Deadline, ReadEvent, Reader};
+use super::park::Served;
 use super::park::{InviteBucket, Stage};
 use super::socket::Socket;
-use super::{read_first_text, FirstFrame, RelayContext, Served};
 use crate::auth::HostClaims;
 use crate::carry::connection::{ClaimsRecord, ControlRecord};
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
@@ -46,12 +47,12 @@ pub fn serve(
     let text = match first.text {
         Some(text) => text,
         None => match read_first_text(&mut reader, first.deadline) {
-            FirstFrame::Text(text) => text,
-            FirstFrame::Refused(code) => {
+            FirstText::Text(text) => text,
+            FirstText::Refused(code) => {
                 context.close(&socket, code, "first frame");
                 return Served::Ended;
             }
-            FirstFrame::Quiesce => {
+            FirstText::Quiesce => {
                 return Served::parked(Stage::FirstFrame {
                     path: first.path,
                     claims: Some(ClaimsRecord::from(&claims)),
@@ -510,6 +511,26 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: In
                 }
             }
         }
+    }
+}
+
+/// How reading a splice leg's or a control's first frame ended.
+enum FirstText {
+    Text(String),
+    /// Refused with this code (late, not text, malformed, a rule broken).
+    Refused(CloseCode),
+    /// A handover quiesced the cell.
+    Quiesce,
+}
+
+/// Reads the first frame of a control socket by `deadline`: it must be a text frame.
+fn read_first_text(reader: &mut Reader, deadline: Instant) -> FirstText {
+    match reader.read(Deadline::At(deadline)) {
+        ReadEvent::Message(tungstenite::Message::Text(text)) => FirstText::Text(text.to_string()),
+        ReadEvent::TooBig => FirstText::Refused(CloseCode::TooBig),
+        ReadEvent::Protocol => FirstText::Refused(CloseCode::ProtocolError),
+        ReadEvent::Quiesce => FirstText::Quiesce,
+        _ => FirstText::Refused(CloseCode::BadOuterCredential),
     }
 }
 

@@ -7,16 +7,18 @@
 //! past the first frame and its unit go to the phone's thread through the pending entry's
 //! channel, and from there with the pair to a splice worker (`relay/splice/`).
 
-use super::pending::{close_pending, close_pending_socket, PendingLeg};
-use super::phone::Attach;
+use super::attach::Attach;
+use super::context::RelayContext;
+use super::hold::ConnectionHold;
+use super::refuse::{close_pending, close_pending_socket};
 use super::socket::Socket;
 use super::splice::LegHandOff;
-use super::{ConnectionHold, RelayContext};
+use super::splice_reader::PendingLeg;
 use crate::protocol::{CloseCode, DataLegFirst};
 
 /// Checks a data leg's first frame on the acceptor's thread and, if it authenticates, passes
 /// the leg to its phone's thread; otherwise closes it with its code.
-pub(super) fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text: &str) {
+pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text: &str) {
     let PendingLeg { id, stream, reader } = leg;
     let (ticket, generation) = match serde_json::from_str::<DataLegFirst>(text) {
         Ok(DataLegFirst::HostDataAuth {

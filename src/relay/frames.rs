@@ -35,6 +35,7 @@ use std::ops::Range;
 use tungstenite::protocol::frame::coding::Data;
 
 use crate::carry::connection::ParserRecord;
+use crate::protocol::CloseCode;
 
 /// The longest frame header: two bytes, an 8-byte extended length and a 4-byte mask.
 pub const MAX_HEADER_BYTES: usize = 14;
@@ -470,9 +471,78 @@ pub fn encode_client_frame(first: u8, payload: &[u8], mask: [u8; 4], out: &mut V
     unmask(&mut out[start..], mask);
 }
 
+/// An unmasked server frame header for `payload_len` bytes (RFC 6455 §5.2): the first byte
+/// as given (FIN and opcode), then the shortest length encoding. Returns the header bytes
+/// used.
+pub fn server_header(first: u8, payload_len: usize, head: &mut [u8; 10]) -> usize {
+    head[0] = first;
+    if payload_len < 126 {
+        head[1] = payload_len as u8;
+        2
+    } else if payload_len <= u16::MAX as usize {
+        head[1] = 126;
+        head[2..4].copy_from_slice(&(payload_len as u16).to_be_bytes());
+        4
+    } else {
+        head[1] = 127;
+        head[2..10].copy_from_slice(&(payload_len as u64).to_be_bytes());
+        10
+    }
+}
+
+/// A close frame with `code` and `reason` (the reason cut to fit the 125-byte control limit).
+pub fn close_frame(code: Option<u16>, reason: &str) -> Vec<u8> {
+    let mut payload = Vec::new();
+    if let Some(code) = code {
+        payload.extend_from_slice(&code.to_be_bytes());
+        let mut cut = reason.len().min(123);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        payload.extend_from_slice(&reason.as_bytes()[..cut]);
+    }
+    let mut head = [0u8; 10];
+    let head_len = server_header(0x88, payload.len(), &mut head);
+    let mut frame = head[..head_len].to_vec();
+    frame.extend_from_slice(&payload);
+    frame
+}
+
+/// The close code a leg is failed with for `violation`: 1009 for size, 1002 otherwise.
+pub fn violation_close_code(violation: Violation) -> CloseCode {
+    match violation.close_code() {
+        1009 => CloseCode::TooBig,
+        _ => CloseCode::ProtocolError,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn headers_use_the_shortest_length() {
+        let mut head = [0u8; 10];
+        assert_eq!(server_header(0x82, 5, &mut head), 2);
+        assert_eq!(&head[..2], &[0x82, 5]);
+        assert_eq!(server_header(0x81, 126, &mut head), 4);
+        assert_eq!(&head[..4], &[0x81, 126, 0, 126]);
+        assert_eq!(server_header(0x02, 70_000, &mut head), 10);
+        assert_eq!(&head[..2], &[0x02, 127]);
+        assert_eq!(u64::from_be_bytes(head[2..10].try_into().unwrap()), 70_000);
+    }
+
+    #[test]
+    fn close_frames_carry_the_code_and_a_bounded_reason() {
+        assert_eq!(close_frame(None, ""), vec![0x88, 0]);
+        assert_eq!(
+            close_frame(Some(4408), "peer left")[..4],
+            [0x88, 11, 0x11, 0x38]
+        );
+        let long = close_frame(Some(1000), &"é".repeat(100));
+        assert!(long[1] as usize <= 125);
+        assert!(std::str::from_utf8(&long[4..]).is_ok());
+    }
 
     const MAX: usize = 1000;
     const MASK: [u8; 4] = [0x12, 0x34, 0x56, 0x78];

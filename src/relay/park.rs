@@ -21,8 +21,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::hold::{ConnectionHold, PhonePlace};
 use super::socket::Socket;
-use super::ConnectionHold;
 use crate::carry::connection::{
     AdmitPathRecord, ClaimsRecord, ControlRecord, InviteRateRecord, ReaderRecord, StageRecord,
     WaitingPhoneRecord,
@@ -269,6 +269,29 @@ pub fn wait_readable(stream: &TcpStream, deadline: Option<Instant>, quiesce: &Qu
     }
 }
 
+/// How a connection's relay thread ended.
+pub enum Served {
+    /// The connection is closed (or closing); its unit is returned as the thread ends.
+    Ended,
+    /// The socket went to a splice worker with its unit; nothing more to do here.
+    HandedOff,
+    /// A handover quiesced the cell at `stage`: the connection is deposited with its unit (and
+    /// a phone's place) for whoever resumes it.
+    Parked {
+        stage: Box<Stage>,
+        place: Option<PhonePlace>,
+    },
+}
+
+impl Served {
+    pub fn parked(stage: Stage) -> Served {
+        Served::Parked {
+            stage: Box::new(stage),
+            place: None,
+        }
+    }
+}
+
 /// A connection deposited while quiescing (by its relay thread, or by the acceptor's pending
 /// loop). Nothing it holds is released: the unit of the cap and the phone's place travel with
 /// it.
@@ -279,7 +302,7 @@ pub struct Parked {
     /// The unit of the cap and the connections gauge (an admitted connection).
     pub hold: Option<ConnectionHold>,
     /// A waiting phone's place among its host's phones.
-    pub place: Option<super::phone::PhonePlace>,
+    pub place: Option<PhonePlace>,
 }
 
 /// The descriptor of a parked connection, as its stage holds it.

@@ -46,7 +46,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -57,11 +57,14 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use super::context::{Phase, RelayContext};
 use super::park::{self, Parked, ParkedConn, Wake};
-use super::socket::Socket;
-use super::splice_reader::{FirstFrame, FirstFrameReader};
+use super::refuse::{
+    close_later, close_pending, refuse, refuse_at_accept, server_frame, write_now,
+};
+use super::splice_reader::{FirstFrame, FirstFrameReader, PendingLeg};
 use super::upgrade::{self, Refusal, Route, Upgrade};
-use super::{Phase, RelayContext};
+use super::{data, phone, thread};
 use crate::auth::{AuthError, HostClaims};
 use crate::clock;
 use crate::http::head::{self, HeadError};
@@ -82,14 +85,6 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// backlog behind the others, so it never holds the loop (accepts, other legs, deadlines).
 const FIRST_FRAME_READS_PER_TURN: usize = 4;
 const PINGS_PER_TURN: usize = 16;
-
-/// A connection the pending plane has finished with and handed on: the socket (non-blocking
-/// still), its id, and the bytes its first-frame reader holds.
-pub struct PendingLeg {
-    pub id: u64,
-    pub stream: TcpStream,
-    pub reader: FirstFrameReader,
-}
 
 /// The `acceptor` thread body: the pending plane, starting with the pending connections a
 /// handover carried (`carried`), until `stop` is set. Then the listener and every pending
@@ -626,7 +621,7 @@ impl Plane {
         let context = &self.context;
         // Under pool pressure, a hello the cell cannot admit without the database (memory or
         // a booking) is shed rather than queued behind the pool (SPEC §5.3).
-        let shed = super::shed_under_pool_pressure(
+        let shed = shed_under_pool_pressure(
             context.store.has_waiters(),
             context.mode.raw_is_reserve(),
             || {
@@ -657,7 +652,7 @@ impl Plane {
         ) {
             return;
         }
-        let spawned = super::spawn_control(
+        let spawned = thread::spawn_control(
             &self.context,
             entry.id,
             entry.stream,
@@ -816,14 +811,13 @@ impl Plane {
         };
         match route {
             Route::Phone { relay_host_id } => {
-                let spawned = super::phone::authenticate(&self.context, leg, &relay_host_id, &text);
-                if let Some(spawned) = spawned {
+                if let Some(phone) = phone::authenticate(&self.context, leg, &relay_host_id, &text)
+                {
+                    let spawned = thread::spawn_phone(&self.context, phone);
                     self.note_spawn(spawned);
                 }
             }
-            Route::DataLeg { conn_id } => {
-                super::data::authenticate(&self.context, leg, &conn_id, &text)
-            }
+            Route::DataLeg { conn_id } => data::authenticate(&self.context, leg, &conn_id, &text),
             Route::Control => {}
         }
     }
@@ -1025,90 +1019,6 @@ fn unauthorized(error: &AuthError) -> Refusal {
     }
 }
 
-/// Writes `bytes` without waiting; true only if all of them went out.
-pub(super) fn write_now(stream: &TcpStream, bytes: &[u8]) -> bool {
-    let mut written = 0;
-    while written < bytes.len() {
-        match (&*stream).write(&bytes[written..]) {
-            Ok(0) => return false,
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
-    true
-}
-
-/// A server frame (unmasked) of a control opcode: close `0x88`, pong `0x8A`; `payload` is at
-/// most 125 bytes.
-fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len().min(125);
-    let mut out = Vec::with_capacity(2 + len);
-    out.push(first);
-    out.push(len as u8);
-    out.extend_from_slice(&payload[..len]);
-    out
-}
-
-/// Fails a pending leg (or one whose credential was just refused) with a close frame, written
-/// without waiting, counted; the TCP connection is dropped [`super::socket::CLOSE_LINGER`]
-/// later whatever the client does.
-pub(super) fn close_pending(
-    context: &RelayContext,
-    stream: TcpStream,
-    code: CloseCode,
-    reason: &str,
-) {
-    let _ = write_now(&stream, &close_frame(code, reason));
-    context.metrics.close(code);
-    close_later(context, stream);
-}
-
-/// [`close_pending`] for a leg already wrapped in its [`Socket`] (still non-blocking, written
-/// by nobody else yet).
-pub(super) fn close_pending_socket(
-    context: &RelayContext,
-    socket: Arc<Socket>,
-    code: CloseCode,
-    reason: &str,
-) {
-    let _ = write_now(socket.stream(), &close_frame(code, reason));
-    context.metrics.close(code);
-    context.reaper.schedule(socket, super::socket::CLOSE_LINGER);
-}
-
-fn close_frame(code: CloseCode, reason: &str) -> Vec<u8> {
-    let mut payload = code.code().to_be_bytes().to_vec();
-    payload.extend(reason.bytes().take(123));
-    server_frame(0x88, &payload)
-}
-
-fn close_later(context: &RelayContext, stream: TcpStream) {
-    context
-        .reaper
-        .schedule_stream(Arc::new(stream), super::socket::CLOSE_LINGER);
-}
-
-/// Refuses an upgrade: counted, answered (without waiting), our side closed, and the socket
-/// dropped [`upgrade::REFUSAL_LINGER`] later whatever the client sends. Every refusal of the
-/// WebSocket port goes through here.
-fn refuse(context: &RelayContext, stream: TcpStream, refusal: &Refusal) {
-    context
-        .metrics
-        .upgrade_refused(refusal.status, refusal.reason);
-    let _ = write_now(&stream, upgrade::refusal(refusal).as_bytes());
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    context
-        .reaper
-        .schedule_stream(Arc::new(stream), upgrade::REFUSAL_LINGER);
-}
-
-/// Refuses a connection at accept, before any head is read (a descriptor could not be had).
-fn refuse_at_accept(context: &RelayContext, stream: TcpStream, reason: &'static str) {
-    let _ = stream.set_nonblocking(true);
-    refuse(context, stream, &Refusal::unavailable(reason));
-}
-
 fn open_spare() -> Option<std::fs::File> {
     std::fs::File::open("/dev/null").ok()
 }
@@ -1118,4 +1028,42 @@ fn out_of_descriptors(error: &io::Error) -> bool {
         error.raw_os_error(),
         Some(libc::EMFILE) | Some(libc::ENFILE)
     )
+}
+
+/// Whether a desktop's control upgrade is shed with 503 under database pool pressure (SPEC
+/// §5.3): only a hello the cell may admit without the database (from memory or a booking) gets
+/// past waiters, and only a cell whose raw mode is `reserve` admits that way. In `db` mode every
+/// hello needs the database, so a remembered desktop would only queue behind the pool like any
+/// other. `admissible_without_sql` is asked only under pressure.
+pub fn shed_under_pool_pressure(
+    pool_has_waiters: bool,
+    raw_reserve: bool,
+    admissible_without_sql: impl FnOnce() -> bool,
+) -> bool {
+    pool_has_waiters && !(raw_reserve && admissible_without_sql())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shed_under_pool_pressure;
+
+    #[test]
+    fn only_a_reserve_cell_lets_remembered_desktops_past_pool_waiters() {
+        // (waiters, raw reserve, remembered) -> shed
+        let cases = [
+            ((false, true, true), false),
+            ((false, false, false), false),
+            ((true, true, true), false),
+            ((true, true, false), true),
+            ((true, false, true), true),
+            ((true, false, false), true),
+        ];
+        for ((waiters, reserve, remembered), shed) in cases {
+            assert_eq!(
+                shed_under_pool_pressure(waiters, reserve, || remembered),
+                shed,
+                "waiters={waiters} reserve={reserve} remembered={remembered}"
+            );
+        }
+    }
 }

@@ -22,71 +22,54 @@ use std::time::{Duration, Instant};
 
 use tungstenite::Message;
 
-use super::park::Stage;
-use super::pending::{close_pending, close_pending_socket, PendingLeg};
+use super::attach::{Attach, ATTACH_CHANNEL};
+use super::context::RelayContext;
+use super::frames::FrameParser;
+use super::hold::{ConnectionHold, PhonePlace};
+use super::park::{Served, Stage};
+use super::refuse::{close_pending, close_pending_socket};
 use super::socket::Socket;
 use super::splice::{LegHandOff, Pair, Release};
-use super::{ConnectionHold, RelayContext, Served};
+use super::splice_reader::PendingLeg;
 use crate::carry::connection::{ReaderRecord, WaitingPhoneRecord};
-use crate::cell::state::{random_token, CellState, Control, Pending, PhoneRefusal};
+use crate::cell::state::{random_token, Control, Pending, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
+use crate::threads::Permit;
 
-/// What a waiting phone hears on its pending entry's channel.
-pub enum Attach {
-    /// Its host's data leg, ready to be spliced.
-    Leg(LegHandOff),
-    /// A handover is quiescing the cell.
-    Wake,
+/// An authenticated phone, as its relay thread takes it over: everything it holds (its unit,
+/// its thread permit, its host's phone place, its pending entry in the cell).
+pub struct AdmittedPhone {
+    pub id: u64,
+    pub socket: Arc<Socket>,
+    pub conn_id: String,
+    pub hold: ConnectionHold,
+    pub permit: Permit,
+    /// What its relay thread serves it with ([`serve`]).
+    pub admission: Admission,
 }
 
-/// Room for a wake and a leg at once: a data leg's send never waits behind a wake.
-const ATTACH_CHANNEL: usize = 2;
-
-/// One of the host's phone places (at most 8, SPEC §5.2), returned when dropped.
-pub struct PhonePlace {
-    cell: Arc<CellState<Socket>>,
-    relay_host_id: String,
-}
-
-impl PhonePlace {
-    /// A place for a phone a handover brought (taken past the limit if need be: the phone is
-    /// connected already).
-    pub fn carried(cell: &Arc<CellState<Socket>>, relay_host_id: &str) -> PhonePlace {
-        cell.take_phone_place(relay_host_id);
-        PhonePlace {
-            cell: cell.clone(),
-            relay_host_id: relay_host_id.to_string(),
-        }
-    }
-}
-
-impl Drop for PhonePlace {
-    fn drop(&mut self) {
-        self.cell.release_phone(&self.relay_host_id);
-    }
-}
-
-/// An authenticated phone, as its relay thread takes it over.
-struct Admitted {
+/// An admitted phone's part of the cell: its host's control, its ticket, the channel its data
+/// leg comes on, what the first-frame reader read past `relay-auth` (and its parser), its
+/// phone place.
+pub struct Admission {
     conn_id: String,
     control: Control<Socket>,
     ticket: String,
     attach: Receiver<Attach>,
-    /// What the first-frame reader read past `relay-auth`, and its parser.
     buffered: Vec<u8>,
-    parser: super::frames::FrameParser,
+    parser: FrameParser,
     place: PhonePlace,
 }
 
-/// Checks a phone's first frame on the acceptor's thread and, if it authenticates, starts its
-/// relay thread. `None` when it was refused (closed with its code); otherwise the spawn's
-/// result.
-pub(super) fn authenticate(
+/// Checks a phone's first frame on the acceptor's thread. `Some` when it authenticates (its
+/// relay thread is started by the caller: `thread::spawn_phone`); `None` when it was refused
+/// (closed with its code).
+pub fn authenticate(
     context: &RelayContext,
     leg: PendingLeg,
     relay_host_id: &str,
     text: &str,
-) -> Option<std::io::Result<()>> {
+) -> Option<AdmittedPhone> {
     let PendingLeg { id, stream, reader } = leg;
     let credential = match serde_json::from_str::<PhoneFirst>(text) {
         Ok(PhoneFirst::RelayAuth { v: 1, credential }) => credential,
@@ -139,52 +122,43 @@ pub(super) fn authenticate(
         }
     };
     // From here on this phone holds one of the host's phone places.
-    let place = PhonePlace {
-        cell: context.cell.clone(),
-        relay_host_id: relay_host_id.to_string(),
-    };
+    let place = PhonePlace::taken(&context.cell, relay_host_id);
     let hold = ConnectionHold::new(unit, context.metrics.connections("phone"));
     let (buffered, parser) = reader.into_parts();
-    let admitted = Admitted {
+    Some(AdmittedPhone {
+        id,
+        socket,
         conn_id: conn_id.clone(),
-        control,
-        ticket,
-        attach: attach_rx,
-        buffered,
-        parser,
-        place,
-    };
-    let thread_context = context.clone();
-    let thread_socket = socket.clone();
-    let spawned = crate::threads::spawn_with_stack(
-        format!("relay-{id}"),
-        crate::threads::RELAY_STACK_BYTES,
-        move || {
-            let _permit = permit;
-            let context = thread_context;
-            let socket = thread_socket;
-            super::serve_admitted(&context, socket, "phone", Some(hold), |socket, hold| {
-                serve(&context, socket, admitted, hold)
-            });
+        hold,
+        permit,
+        admission: Admission {
+            conn_id,
+            control,
+            ticket,
+            attach: attach_rx,
+            buffered,
+            parser,
+            place,
         },
-    );
-    if spawned.is_err() {
-        // The closure (place, unit, permit) is gone; the host's pending entry goes too.
-        context.cell.abandon_pending(&conn_id);
-        close_pending_socket(context, socket, CloseCode::LimitExceeded, "try again");
-    }
-    Some(spawned.map(|_| ()))
+    })
+}
+
+/// A phone whose relay thread could not be started: its host's pending entry goes, and the
+/// phone is closed (its place, unit and permit went with the thread's closure).
+pub fn abandon(context: &RelayContext, conn_id: &str, socket: Arc<Socket>) {
+    context.cell.abandon_pending(conn_id);
+    close_pending_socket(context, socket, CloseCode::LimitExceeded, "try again");
 }
 
 /// The phone's relay thread: `conn-open` to the host, the wait for its data leg (or a
 /// handover's quiesce), `relay-hello`, the hand-off to a splice worker.
-fn serve(
+pub fn serve(
     context: &RelayContext,
     socket: Arc<Socket>,
-    admitted: Admitted,
+    admission: Admission,
     hold: &mut Option<ConnectionHold>,
 ) -> Served {
-    let Admitted {
+    let Admission {
         conn_id,
         control,
         ticket,
@@ -192,7 +166,7 @@ fn serve(
         buffered,
         parser,
         place,
-    } = admitted;
+    } = admission;
     // The pending loop read it without blocking; this thread writes with the wedge window.
     let _ = socket.stream().set_nonblocking(false);
     let _ = socket
@@ -346,10 +320,7 @@ fn wait_for_leg(
     let phone = LegHandOff {
         socket: socket.clone(),
         buffered: reader.buffered,
-        parser: super::frames::FrameParser::with_state(
-            crate::protocol::SPLICE_MAX_FRAME_BYTES,
-            reader.parser,
-        ),
+        parser: FrameParser::with_state(crate::protocol::SPLICE_MAX_FRAME_BYTES, reader.parser),
         release,
     };
     let cell = context.cell.clone();

@@ -312,7 +312,7 @@ impl Socket {
 /// the payload.
 fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
     let mut head = [0u8; 10];
-    let head_len = crate::relay::splice::leg::server_header(first, payload.len(), &mut head);
+    let head_len = crate::relay::frames::server_header(first, payload.len(), &mut head);
     let mut frame = Vec::with_capacity(head_len + payload.len());
     frame.extend_from_slice(&head[..head_len]);
     frame.extend_from_slice(payload);
@@ -321,7 +321,7 @@ fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
 
 /// A close frame with `code` and `reason` (cut to the 125-byte control limit).
 fn close_frame_bytes(code: u16, reason: &str) -> Vec<u8> {
-    crate::relay::splice::leg::close_frame(Some(code), reason)
+    crate::relay::frames::close_frame(Some(code), reason)
 }
 
 /// Writes `frame` whole without blocking (`MSG_DONTWAIT`, `MSG_NOSIGNAL`); `EINTR` is retried.

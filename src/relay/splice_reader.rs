@@ -17,9 +17,17 @@ use std::net::TcpStream;
 
 use tungstenite::protocol::frame::coding::Data;
 
-use super::frames::{FrameKind, FrameParser, Parsed, Violation};
+use super::frames::{violation_close_code, FrameKind, FrameParser, Parsed};
 use crate::carry::connection::ReaderRecord;
 use crate::protocol::CloseCode;
+
+/// A connection the pending plane has finished with and handed on: the socket (non-blocking
+/// still), its id, and the bytes its first-frame reader holds.
+pub struct PendingLeg {
+    pub id: u64,
+    pub stream: TcpStream,
+    pub reader: FirstFrameReader,
+}
 
 /// The most a first frame (header included) may take, and the most the reader buffers.
 pub const FIRST_FRAME_MAX_BYTES: usize = 4 * 1024;
@@ -40,14 +48,6 @@ pub enum FirstFrame {
     /// The leg fails with this code: a rule of RFC 6455 broken (1002), a first frame over
     /// [`FIRST_FRAME_MAX_BYTES`] (1009), or one that is not one whole text frame (4401).
     Refused(CloseCode),
-}
-
-/// The close code a leg is failed with for `violation`: 1009 for size, 1002 otherwise.
-pub fn violation_close_code(violation: Violation) -> CloseCode {
-    match violation.close_code() {
-        1009 => CloseCode::TooBig,
-        _ => CloseCode::ProtocolError,
-    }
 }
 
 #[derive(Debug)]

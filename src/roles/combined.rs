@@ -54,8 +54,10 @@ use crate::service_token::ServiceTokens;
 use crate::store::Store;
 use crate::threads;
 
-use super::cell::{CellRuntime, CellSetup};
-use super::{migrate_in_background, open_store, start_prober, url_for_bound, verifier, RunError};
+use super::cell_runtime::{CellRuntime, CellSetup};
+use super::process::{
+    migrate_in_background, open_store, start_prober, url_for_bound, verifier, RunError,
+};
 
 /// How long start-up waits for the in-process director to be able to place desktops on the
 /// cell (its ready heartbeat in the store, in reserve mode a feed answer), so that `/v1/assign`
@@ -73,14 +75,14 @@ pub fn run(
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
-    super::raise_fd_limit();
+    super::process::raise_fd_limit();
     // The fleet listing is served only with a token the operator knows.
     let token_configured = config.service_token.is_some();
     if config.service_token.is_none() {
         config.service_token = Some(ServiceTokens::single(in_process_token()?));
     }
     // The tokens this process sends (its own internal API accepts the whole list).
-    let service_token = super::service_tokens(&config);
+    let service_token = super::process::service_tokens(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
     let mut taker = match &take_over {
@@ -100,7 +102,8 @@ pub fn run(
     );
     let director_id = format!("combined-{incarnation}");
 
-    let listeners = super::listeners(&config, taker.as_mut(), true)?;
+    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let listeners = super::process::listeners(&config, handed, true)?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -185,7 +188,7 @@ pub fn run(
     let admin = AdminContext::new(
         store.clone(),
         clock.clone(),
-        super::service_tokens(&config),
+        super::process::service_tokens(&config),
         &registry,
         board.clone(),
         membership,
@@ -195,13 +198,13 @@ pub fn run(
     // `/ready` says 200 only once the in-process director would place a desktop on this cell
     // (its ready heartbeat and, in reserve mode, a feed answer are recorded): see
     // `wait_until_placeable`.
-    let placeable = super::ServeGate::default();
+    let placeable = super::process::ServeGate::default();
     if taker.is_some() {
         // The cell was placeable in the running process: `/ready` stays 200 throughout.
         placeable.open();
     }
     let handler = {
-        let process = super::ProcessRoutes {
+        let process = super::process::ProcessRoutes {
             registry: registry.clone(),
             readiness: readiness.clone(),
             clock: clock.clone(),
@@ -253,7 +256,7 @@ pub fn run(
         "orca_relay_listening role=combined cell_id={} ws={ws_addr} http={http_addr}",
         config.cell_id
     );
-    super::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr)?;
 
     // The combined role has no remote director to register with: the cell is in the store.
     let record = SelfRecord {
@@ -356,7 +359,7 @@ pub fn run(
     if let Some(http) = http {
         http.stop_shared(http_shared);
     }
-    super::finish_process("combined", prober, migrator, signals, &shutdown);
+    super::process::finish_process("combined", prober, migrator, signals, &shutdown);
     Ok(())
 }
 
@@ -389,7 +392,7 @@ fn wait_until_placeable(
     store: &Store,
     context: &AssignContext,
     cell_id: &str,
-    gate: &super::ServeGate,
+    gate: &super::process::ServeGate,
     stop: Receiver<()>,
 ) {
     let Placement::Fleet(fleet) = &context.placement else {

@@ -32,7 +32,7 @@ use crate::readiness::{self, Phase, Probes, Readiness};
 use crate::store::Store;
 use crate::threads;
 
-use super::{bind_with_addr, open_store, verifier, RunError};
+use super::process::{bind_with_addr, open_store, verifier, RunError};
 
 /// Migration retry backoff: first wait, and the cap it doubles up to.
 const MIGRATE_RETRY_FIRST: Duration = Duration::from_millis(500);
@@ -52,19 +52,19 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
     // One connection now, so a database that refuses our TLS stops start-up with the cause
-    // (`super::stop_on_tls_failure`); a database that is down is left to the migrator.
-    super::stop_on_tls_failure(&store.ping())?;
+    // (`super::process::stop_on_tls_failure`); a database that is down is left to the migrator.
+    super::process::stop_on_tls_failure(&store.ping())?;
 
     let shutdown = Shutdown::new();
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
-    super::raise_fd_limit();
+    super::process::raise_fd_limit();
     let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
 
     let readiness = Readiness::from_config(&config);
     readiness.register_metrics(&registry, clock.clone());
-    super::register_process_metrics(&registry, &readiness, &clock);
-    super::register_store_metrics(&registry, &store);
+    super::process::register_process_metrics(&registry, &readiness, &clock);
+    super::process::register_store_metrics(&registry, &store);
 
     // Migrations in the background: until they are applied `/ready` says starting and the
     // store-backed routes answer 503.
@@ -147,7 +147,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
             membership,
             config.timings.trip_slot_stale_ms,
         ),
-        process: super::ProcessRoutes {
+        process: super::process::ProcessRoutes {
             registry: registry.clone(),
             readiness: readiness.clone(),
             clock: clock.clone(),
@@ -176,7 +176,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         }
     );
     lifecycle::notify_ready();
-    super::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr)?;
 
     while !shutdown.wait_timeout(Duration::from_secs(3600)) {}
 
@@ -188,7 +188,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     drop(sweeper_stop);
     threads::join_logged("fleet-sweeper", sweeper);
     drop(prober_stop);
-    prober.join_within("readiness", super::STOP_WAIT);
+    prober.join_within("readiness", crate::threads::STOP_WAIT);
     threads::join_logged("migrator", migrator);
     http.stop();
     shutdown.close_signal_listener();
@@ -233,7 +233,7 @@ fn run_migrator(store: &Store, migrated: &AtomicBool, readiness: &Readiness, shu
 struct Routes {
     assign: AssignContext,
     admin: AdminContext,
-    process: super::ProcessRoutes,
+    process: super::process::ProcessRoutes,
     migrated: Arc<AtomicBool>,
 }
 

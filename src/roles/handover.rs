@@ -38,15 +38,17 @@ use crate::handover::{
 };
 use crate::http::HttpServer;
 use crate::metrics::Registry;
+use crate::relay::attach::Attach;
+use crate::relay::context::{Phase, RelayContext};
+use crate::relay::hold::PhonePlace;
 use crate::relay::park::{Gate, Parked, ParkedConn, Stage};
-use crate::relay::phone::{Attach, PhonePlace};
 use crate::relay::socket::Socket;
 use crate::relay::splice::parked::{ParkedPair, ResumedLeg, ResumedPair};
-use crate::relay::{self, ConnectionHold, Phase};
+use crate::relay::thread;
 use crate::threads;
 
-use super::cell::{CellRuntime, CellThreadsState};
-use super::RunError;
+use super::cell_runtime::{CellRuntime, CellThreadsState};
+use super::process::RunError;
 
 /// How long the taker waits for the giver's word after confirming: the giver's own limit plus
 /// a margin (the giver commits or rolls back within its 10 s).
@@ -674,13 +676,13 @@ impl InFlight<'_> {
 
 /// Resumes deposited connections, waiting phones first (their pending entries must be back
 /// before a data leg looks for them).
-fn resume_all(context: &relay::RelayContext, deposits: Vec<Parked>, gate: Option<Arc<Gate>>) {
+fn resume_all(context: &RelayContext, deposits: Vec<Parked>, gate: Option<Arc<Gate>>) {
     let (waiting, others): (Vec<Parked>, Vec<Parked>) = deposits
         .into_iter()
         .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
     for parked in waiting.into_iter().chain(others) {
         let id = parked.id;
-        if let Err(e) = relay::resume(context, parked, gate.clone()) {
+        if let Err(e) = thread::resume(context, parked, gate.clone()) {
             log::error!("orca_relay_handover_resume_failed conn={id} error={e}");
         }
     }
@@ -1009,7 +1011,7 @@ impl Taker {
                         id: record.id,
                         conn: ParkedConn::Socket(socket),
                         stage,
-                        hold: Some(ConnectionHold::carried(context, kind)),
+                        hold: Some(context.carried_hold(kind)),
                         place,
                     }
                 }
@@ -1021,7 +1023,7 @@ impl Taker {
             .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
         for parked in waiting.into_iter().chain(others) {
             let id = parked.id;
-            relay::resume(context, parked, Some(self.gate.clone())).map_err(|e| {
+            thread::resume(context, parked, Some(self.gate.clone())).map_err(|e| {
                 self.fail(&format!("cannot start a thread for connection {id}: {e}"))
             })?;
         }
@@ -1076,7 +1078,7 @@ impl Taker {
                 let stream = std::net::TcpStream::from(self.take_fd(fd)?);
                 let socket = Socket::new_splice(record.id, stream);
                 let mut release: Vec<crate::relay::splice::Release> =
-                    vec![Box::new(ConnectionHold::carried(context, kind))];
+                    vec![Box::new(context.carried_hold(kind))];
                 if let Some(host) = host {
                     release.push(Box::new(PhonePlace::carried(&context.cell, host)));
                 }

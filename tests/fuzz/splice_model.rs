@@ -498,7 +498,7 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
         1,
         model_timings(),
         orca_relay::clock::system(),
-        orca_relay::relay::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
+        orca_relay::relay::metrics::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
     )
     .map_err(|e| format!("start: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -538,43 +538,6 @@ pub fn set_liveness(stream: &TcpStream) -> io::Result<()> {
     )
 }
 
-/// An unmasked server frame header for `payload_len` bytes (RFC 6455 §5.2): the first byte
-/// as given (FIN and opcode), then the shortest length encoding. Returns the header bytes
-/// used.
-pub fn server_header(first: u8, payload_len: usize, head: &mut [u8; 10]) -> usize {
-    head[0] = first;
-    if payload_len < 126 {
-        head[1] = payload_len as u8;
-        2
-    } else if payload_len <= u16::MAX as usize {
-        head[1] = 126;
-        head[2..4].copy_from_slice(&(payload_len as u16).to_be_bytes());
-        4
-    } else {
-        head[1] = 127;
-        head[2..10].copy_from_slice(&(payload_len as u64).to_be_bytes());
-        10
-    }
-}
-
-/// A close frame with `code` and `reason` (the reason cut to fit the 125-byte control limit).
-pub fn close_frame(code: Option<u16>, reason: &str) -> Vec<u8> {
-    let mut payload = Vec::new();
-    if let Some(code) = code {
-        payload.extend_from_slice(&code.to_be_bytes());
-        let mut cut = reason.len().min(123);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        payload.extend_from_slice(&reason.as_bytes()[..cut]);
-    }
-    let mut head = [0u8; 10];
-    let head_len = server_header(0x88, payload.len(), &mut head);
-    let mut frame = head[..head_len].to_vec();
-    frame.extend_from_slice(&payload);
-    frame
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -623,30 +586,6 @@ mod tests {
     }
 
     #[test]
-    fn headers_use_the_shortest_length() {
-        let mut head = [0u8; 10];
-        assert_eq!(server_header(0x82, 5, &mut head), 2);
-        assert_eq!(&head[..2], &[0x82, 5]);
-        assert_eq!(server_header(0x81, 126, &mut head), 4);
-        assert_eq!(&head[..4], &[0x81, 126, 0, 126]);
-        assert_eq!(server_header(0x02, 70_000, &mut head), 10);
-        assert_eq!(&head[..2], &[0x02, 127]);
-        assert_eq!(u64::from_be_bytes(head[2..10].try_into().unwrap()), 70_000);
-    }
-
-    #[test]
-    fn close_frames_carry_the_code_and_a_bounded_reason() {
-        assert_eq!(close_frame(None, ""), vec![0x88, 0]);
-        assert_eq!(
-            close_frame(Some(4408), "peer left")[..4],
-            [0x88, 11, 0x11, 0x38]
-        );
-        let long = close_frame(Some(1000), &"é".repeat(100));
-        assert!(long[1] as usize <= 125);
-        assert!(std::str::from_utf8(&long[4..]).is_ok());
-    }
-
-    #[test]
     fn output_keeps_order_and_frees_its_memory_when_empty() {
         let mut output = Output::default();
         output.push(b"abc");
@@ -661,7 +600,7 @@ mod tests {
         let mut frames = Vec::new();
         let mut head = [0u8; 10];
         for len in [3usize, 0, 200, 70_000, 125] {
-            let n = server_header(0x82, len, &mut head);
+            let n = crate::relay::frames::server_header(0x82, len, &mut head);
             frames.extend_from_slice(&head[..n]);
             frames.extend(std::iter::repeat_n(7u8, len));
         }

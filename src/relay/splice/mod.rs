@@ -30,8 +30,8 @@ use std::thread::JoinHandle;
 
 use crate::clock::SharedClock;
 use crate::relay::frames::FrameParser;
+use crate::relay::metrics::RelayMetrics;
 use crate::relay::socket::Socket;
-use crate::relay::RelayMetrics;
 pub use leg::Release;
 
 /// Reading a leg stops while its peer has this many bytes or more waiting to be written (one

@@ -49,8 +49,8 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::protocol::frame::coding::OpCode;
 
 use super::leg::{
-    close_frame, read_once, server_header, set_liveness, write_slices, ControlFrame, Controls,
-    Flushed, FrameCursor, Leg, LegCounters, LegState, Output, ReadOutcome, StreamIn,
+    read_once, set_liveness, write_slices, ControlFrame, Controls, Flushed, FrameCursor, Leg,
+    LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
 use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
 use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
@@ -58,8 +58,10 @@ use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
-use crate::relay::frames::{unmask_at, FrameKind, Parsed};
-use crate::relay::RelayMetrics;
+use crate::relay::frames::{
+    close_frame, server_header, unmask_at, violation_close_code, FrameKind, Parsed,
+};
+use crate::relay::metrics::RelayMetrics;
 
 const WAKER: Token = Token(usize::MAX);
 /// Reads one leg gets before the other ready legs have their turn.
@@ -1361,7 +1363,7 @@ impl Worker {
                         "orca_relay_splice_protocol_violation conn={id} rule={} kind={kind}",
                         violation.name()
                     );
-                    let code = crate::relay::splice_reader::violation_close_code(violation);
+                    let code = violation_close_code(violation);
                     self.close(key, code, violation.name(), true);
                     self.close_peer(key);
                     self.count(key, frames, bytes);

@@ -1,0 +1,224 @@
+//! [`RelayContext`], everything a relay thread, the pending plane and the cell-wide relay
+//! threads share (cheap to clone: handles and `Arc`s), and the process's [`Phase`].
+
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::hold::ConnectionHold;
+use super::metrics::RelayMetrics;
+use super::park::Quiesce;
+use super::socket::{Reaper, Socket};
+use super::splice;
+use crate::auth::Verifier;
+use crate::cell::bookings::Bookings;
+use crate::cell::mode::CellMode;
+use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
+use crate::cell::state::{CellState, ConnectionSlots};
+use crate::clock::SharedClock;
+use crate::config::Timings;
+use crate::metrics::Registry;
+use crate::protocol::CloseCode;
+use crate::store::Store;
+use crate::threads::Permits;
+
+/// Where the process is in its life; the acceptor and `/ready` read it.
+#[derive(Default)]
+pub struct Phase(AtomicU8);
+
+impl Phase {
+    pub const STARTING: u8 = 0;
+    pub const SERVING: u8 = 1;
+    pub const DRAINING: u8 = 2;
+
+    pub fn get(&self) -> u8 {
+        self.0.load(Ordering::Acquire)
+    }
+    pub fn set(&self, phase: u8) {
+        self.0.store(phase, Ordering::Release)
+    }
+}
+
+/// Everything a relay thread needs; cheap to clone.
+#[derive(Clone)]
+pub struct RelayContext {
+    pub cell_id: Arc<str>,
+    pub incarnation: i64,
+    pub timings: Arc<Timings>,
+    pub cell: Arc<CellState<Socket>>,
+    pub verifier: Verifier,
+    pub store: Store,
+    pub clock: SharedClock,
+    pub reaper: Reaper,
+    pub slots: Arc<ConnectionSlots>,
+    pub phase: Arc<Phase>,
+    pub metrics: RelayMetrics,
+    /// Reserve-mode admission: the director's bookings, the seat log (feed and memory), and
+    /// the mode the watchdog publishes.
+    pub bookings: Arc<Bookings>,
+    pub seats: Arc<SeatLog>,
+    pub mode: Arc<CellMode>,
+    /// Sockets between accept and their credential (or refusal), now, and at most
+    /// (`ORCA_RELAY_PENDING_UPGRADES_MAX`): the acceptor's table (`pending.rs`).
+    pub pending_now: Arc<AtomicUsize>,
+    pub pending_upgrades_max: usize,
+    /// The event-loop workers attached pairs are handed to.
+    pub splice: Arc<splice::SplicePlane>,
+    /// Relay threads at most at once: the process's threaded capacity.
+    pub thread_permits: Arc<Permits>,
+    /// Throttles the log lines of failed admission SQL across every relay thread.
+    pub admission_failures: Arc<crate::logging::SharedThrottle>,
+    /// A live handover's hold on the relay threads (`relay/park.rs`).
+    pub quiesce: Arc<Quiesce>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl RelayContext {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cell_id: &str,
+        incarnation: i64,
+        timings: Timings,
+        connection_cap: u32,
+        pending_upgrades_max: u32,
+        verifier: Verifier,
+        store: Store,
+        clock: SharedClock,
+        reaper: Reaper,
+        phase: Arc<Phase>,
+        registry: &Registry,
+        splice: Arc<splice::SplicePlane>,
+        thread_permits: Arc<Permits>,
+        quiesce: Arc<Quiesce>,
+    ) -> Self {
+        let slots = ConnectionSlots::new(connection_cap);
+        for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
+            registry.counter(
+                "orca_relay_ws_connections_dropped_total",
+                "WebSocket connections closed at accept without an answer, by reason.",
+                &[("reason", reason)],
+            );
+        }
+        for reason in ["threads", "descriptors", "connection_cap"] {
+            registry.counter(
+                "orca_relay_upgrades_refused_total",
+                "Upgrades refused with an HTTP status, by status and reason.",
+                &[("status", "503"), ("reason", reason)],
+            );
+        }
+        registry.counter(
+            "orca_relay_splice_refused_total",
+            "Attached pairs no splice worker could take (both legs closed 4429), by reason.",
+            &[("reason", "no_worker")],
+        );
+        {
+            let permits = thread_permits.clone();
+            registry.sampled_gauge(
+                "orca_relay_relay_threads",
+                "Relay threads (one per connection until it is spliced), and the most allowed.",
+                move || {
+                    vec![
+                        (
+                            vec![("state".to_string(), "running".to_string())],
+                            permits.used() as f64,
+                        ),
+                        (
+                            vec![("state".to_string(), "max".to_string())],
+                            permits.max() as f64,
+                        ),
+                    ]
+                },
+            );
+        }
+        {
+            let splice = splice.clone();
+            registry.sampled_gauge(
+                "orca_relay_splice_legs",
+                "Spliced legs held by each splice worker.",
+                move || {
+                    splice
+                        .legs_per_worker()
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, legs)| {
+                            (vec![("worker".to_string(), index.to_string())], legs as f64)
+                        })
+                        .collect()
+                },
+            );
+        }
+        registry.counter(
+            "orca_relay_ws_pending_upgrades_shed_total",
+            "Pending connections (no credential checked yet) closed to admit a newer one.",
+            &[],
+        );
+        let pending_now = Arc::new(AtomicUsize::new(0));
+        {
+            let pending = pending_now.clone();
+            registry.sampled_gauge(
+                "orca_relay_ws_pending_upgrades",
+                "WebSocket connections accepted whose credential is not checked yet.",
+                move || vec![(Vec::new(), pending.load(Ordering::Acquire) as f64)],
+            );
+        }
+        let cell = Arc::new(CellState::new(clock.clone()));
+        {
+            let cell = cell.clone();
+            registry.sampled_gauge(
+                "orca_relay_invites_outstanding",
+                "Invites minted and not yet used up, expired or dropped (at most 8 per desktop).",
+                move || vec![(Vec::new(), cell.invite_count() as f64)],
+            );
+        }
+        RelayContext {
+            cell_id: cell_id.into(),
+            incarnation,
+            timings: Arc::new(timings),
+            cell,
+            verifier,
+            store,
+            clock,
+            reaper,
+            bookings: Arc::new(Bookings::new(slots.clone())),
+            seats: Arc::new(SeatLog::new(incarnation, DEFAULT_RING_CAPACITY)),
+            mode: Arc::new(CellMode::new()),
+            slots,
+            phase,
+            metrics: RelayMetrics::new(registry),
+            pending_now,
+            pending_upgrades_max: pending_upgrades_max as usize,
+            splice,
+            thread_permits,
+            admission_failures: Arc::default(),
+            quiesce,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// Closes `socket` with `code` and counts it.
+    pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
+        if socket.close(code, reason, &self.reaper) {
+            self.metrics.close(code);
+        }
+    }
+
+    /// A new connection id (the `relay-<id>` thread's name, the socket's id).
+    pub fn next_connection_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The id the next connection will get (a handover carries it, so ids stay unique).
+    pub fn peek_next_connection_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
+    /// The unit and gauge of a connection a live handover brought: the unit is taken even
+    /// past the cap (the connection exists already).
+    pub fn carried_hold(&self, kind: &str) -> ConnectionHold {
+        ConnectionHold::new(self.slots.take_forced(), self.metrics.connections(kind))
+    }
+
+    /// Ids from `next` on (a received handover: above every carried connection's).
+    pub fn continue_ids_from(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+    }
+}

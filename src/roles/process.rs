@@ -1,0 +1,528 @@
+//! What every role's process does around its own threads: open the store and apply
+//! migrations, bind (or take from systemd or a handover) its listeners, build its token
+//! verifier, start the readiness prober and the systemd watchdog, serve `/health`, `/ready` and
+//! `/metrics`, and finish in order. Used by `cell`, `combined` and `director`; uses none of them.
+
+use std::fmt;
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::auth::Verifier;
+use crate::clock::SharedClock;
+use crate::config::Config;
+use crate::service_token::ServiceTokens;
+use crate::store::{Store, StoreConfig};
+
+/// Why a role could not start or stopped with an error; printed as one line.
+#[derive(Debug)]
+pub struct RunError(pub String);
+
+impl fmt::Display for RunError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RunError {}
+
+/// The process's two listeners: handed over by the running process (`handed`: a live
+/// handover's WebSocket and HTTP listeners), passed by systemd (`LISTEN_FDS` named `ws` and
+/// `http`, the optional socket units), or bound here. Returns the WebSocket listener and
+/// address, then the HTTP ones (`ws` is `None` for a director).
+pub fn listeners(
+    config: &Config,
+    handed: Option<(TcpListener, TcpListener)>,
+    with_ws: bool,
+) -> Result<ListenerPair, RunError> {
+    let (mut ws, mut http) = (None, None);
+    // Not bound by this process: another one (systemd, or the process handing over) holds it.
+    let mut http_shared = handed.is_some();
+    if let Some((received_ws, received_http)) = handed {
+        ws = Some(received_ws);
+        http = Some(received_http);
+    } else {
+        let passed = crate::lifecycle::listeners_from_systemd().map_err(RunError)?;
+        for (name, listener) in passed {
+            match name.as_str() {
+                "ws" => ws = Some(listener),
+                "http" => {
+                    http_shared = true;
+                    http = Some(listener);
+                }
+                other => log::warn!("orca_relay_listen_fd_ignored name={other}"),
+            }
+        }
+        if ws.is_some() || http.is_some() {
+            log::info!(
+                "orca_relay_listeners_from_systemd ws={} http={}",
+                ws.is_some(),
+                http.is_some()
+            );
+        }
+    }
+    let ws = match ws {
+        Some(listener) => Some(listener),
+        None if with_ws => Some(bind("ORCA_RELAY_WS_ADDR", config.ws_addr)?),
+        None => None,
+    };
+    let http = match http {
+        Some(listener) => listener,
+        None => bind("ORCA_RELAY_HTTP_ADDR", config.http_addr)?,
+    };
+    let address = |variable: &str, listener: &TcpListener| {
+        listener
+            .local_addr()
+            .map_err(|e| RunError(format!("cannot read the {variable} listener address: {e}")))
+    };
+    let ws = match ws {
+        Some(listener) => {
+            let addr = address("ORCA_RELAY_WS_ADDR", &listener)?;
+            Some((listener, addr))
+        }
+        None => None,
+    };
+    let http_addr = address("ORCA_RELAY_HTTP_ADDR", &http)?;
+    Ok(ListenerPair {
+        ws,
+        http: (http, http_addr),
+        http_shared,
+    })
+}
+
+/// The listeners of a process and their addresses.
+pub struct ListenerPair {
+    pub ws: Option<(TcpListener, std::net::SocketAddr)>,
+    pub http: (TcpListener, std::net::SocketAddr),
+    /// The HTTP listener is also held by another process, which goes on accepting when this
+    /// one stops: systemd's socket unit (it passed the listener), or the process this one took
+    /// over from (its socket unit, if it had one). Stopping then serves the connections
+    /// already accepted rather than closing them ([`crate::http::HttpServer::stop_shared`]).
+    pub http_shared: bool,
+}
+
+/// Opens the store and applies migrations.
+pub fn open_store(config: &Config) -> Result<Store, RunError> {
+    if config.database_url.is_none() {
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+            RunError(format!(
+                "cannot create ORCA_RELAY_DATA_DIR {}: {e}",
+                config.data_dir.display()
+            ))
+        })?;
+    }
+    let store = Store::open(&StoreConfig::from_config(config))
+        .map_err(|e| RunError(format!("cannot open the database: {e}")))?;
+    Ok(store)
+}
+
+/// Applies migrations: `orca-relay migrate`.
+pub fn migrate(config: &Config) -> Result<(), RunError> {
+    let store = open_store(config)?;
+    let migrated = store.migrate();
+    stop_on_tls_failure(&migrated)?;
+    migrated.map_err(|e| RunError(format!("migration failed: {e}")))
+}
+
+/// Ends start-up when the database refused the connection at the TLS layer: an unknown CA, a
+/// certificate for another host, a server without TLS under `require`, TLS required under
+/// `disable`. Those are configuration mistakes, not an outage, so the error line
+/// (`orca_relay_store_tls_failed cause=…`) goes to `systemctl status` instead of a process that
+/// waits unready forever. Any other failure passes: a database that is down at boot is
+/// retried in the background (SPEC §7).
+pub fn stop_on_tls_failure<T>(
+    result: &Result<T, crate::store::StoreError>,
+) -> Result<(), RunError> {
+    match result {
+        Err(error) => match error.tls_failure() {
+            Some(line) => Err(RunError(format!("cannot connect to the database: {line}"))),
+            None => Ok(()),
+        },
+        Ok(_) => Ok(()),
+    }
+}
+
+/// The desktop-token verifier of a role: JWKS when configured; otherwise (combined only) the
+/// self-hosted HS256 key from the environment or `$DATA_DIR/self-hosted.key`.
+pub fn verifier(config: &Config, clock: &SharedClock) -> Result<Verifier, RunError> {
+    if let (Some(url), Some(issuer)) = (&config.jwks_url, &config.auth_issuer) {
+        return Ok(Verifier::from_jwks(
+            url.clone(),
+            issuer.clone(),
+            config.auth_audience.clone(),
+            clock.clone(),
+        ));
+    }
+    let secret = match &config.self_hosted_key {
+        Some(secret) => secret.clone(),
+        None => {
+            let (secret, path, created) =
+                crate::auth::load_or_create_self_hosted_key(&config.data_dir).map_err(|e| {
+                    RunError(format!(
+                        "cannot read or create the self-hosted key in {}: {e}",
+                        config.data_dir.display()
+                    ))
+                })?;
+            log::info!(
+                "orca_relay_self_hosted_key path={} created={created}",
+                path.display()
+            );
+            secret
+        }
+    };
+    Ok(Verifier::from_self_hosted_key(
+        &secret,
+        config.auth_issuer.clone(),
+        config.auth_audience.clone(),
+        clock.clone(),
+    ))
+}
+
+/// The service tokens this process sends on director↔cell calls: the first of
+/// `ORCA_RELAY_SERVICE_TOKEN`'s list, then the next to a peer that refuses it (`""` when unset;
+/// config refuses that for cells and directors, and the combined role generates one). Clones
+/// share what they learn about each peer.
+pub fn service_tokens(config: &Config) -> ServiceTokens {
+    config
+        .service_token
+        .clone()
+        .unwrap_or_else(|| ServiceTokens::single(""))
+}
+
+/// Binds a listener, naming the variable on failure.
+pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, RunError> {
+    TcpListener::bind(addr).map_err(|e| RunError(format!("cannot bind {variable}={addr}: {e}")))
+}
+
+/// The readiness of a cell process and its running prober.
+pub struct Prober {
+    pub readiness: crate::readiness::Readiness,
+    pub stop: std::sync::mpsc::Sender<()>,
+    pub handle: crate::threads::Watched<()>,
+}
+
+/// How long a draining cell waits for each of its threads to end, the claim loop's final
+/// admit-effective write above all: the longest a store call takes on a database that answers
+/// (a pool checkout, a connect and a statement, 5 s each). A thread still inside a database
+/// call after that waits on one that stopped answering; it is left to end with the process
+/// (its row, unwritten, stops counting after `TRIP_SLOT_STALE_MS` as a killed cell's does).
+pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
+/// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
+/// counts as failing until `migrated` is set.
+pub fn start_prober(
+    config: &Config,
+    registry: &crate::metrics::Registry,
+    verifier: &Verifier,
+    store: &Store,
+    migrated: &Migrated,
+    clock: &SharedClock,
+    resume: Option<(
+        &crate::carry::process::ReadinessRecord,
+        &crate::carry::time::Carry,
+    )>,
+) -> Result<Prober, RunError> {
+    let readiness = crate::readiness::Readiness::from_config(config);
+    // A live handover's last-known-good state, before the first probe of this process.
+    if let Some((record, carry)) = resume {
+        readiness.restore_state(record, carry);
+    }
+    readiness.register_metrics(registry, clock.clone());
+    register_process_metrics(registry, &readiness, clock);
+    let period_ms = config.timings.readiness_probe_ms;
+    let jwks: Option<crate::readiness::Probe> = if verifier.uses_jwks() {
+        let verifier = verifier.clone();
+        Some(Box::new(move || verifier.probe().map_err(Into::into)))
+    } else {
+        None
+    };
+    let sql_store = store.clone();
+    let migrated = migrated.clone();
+    let probes = crate::readiness::Probes {
+        jwks,
+        sql: Box::new(move || {
+            sql_store
+                .probe()
+                .map_err(|e| crate::readiness::ProbeFailure::from(&e))?;
+            if migrated.load(std::sync::atomic::Ordering::Acquire) {
+                Ok(())
+            } else {
+                Err(crate::readiness::reason::SQL_MIGRATIONS_PENDING.into())
+            }
+        }),
+    };
+    let (stop, receiver) = std::sync::mpsc::channel();
+    let prober_readiness = readiness.clone();
+    let clock = clock.clone();
+    let handle = crate::threads::spawn_watched("readiness", move || {
+        crate::readiness::run_prober(
+            prober_readiness,
+            probes,
+            clock,
+            std::time::Duration::from_millis(period_ms),
+            receiver,
+        )
+    })
+    .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
+    Ok(Prober {
+        readiness,
+        stop,
+        handle,
+    })
+}
+
+/// Set once this process's migrations (and the step that has to follow them) are done. Until
+/// then the SQL readiness probe fails with `sql_migrations_pending`: a database that answers
+/// `SELECT 1` but has no tables yet cannot admit anyone, so `/ready` must not say 200.
+pub type Migrated = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+/// Applies migrations and then runs `after` (the combined role registers its cell there),
+/// now, or, when the database does not answer, in the background until both succeed, so a
+/// process whose database is down at boot still starts (SPEC §7) instead of crash-looping. An
+/// error the database answered to the migrations (a broken migration) stops start-up.
+pub fn migrate_in_background(
+    store: &Store,
+    after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
+) -> Result<(Migrated, Option<std::thread::JoinHandle<()>>), RunError> {
+    use std::sync::atomic::Ordering;
+    let migrated = Migrated::default();
+    let first = store.migrate();
+    stop_on_tls_failure(&first)?;
+    let first = match first {
+        Ok(()) => after(),
+        Err(e) if !e.is_unavailable() => {
+            return Err(RunError(format!("migration failed: {e}")));
+        }
+        Err(e) => Err(e),
+    };
+    let first_failure = match first {
+        Ok(()) => {
+            migrated.store(true, Ordering::Release);
+            return Ok((migrated, None));
+        }
+        Err(e) => e.log_fields(),
+    };
+    log::warn!("orca_relay_migrations_pending {first_failure}");
+    let store = store.clone();
+    let done = migrated.clone();
+    crate::threads::spawn("migrator", move || {
+        let mut delay = std::time::Duration::from_millis(250);
+        loop {
+            crate::clock::sleep(delay);
+            match store.migrate().and_then(|()| after()) {
+                Ok(()) => {
+                    done.store(true, Ordering::Release);
+                    log::info!("orca_relay_migrations_applied after_retry=true");
+                    return;
+                }
+                Err(_) => delay = (delay * 2).min(std::time::Duration::from_secs(5)),
+            }
+        }
+    })
+    .map(|handle| (migrated, Some(handle)))
+    .map_err(|e| RunError(format!("cannot start the migrator thread: {e}")))
+}
+
+/// Starts the systemd watchdog thread when `WATCHDOG_USEC` is set: it sends `WATCHDOG=1` at
+/// half the interval only after its own `GET /health` on the HTTP listener answered, so a
+/// wedged process stops petting the watchdog.
+pub fn start_systemd_watchdog(http_addr: std::net::SocketAddr) -> Result<(), RunError> {
+    let Some(interval) = crate::lifecycle::watchdog_interval() else {
+        return Ok(());
+    };
+    let period = crate::lifecycle::watchdog_send_period(interval);
+    let url = format!("http://{http_addr}/health");
+    crate::threads::spawn("systemd-watchdog", move || {
+        let agent = ureq::AgentBuilder::new()
+            .timeout(std::time::Duration::from_secs(2))
+            .build();
+        loop {
+            match agent.get(&url).call() {
+                Ok(response) if response.status() == 200 => crate::lifecycle::notify_watchdog(),
+                _ => log::warn!("orca_relay_liveness_check_failed url={url}"),
+            }
+            crate::clock::sleep(period);
+        }
+    })
+    .map(|_| ())
+    .map_err(|e| RunError(format!("cannot start the systemd-watchdog thread: {e}")))
+}
+
+/// A bound listener and its real address (port 0 asks the OS for a free one).
+pub fn bind_with_addr(
+    variable: &str,
+    addr: std::net::SocketAddr,
+) -> Result<(TcpListener, std::net::SocketAddr), RunError> {
+    let listener = bind(variable, addr)?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| RunError(format!("cannot read the {variable} listener address: {e}")))?;
+    Ok((listener, bound))
+}
+
+/// A URL that defaults to `<scheme>://<configured addr>`: when the operator asked for port 0,
+/// the listener's real address stands in for the default.
+pub fn url_for_bound(
+    configured_url: &str,
+    scheme: &str,
+    configured: std::net::SocketAddr,
+    bound: std::net::SocketAddr,
+) -> String {
+    if configured.port() == 0 && configured_url == format!("{scheme}://{configured}") {
+        format!("{scheme}://{bound}")
+    } else {
+        configured_url.to_string()
+    }
+}
+
+/// A gate `/ready` waits for beyond the readiness verdict: closed until the role can serve what
+/// `/ready` advertises. The combined role opens it once its own director would place a desktop
+/// on its cell (`director::assign::Fleet::places_on`); before that, a 200 would send the load
+/// balancer a client the process answers 503 `relay_capacity_exhausted`.
+#[derive(Clone, Default)]
+pub struct ServeGate(Arc<AtomicBool>);
+
+impl ServeGate {
+    pub fn open(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// The endpoints every role serves: `/health` (touches nothing), `/ready` (the readiness
+/// verdict, never blocking on a dependency) and `/metrics`.
+pub struct ProcessRoutes {
+    pub registry: crate::metrics::Registry,
+    pub readiness: crate::readiness::Readiness,
+    pub clock: SharedClock,
+    /// `/metrics` answers 503 `starting` while readiness is in its starting phase (SPEC §8: a
+    /// cell in its startup handshake serves only `/health`). The director's starting phase is
+    /// its wait for the database (migrations), which may last: it keeps `/metrics`, so
+    /// `orca_relay_ready` stays visible to the alert that watches it.
+    pub metrics_wait_for_start: bool,
+    /// See [`ServeGate`]; `None`: `/ready` is the readiness verdict alone.
+    pub ready_gate: Option<ServeGate>,
+}
+
+impl ProcessRoutes {
+    pub fn route(&self, request: &crate::http::Request<'_>) -> Option<crate::http::Reply> {
+        use crate::http::Reply;
+        let starting = || self.readiness.phase() == crate::readiness::Phase::Starting;
+        match (request.method, request.path) {
+            ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
+            ("GET", "/ready") => {
+                let verdict = self.readiness.answer(self.clock.now_ms());
+                let gated = self.ready_gate.as_ref().is_some_and(|gate| !gate.is_open());
+                if verdict.status == 200 && gated {
+                    return Some(Reply::json(503, r#"{"error":"starting"}"#));
+                }
+                Some(Reply::json(verdict.status, verdict.body))
+            }
+            ("GET", "/metrics") if self.metrics_wait_for_start && starting() => {
+                Some(Reply::json(503, r#"{"error":"starting"}"#))
+            }
+            ("GET", "/metrics") => Some(Reply::text(200, self.registry.render())),
+            _ => None,
+        }
+    }
+}
+
+/// Raises the soft descriptor limit to the hard one (one descriptor per WebSocket; the unit's
+/// `LimitNOFILE=` sets the hard limit), logging what changed.
+pub fn raise_fd_limit() {
+    match crate::lifecycle::raise_fd_limit() {
+        Ok((old, new)) if old != new => {
+            log::info!("orca_relay_fd_limit_raised from={old} to={new}")
+        }
+        Ok(_) => {}
+        Err(e) => log::warn!("orca_relay_fd_limit_unchanged error={e}"),
+    }
+}
+
+/// Metrics of the process itself, on every role: when it started (a restart shows as a new
+/// value) and whether `/ready` answers 200 now (degraded included).
+pub fn register_process_metrics(
+    registry: &crate::metrics::Registry,
+    readiness: &crate::readiness::Readiness,
+    clock: &SharedClock,
+) {
+    let started_s = clock.now_ms() as f64 / 1000.0;
+    registry.sampled_gauge(
+        "orca_relay_process_start_time_seconds",
+        "Start time of the process since the Unix epoch, in seconds.",
+        move || vec![(vec![], started_s)],
+    );
+    let version = crate::handover::version();
+    registry.sampled_gauge(
+        "orca_relay_build_info",
+        "1, labelled with this build's version (a live handover shows the new one at once).",
+        move || vec![(vec![("version".to_string(), version.clone())], 1.0)],
+    );
+    let readiness = readiness.clone();
+    let clock = clock.clone();
+    registry.sampled_gauge(
+        "orca_relay_ready",
+        "1 when /ready answers 200 (degraded included); 0 while starting, draining or failing.",
+        move || {
+            let ready = readiness.answer(clock.now_ms()).status == 200;
+            vec![(vec![], f64::from(u8::from(ready)))]
+        },
+    );
+}
+
+/// The store's metrics, on every role: pool connections, ceiling and waiters, and the SQL
+/// statements this process has sent.
+pub fn register_store_metrics(registry: &crate::metrics::Registry, store: &Store) {
+    let pool = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_pool",
+        "Database pool connections and waiters.",
+        move || {
+            let stats = pool.pool_stats();
+            let row = |state: &str, value: u32| {
+                (vec![("state".to_string(), state.to_string())], value as f64)
+            };
+            vec![
+                row("open", stats.open),
+                row("idle", stats.idle),
+                row("waiters", stats.waiters),
+                row("max", stats.max),
+                row("ceiling", stats.ceiling),
+            ]
+        },
+    );
+    let statements = store.clone();
+    registry.sampled_gauge(
+        "orca_relay_db_statements",
+        "SQL statements this process has sent to the database.",
+        move || vec![(vec![], statements.statements_executed() as f64)],
+    );
+}
+
+/// The end of a cell process's shutdown order, after the cell drained and HTTP stopped: stop
+/// the prober, join what has finished, close the signal listener.
+pub fn finish_process(
+    role: &str,
+    prober: Prober,
+    migrator: Option<std::thread::JoinHandle<()>>,
+    signals: std::thread::JoinHandle<()>,
+    shutdown: &crate::lifecycle::Shutdown,
+) {
+    drop(prober.stop);
+    // A probe still waiting on a database that stopped answering is left to end with the
+    // process (STOP_WAIT).
+    prober
+        .handle
+        .join_within("readiness", crate::threads::STOP_WAIT);
+    // A migrator still retrying against a dead database is left to end with the process.
+    if let Some(migrator) = migrator.filter(|m| m.is_finished()) {
+        crate::threads::join_logged("migrator", migrator);
+    }
+    shutdown.close_signal_listener();
+    crate::threads::join_logged("signals", signals);
+    log::info!("orca_relay_shutdown_finished role={role}");
+}
