@@ -838,6 +838,66 @@ fn desktops_that_never_read_delay_neither_the_pinger_nor_the_drain() {
     drop(wedged);
 }
 
+/// Issue 30: a control whose write timed out (its desktop stopped reading) is shut down and
+/// released at once: its unit goes back and its desktop reads the end of the connection.
+/// Before, the writer was only marked broken and the control stayed seated, holding its seat
+/// and its unit while nothing reached the desktop, until its silence ended it (75 s).
+#[test]
+fn a_control_whose_write_timed_out_is_shut_down_and_released() {
+    const WEDGE_MS: u64 = 1_000;
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_WEDGE_MS", &WEDGE_MS.to_string()),
+        // Only the control's own answers write to it: no ping finds the buffer full first.
+        ("ORCA_RELAY_PING_MS", "600000"),
+        ("ORCA_RELAY_SILENCE_MS", "600000"),
+    ]);
+    let mut desktop = wedged_desktop(&relay);
+    assert_eq!(relay.metric("orca_relay_connection_units"), Some(1.0));
+    // `invite-create`s whose answers are never read: the control's thread writes them until
+    // the desktop's buffers are full, then waits the wedge window on one.
+    let request = client_frame(0x81, br#"{"type":"invite-create","reqId":1}"#);
+    let burst: Vec<u8> = request
+        .iter()
+        .copied()
+        .cycle()
+        .take(request.len() * 2_000)
+        .collect();
+    desktop
+        .set_write_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let sent = orca_relay::clock::instant();
+    // The relay stops reading once its answer waits: a write that times out is that.
+    let _ = desktop.write_all(&burst);
+    assert!(
+        wait_until(Duration::from_millis(WEDGE_MS + 10_000), || relay
+            .metric("orca_relay_connection_units")
+            == Some(0.0)),
+        "the wedged control still holds its unit {:?} after its burst:\n{}",
+        sent.elapsed(),
+        relay.log_text()
+    );
+    // Its desktop reads what was written before, then the end of the connection.
+    desktop
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 64 * 1024];
+    loop {
+        match desktop.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+                break;
+            }
+        }
+    }
+    // The cell goes on serving desktops.
+    let mut other = Desktop::connect(&relay);
+    assert!(!other.invite().is_empty());
+    assert_eq!(relay.metric("orca_relay_connection_units"), Some(1.0));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The memory the process can reach at its cap.
 
