@@ -807,6 +807,111 @@ fn pairs_of_a_desktop_whose_control_leaves_are_closed_4408() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// TCP liveness on the worker's own sockets.
+
+/// The relay's own descriptor of the TCP connection whose far end is `peer`, duplicated into
+/// this process with `pidfd_getfd` (which needs the right to ptrace the relay: root, as the
+/// suite runs, or the same user with `kernel.yama.ptrace_scope` 0). Closing the duplicate
+/// leaves the relay's connection alone.
+fn relay_socket_to(relay: &Relay, peer: std::net::SocketAddr) -> TcpStream {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let pid = relay.pid() as libc::pid_t;
+    // SAFETY: pidfd_open takes a pid and flags; the descriptor it returns is owned below.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    assert!(
+        pidfd >= 0,
+        "pidfd_open: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a fresh descriptor nobody else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let Ok(entry) = entry else { continue };
+        let is_socket = std::fs::read_link(entry.path())
+            .is_ok_and(|link| link.to_string_lossy().starts_with("socket:"));
+        let Some(target) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if !is_socket {
+            continue;
+        }
+        // SAFETY: pidfd_getfd duplicates the relay's descriptor `target` into this process;
+        // the new descriptor is owned below.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) } as i32;
+        if fd < 0 {
+            let error = std::io::Error::last_os_error();
+            // Closed since the directory was read: the next.
+            assert_eq!(
+                error.raw_os_error(),
+                Some(libc::EBADF),
+                "pidfd_getfd: {error}"
+            );
+            continue;
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let stream = TcpStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        if stream.peer_addr().is_ok_and(|addr| addr == peer) {
+            return stream;
+        }
+    }
+    panic!("the relay holds no connection to {peer}");
+}
+
+fn int_option(stream: &TcpStream, level: libc::c_int, name: libc::c_int) -> i32 {
+    use std::os::fd::AsRawFd;
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into a local int.
+    let result = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            level,
+            name,
+            (&mut value as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(result, 0, "{}", std::io::Error::last_os_error());
+    value
+}
+
+/// Both legs of a spliced pair, as the splice worker holds them, have TCP keepalive (probes
+/// after 30 s idle, 3 every 10 s) and a 30 s `TCP_USER_TIMEOUT` (docs/PROTOCOL.md): read on
+/// the relay's own sockets, not on what the setup function does to a socket of the test's.
+#[test]
+fn the_workers_own_sockets_have_tcp_keepalive_and_a_user_timeout() {
+    let relay = Relay::combined(&[]);
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut desktop);
+    // A frame each way: the pair is on its worker.
+    phone.send(Message::binary(vec![1u8; 16])).unwrap();
+    assert_eq!(leg.read().unwrap(), Message::binary(vec![1u8; 16]));
+    leg.send(Message::binary(vec![2u8; 16])).unwrap();
+    assert_eq!(phone.read().unwrap(), Message::binary(vec![2u8; 16]));
+    for (name, ws) in [("phone", &phone), ("data leg", &leg)] {
+        let ours = relay_socket_to(&relay, ws.get_ref().local_addr().unwrap());
+        let option = |level, option| int_option(&ours, level, option);
+        assert_eq!(option(libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1, "{name}");
+        assert_eq!(option(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 30, "{name}");
+        assert_eq!(option(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 10, "{name}");
+        assert_eq!(option(libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3, "{name}");
+        assert_eq!(
+            option(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+            30_000,
+            "{name}"
+        );
+    }
+    // The duplicates are gone; the relay's connections are not.
+    phone.send(Message::binary(vec![3u8; 16])).unwrap();
+    assert_eq!(leg.read().unwrap(), Message::binary(vec![3u8; 16]));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cell-wide threads never wait on one socket.
 
 /// A desktop that stopped reading its control socket: a tiny receive buffer, so the relay's
