@@ -917,6 +917,11 @@ fn the_workers_own_sockets_have_tcp_keepalive_and_a_user_timeout() {
 /// A desktop that stopped reading its control socket: a tiny receive buffer, so the relay's
 /// pings fill it within seconds.
 fn wedged_desktop(relay: &Relay) -> TcpStream {
+    wedged_desktop_placed(relay).0
+}
+
+/// [`wedged_desktop`], with its user, relay host id and placement epoch.
+fn wedged_desktop_placed(relay: &Relay) -> (TcpStream, String, String, i64) {
     let relay_host_id = host_id();
     let user = format!("user-{relay_host_id}");
     let token = token(&user, &relay_host_id);
@@ -992,7 +997,36 @@ fn wedged_desktop(relay: &Relay) -> TcpStream {
         let n = stream.read(&mut buf).unwrap();
         frames.push(&buf[..n]);
     }
-    stream
+    (stream, user, relay_host_id, epoch)
+}
+
+/// `invite-create`s whose answers a wedged desktop never reads, until the relay stops reading
+/// them: its control thread then waits (the wedge window) in the write of an answer, holding
+/// the socket's writer.
+fn hold_the_writer(desktop: &mut TcpStream) {
+    let request = client_frame(0x81, br#"{"type":"invite-create","reqId":1}"#);
+    let burst: Vec<u8> = request
+        .iter()
+        .copied()
+        .cycle()
+        .take(request.len() * 1_000)
+        .collect();
+    desktop
+        .set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let deadline = orca_relay::clock::instant() + Duration::from_secs(30);
+    loop {
+        match desktop.write_all(&burst) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => panic!("the relay ended the wedged desktop: {e}"),
+        }
+        assert!(
+            orca_relay::clock::instant() < deadline,
+            "the relay kept reading the wedged desktop"
+        );
+    }
 }
 
 /// Watches a healthy desktop's pings: the longest gap between two of them.
@@ -1097,6 +1131,72 @@ fn a_control_whose_write_timed_out_is_shut_down_and_released() {
     let mut other = Desktop::connect(&relay);
     assert!(!other.invite().is_empty());
     assert_eq!(relay.metric("orca_relay_connection_units"), Some(1.0));
+}
+
+/// SPEC §12, issue 30: the lease renewer never waits on one socket. Two database-admitted
+/// desktops whose placements move: one stopped reading and its writer is held (its control
+/// thread waits 30 s in a write), the other is healthy. Within 5 s the healthy one gets its
+/// `drain` and 4503 and both give their units back: the renewer skipped the busy writer (its
+/// `drain` without waiting, its close through the reaper) rather than waiting 30 s on it.
+#[test]
+fn the_lease_renewer_never_waits_on_a_desktop_that_stopped_reading() {
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_LEASE_RENEW_MS", "200"),
+        ("ORCA_RELAY_WEDGE_MS", "30000"),
+        ("ORCA_RELAY_PING_MS", "600000"),
+        ("ORCA_RELAY_SILENCE_MS", "600000"),
+    ]);
+    let (mut wedged, wedged_user, wedged_host, wedged_epoch) = wedged_desktop_placed(&relay);
+    let mut healthy = Desktop::connect(&relay);
+    assert_eq!(relay.metric("orca_relay_connection_units"), Some(2.0));
+    hold_the_writer(&mut wedged);
+
+    // Another director places both elsewhere.
+    let store = orca_relay::store::Store::open(&orca_relay::store::StoreConfig::new(
+        None,
+        relay.data_dir.0.join("relay.db"),
+    ))
+    .unwrap();
+    let moved = orca_relay::clock::instant();
+    for (user, host, epoch) in [
+        (wedged_user.as_str(), wedged_host.as_str(), wedged_epoch),
+        (
+            healthy.user_id.as_str(),
+            healthy.relay_host_id.as_str(),
+            healthy.epoch,
+        ),
+    ] {
+        assert!(store
+            .place_assignment_if_newer(user, host, "elsewhere", epoch + 1, 0)
+            .unwrap());
+    }
+    set_read_timeout(&healthy.control, Some(Duration::from_secs(5)));
+    let drain = loop {
+        match healthy.control.read() {
+            Ok(Message::Text(text)) if !text.contains(r#""type":"ping""#) => break text,
+            Ok(_) => {}
+            Err(e) => panic!(
+                "no drain for the healthy desktop {:?} after the moves: {e}",
+                moved.elapsed()
+            ),
+        }
+    };
+    assert!(drain.contains(r#""type":"drain""#), "{drain}");
+    assert_eq!(read_close(&mut healthy.control), Some(4503));
+    assert!(
+        wait_until(Duration::from_secs(5), || relay
+            .metric("orca_relay_connection_units")
+            == Some(0.0)),
+        "a control still holds its unit {:?} after the moves:\n{}",
+        moved.elapsed(),
+        relay.log_text()
+    );
+    assert!(
+        moved.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        moved.elapsed()
+    );
+    assert!(relay.count_log("orca_relay_control_lease_moved") >= 2);
 }
 
 // ---------------------------------------------------------------------------------------------
