@@ -252,3 +252,117 @@ fn a_pool_that_lands_on_a_standby_turns_ready_degraded_then_503() {
     );
     assert!(replica.in_recovery(), "nothing was promoted");
 }
+
+/// Issue 30: a director whose database is gone refuses every heartbeat and `/v1/assign` 503,
+/// and logs the run once per kind (then at most once a minute with a count), and once more
+/// when the database answers again, with how many failed. Before, each refusal was a WARN
+/// line: 48 in an 8.2 s failover.
+#[test]
+fn a_database_outage_costs_the_director_one_line_per_kind_and_one_on_recovery() {
+    const REFUSED: usize = 12;
+    let cluster = Cluster::primary();
+    cluster
+        .connect("postgres")
+        .batch_execute("CREATE DATABASE relay")
+        .expect("create the relay database");
+    let jwks = jwks_server();
+    let director = Relay::start_in(
+        Arc::new(TempDir::new("outage-director")),
+        &[
+            ("ORCA_RELAY_ROLE", "director"),
+            ("DATABASE_URL", &cluster.url("relay")),
+            ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
+            ("ORCA_RELAY_JWKS_URL", &format!("{}/jwks.json", jwks.url())),
+            ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
+        ],
+    );
+    let cell = json!({"v":1,"cellId":"outage-cell","cellUrl":"ws://127.0.0.1:9","region":"test",
+        "incarnation":1,"internalUrl":"http://127.0.0.1:9"});
+    let (status, body) = director.post(
+        "/v1/admin/cells/register",
+        Some(SERVICE_TOKEN),
+        &cell.to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    let mut beat = cell.clone();
+    beat["startedAt"] = json!(1);
+    beat["ready"] = json!(true);
+    beat["connections"] = json!(0);
+    let heartbeat = || {
+        director.post(
+            "/v1/admin/cell-heartbeat",
+            Some(SERVICE_TOKEN),
+            &beat.to_string(),
+        )
+    };
+    let assign = || {
+        let host = host_id();
+        let token = es256_token(&format!("user-{host}"), &host);
+        director.post(
+            "/v1/assign",
+            Some(&token),
+            &json!({"v":1,"relayHostId":host}).to_string(),
+        )
+    };
+    assert_eq!(heartbeat().0, 200, "{}", director.log_text());
+
+    cluster.stop();
+    let store_down = |(status, body): (u16, String)| {
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("relay_store_unavailable"), "{body}");
+    };
+    for _ in 0..REFUSED {
+        store_down(heartbeat());
+        store_down(assign());
+    }
+    assert_eq!(
+        director.count_log("orca_relay_director_admin_store_failed"),
+        1,
+        "one line for {REFUSED} refused heartbeats:\n{}",
+        director.log_text()
+    );
+    assert_eq!(
+        director.count_log("orca_relay_assign_store_failed"),
+        1,
+        "one line for {REFUSED} refused assigns:\n{}",
+        director.log_text()
+    );
+
+    cluster.start();
+    // The pool reconnects on the next request; a refusal until then counts too.
+    let answered = |request: &dyn Fn() -> (u16, String)| {
+        let mut refused = REFUSED;
+        loop {
+            let (status, body) = request();
+            if !body.contains("relay_store_unavailable") {
+                assert_eq!(status, 200, "{body}\n{}", director.log_text());
+                return refused;
+            }
+            refused += 1;
+            assert!(refused < REFUSED + 1_000, "{}", director.log_text());
+        }
+    };
+    let refused = answered(&heartbeat);
+    let recovered = director
+        .wait_for_log("orca_relay_director_admin_store_recovered", DEADLINE)
+        .unwrap_or_else(|| panic!("no recovery line:\n{}", director.log_text()));
+    assert_eq!(
+        field(&recovered, "failures"),
+        Some(refused.to_string()),
+        "{recovered}"
+    );
+    let refused = answered(&assign);
+    let recovered = director
+        .wait_for_log("orca_relay_assign_store_recovered", DEADLINE)
+        .unwrap_or_else(|| panic!("no recovery line:\n{}", director.log_text()));
+    assert_eq!(
+        field(&recovered, "failures"),
+        Some(refused.to_string()),
+        "{recovered}"
+    );
+    assert_eq!(
+        director.count_log("orca_relay_director_admin_store_failed"),
+        1
+    );
+    assert_eq!(director.count_log("orca_relay_assign_store_failed"), 1);
+}

@@ -365,11 +365,16 @@ fn until_registration_succeeds_only_health_answers_and_ready_1_waits_for_it() {
         try_upgrade(&cell.ws_url("/v1/connect/h-gated-0000001"), None),
         Upgrade::Status(503)
     );
-    // `/metrics` too (SPEC §8: everything but /health answers 503 until registration).
-    assert_eq!(
-        cell.get("/metrics"),
-        (503, r#"{"error":"starting"}"#.to_string())
-    );
+    // `/metrics` too (SPEC §8: everything but /health answers 503 until registration), and
+    // so do paths nobody serves, other methods and the director's routes: a starting cell
+    // says "starting" to whatever it is asked, never 404 (issue 30).
+    let starting = (503, r#"{"error":"starting"}"#.to_string());
+    assert_eq!(cell.get("/metrics"), starting);
+    assert_eq!(cell.get("/no-such-path"), starting);
+    assert_eq!(cell.get("/v1/admin/cells"), starting);
+    assert_eq!(cell.post("/metrics", None, "{}"), starting);
+    assert_eq!(cell.post("/health", None, "{}"), starting);
+    assert_eq!(cell.post("/v1/assign", None, "{}"), starting);
     assert!(
         notify.drain().is_empty(),
         "nothing may reach systemd before registration: {:?}",
@@ -391,6 +396,11 @@ fn until_registration_succeeds_only_health_answers_and_ready_1_waits_for_it() {
         == (200, r#"{"ok":true}"#.to_string())));
     assert_eq!(notify.count("READY=1"), 1);
     assert_eq!(cell.metric("orca_relay_handshake_attempts"), Some(1.0));
+    // Serving: a path nobody serves is a plain 404 again.
+    assert_eq!(
+        cell.get("/no-such-path"),
+        (404, r#"{"error":"not_found"}"#.to_string())
+    );
 }
 
 /// `TimeoutStartSec=` of a unit file, in milliseconds (`45`, `45s`, `1min 30s` are not all

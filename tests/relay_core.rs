@@ -257,6 +257,82 @@ fn phone_refusals_invite_offline_and_ninth_phone() {
     }
 }
 
+/// Issue 30: phone legs upgraded on a live desktop's path that never send their `relay-auth`
+/// take none of its eight phone places, no relay-thread permit and no unit: with 64 of them
+/// pending, the relay-threads gauge and the units are what the desktop alone holds, and eight
+/// real phones pair while every one of them is still pending.
+#[test]
+fn pending_phone_legs_against_a_live_host_take_no_place_permit_or_unit() {
+    const PENDING: usize = 64;
+    let relay = Relay::combined(&[("ORCA_RELAY_FIRST_FRAME_MS", "5000")]);
+    let mut desktop = Desktop::connect(&relay);
+    let threads = r#"orca_relay_relay_threads{state="running"}"#;
+    let (threads_before, units_before) = (
+        relay.metric(threads),
+        relay.metric("orca_relay_connection_units"),
+    );
+    assert_eq!(units_before, Some(1.0));
+    assert_eq!(threads_before, Some(1.0), "the control's thread");
+    let phone_url = relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id));
+    let pending: Vec<Ws> = (0..PENDING)
+        .map(|n| {
+            let mut leg = ws_connect(&phone_url, None).expect("a phone leg's upgrade");
+            if n % 2 == 0 {
+                // Half of them ping (the relay answers pings of a pending leg); none authenticates.
+                leg.send(Message::Ping(b"hi".to_vec().into())).unwrap();
+            }
+            leg
+        })
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(2), || relay
+            .metric("orca_relay_ws_pending_upgrades")
+            == Some(PENDING as f64)),
+        "pending: {:?}",
+        relay.metric("orca_relay_ws_pending_upgrades")
+    );
+    assert_eq!(relay.metric(threads), threads_before, "relay threads");
+    assert_eq!(relay.metric("orca_relay_connection_units"), units_before);
+    // Every phone place is still free: eight phones pair (a refused one would be closed 4429
+    // and its desktop never asked for a data leg).
+    set_read_timeout(&desktop.control, Some(Duration::from_secs(10)));
+    let pairs: Vec<(Ws, Ws)> = (0..8)
+        .map(|n| {
+            let invite = desktop.invite();
+            let mut phone = ws_connect(&phone_url, None).expect("phone upgrade");
+            send_json(
+                &mut phone,
+                serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
+            );
+            let conn_open = loop {
+                match desktop.control.read() {
+                    Ok(Message::Text(text)) if text.contains("conn-open") => break text,
+                    Ok(_) => {}
+                    Err(e) => panic!(
+                        "phone {n} was refused ({:?}): no conn-open ({e})",
+                        read_close(&mut phone)
+                    ),
+                }
+            };
+            let open: serde_json::Value = serde_json::from_str(&conn_open).unwrap();
+            let leg = desktop.data_leg(
+                &relay,
+                open["connId"].as_str().unwrap(),
+                open["connTicket"].as_str().unwrap(),
+            );
+            assert_eq!(read_json(&mut phone)["type"], "relay-hello");
+            (phone, leg)
+        })
+        .collect();
+    assert_eq!(
+        relay.metric("orca_relay_ws_pending_upgrades"),
+        Some(PENDING as f64),
+        "the legs were pending throughout"
+    );
+    assert_eq!(relay.metric("orca_relay_connection_units"), Some(17.0));
+    drop((pairs, pending));
+}
+
 #[test]
 fn data_leg_that_never_attaches_closes_the_phone_4404() {
     let relay = Relay::combined(&[("ORCA_RELAY_ATTACH_DEADLINE_MS", "500")]);

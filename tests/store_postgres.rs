@@ -372,6 +372,80 @@ fn work_on_a_pooled_connection_the_server_closed_is_retried_once_unless_it_may_h
     store.delete_lease("gone").expect("a fresh connection");
 }
 
+/// Issue 30: work whose connection the server closed while it waited for its `COMMIT`'s answer
+/// may have committed, so it is never run again on a fresh connection: the caller gets the
+/// failure. Here a deferred constraint trigger holds the `COMMIT` on an advisory lock the test
+/// holds, the test terminates that backend, then lets the lock go (a retry would now commit).
+#[test]
+fn work_whose_connection_the_server_closed_at_commit_is_not_retried() {
+    const LOCK: i64 = 30_042;
+    let url = pg::fresh_database("closed_at_commit");
+    let database = pg::database_name(&url);
+    let name = "orca-relay:test:closed-at-commit";
+    let store = Store::open(&config(&url, name)).unwrap();
+    store.migrate().unwrap();
+    // The pool keeps this connection: the next call reuses it.
+    assert!(store
+        .place_assignment_if_newer("u1", "h1", "c1", 1, 0)
+        .unwrap());
+    let mut holder = pg::connect(&url);
+    holder
+        .batch_execute(&format!(
+            "CREATE FUNCTION wait_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_advisory_lock({LOCK});
+                 PERFORM pg_advisory_unlock({LOCK});
+                 RETURN NULL;
+             END $$;
+             CREATE CONSTRAINT TRIGGER wait_at_commit AFTER INSERT OR UPDATE ON relay_assignments
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION wait_at_commit();
+             SELECT pg_advisory_lock({LOCK});"
+        ))
+        .unwrap();
+    let statements_before = store.statements_executed();
+    let placing = {
+        let store = store.clone();
+        threads::spawn("test-place", move || {
+            store.place_assignment_if_newer("u1", "h1", "c2", 2, 0)
+        })
+        .unwrap()
+    };
+    // The store's backend waits at its COMMIT, in the trigger, for the lock.
+    let mut admin = pg::admin_client();
+    let mut waiting: Option<i32> = None;
+    wait_until("the COMMIT to wait for the lock", || {
+        waiting = admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE datname = $1 AND application_name = $2
+                   AND query = 'COMMIT' AND wait_event_type = 'Lock'",
+                &[&database, &name],
+            )
+            .unwrap()
+            .map(|row| row.get(0));
+        waiting.is_some()
+    });
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&waiting.unwrap()])
+        .unwrap();
+    // From here a COMMIT would go through: only a retry could place the row now.
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_unlock({LOCK})"))
+        .unwrap();
+    let error = placing
+        .join()
+        .unwrap()
+        .expect_err("a COMMIT that may have committed is not sent again");
+    assert!(error.is_unavailable(), "{error}");
+    assert_eq!(
+        store.statements_executed() - statements_before,
+        3,
+        "BEGIN, INSERT, COMMIT once"
+    );
+    let row = store.assignment("u1", "h1").unwrap().unwrap();
+    assert_eq!((row.cell_id.as_str(), row.epoch), ("c1", 1), "not placed");
+}
+
 /// SPEC §12: the readiness probe fails on a server that answers but takes no writes, with
 /// the SQLSTATE in what it reports; a write refused there carries it too.
 #[test]

@@ -119,6 +119,9 @@ pub struct AdminContext {
     /// (`orca_relay_director_admin_requests_total{status="401"}`) but logged through one
     /// throttle: the first, then at most one line a minute with a count.
     refusals: crate::logging::SharedThrottle,
+    /// Requests the store failed (a database outage fails every heartbeat and registration):
+    /// the first logged, then at most one line a minute with a count, then one on recovery.
+    store_failures: crate::logging::SharedThrottle,
 }
 
 /// Which admin routes this process serves.
@@ -210,6 +213,7 @@ impl AdminContext {
             trip_slot_stale_ms,
             routes: AdminRoutes::All,
             refusals: crate::logging::SharedThrottle::new(),
+            store_failures: crate::logging::SharedThrottle::new(),
         }
     }
 
@@ -299,12 +303,23 @@ impl AdminContext {
         serde_json::from_slice(&body).map_err(|e| bad_request(e.to_string()))
     }
 
+    /// A request the store failed: 503, and a line through the throttle (one per outage, then
+    /// one a minute with a count).
     fn store_failed(&self, what: &str, error: &StoreError) -> Reply {
-        log::warn!(
-            "orca_relay_director_admin_store_failed action={what} {}",
-            error.log_fields()
-        );
+        if let Some(note) = self.store_failures.failure(self.clock.now_ms()) {
+            log::warn!(
+                "orca_relay_director_admin_store_failed action={what} {}{note}",
+                error.log_fields()
+            );
+        }
         Reply::error(503, "relay_store_unavailable").with_header("Retry-After", "2")
+    }
+
+    /// The store answered a request: ends a run of failures with one line.
+    fn store_answered(&self) {
+        if let Some(note) = self.store_failures.success() {
+            log::info!("orca_relay_director_admin_store_recovered{note}");
+        }
     }
 
     /// The incarnation stored for `cell_id`, if the cell is registered.
@@ -346,6 +361,7 @@ impl AdminContext {
             Ok(stored) => stored,
             Err(e) => return self.store_failed("register", &e),
         };
+        self.store_answered();
         match stored {
             Some(stored) if stored > body.incarnation => {
                 log::warn!(
@@ -431,6 +447,9 @@ impl AdminContext {
             }
             other => Ok(other),
         });
+        if outcome.is_ok() {
+            self.store_answered();
+        }
         match outcome {
             Ok(HeartbeatOutcome::Accepted) => {
                 // A sign of life: the feed poller ends the cell's backoff and polls it within
@@ -485,6 +504,7 @@ impl AdminContext {
         }
         match self.store.deregister_cell(&body.cell_id, body.incarnation) {
             Ok(removed) => {
+                self.store_answered();
                 self.board.deregistered(&body.cell_id, body.incarnation);
                 log::info!(
                     "orca_relay_director_cell_deregistered cell_id={} incarnation={} removed={removed}",
@@ -505,6 +525,7 @@ impl AdminContext {
     fn cells(&self) -> Reply {
         match self.store.list_cells() {
             Ok(cells) => {
+                self.store_answered();
                 let listing = fleet_listing(
                     &cells,
                     &self.board.status(),
@@ -534,6 +555,7 @@ impl AdminContext {
         }
         match self.store.set_admit_mode(&body.cell_id, &body.admit_mode) {
             Ok(()) => {
+                self.store_answered();
                 log::info!(
                     "orca_relay_director_admit_mode_set cell_id={} admit_mode={}",
                     body.cell_id,

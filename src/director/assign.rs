@@ -325,6 +325,9 @@ pub struct AssignContext {
     pub clock: SharedClock,
     pub placement: Placement,
     metrics: AssignMetrics,
+    /// Requests the store failed (a database outage fails every one): the first logged, then
+    /// at most one line a minute with a count, then one on recovery.
+    store_failures: crate::logging::SharedThrottle,
 }
 
 impl AssignContext {
@@ -343,6 +346,14 @@ impl AssignContext {
             metrics: AssignMetrics {
                 registry: registry.clone(),
             },
+            store_failures: crate::logging::SharedThrottle::new(),
+        }
+    }
+
+    /// The store answered this request: ends a run of failures with one line.
+    fn store_answered(&self) {
+        if let Some(note) = self.store_failures.success() {
+            log::info!("orca_relay_assign_store_recovered{note}");
         }
     }
 }
@@ -407,12 +418,19 @@ fn answer(request: &mut Request<'_>, context: &AssignContext) -> Reply {
     result.unwrap_or_else(|reply| reply)
 }
 
-fn store_unavailable(relay_host_id: &str) -> impl Fn(StoreError) -> Reply + '_ {
+/// The answer to a request the store failed, logged through the context's throttle (one line
+/// per outage, then one a minute with a count).
+fn store_unavailable<'a>(
+    context: &'a AssignContext,
+    relay_host_id: &'a str,
+) -> impl Fn(StoreError) -> Reply + 'a {
     move |e: StoreError| {
-        log::warn!(
-            "orca_relay_assign_store_failed host={relay_host_id} {}",
-            e.log_fields()
-        );
+        if let Some(note) = context.store_failures.failure(context.clock.now_ms()) {
+            log::warn!(
+                "orca_relay_assign_store_failed host={relay_host_id} {}{note}",
+                e.log_fields()
+            );
+        }
         unavailable("relay_store_unavailable")
     }
 }
@@ -424,12 +442,13 @@ pub fn place_on(
     relay_host_id: &str,
     target: &Target,
 ) -> Result<i64, Reply> {
-    let failed = store_unavailable(relay_host_id);
+    let failed = store_unavailable(context, relay_host_id);
     for _ in 0..PLACEMENT_ROUNDS {
         let current = context
             .store
             .assignment(user_id, relay_host_id)
             .map_err(&failed)?;
+        context.store_answered();
         let epoch = current.map(|row| row.epoch).unwrap_or(0) + 1;
         let now = context.clock.now_ms() as i64;
         let written = context
@@ -454,12 +473,13 @@ fn place_in_fleet(
     user_id: &str,
     relay_host_id: &str,
 ) -> Result<Reply, Reply> {
-    let failed = store_unavailable(relay_host_id);
+    let failed = store_unavailable(context, relay_host_id);
     // The cells change on the scale of heartbeats; one read serves every round.
     let cells = placeable_cells(
         context.store.list_cells().map_err(&failed)?,
         fleet.in_process_cell.as_ref(),
     );
+    context.store_answered();
     // Cells that refused a booking during this request.
     let mut refused: Vec<String> = Vec::new();
     // The epoch this request last wrote: while the row still holds it, a failed booking there

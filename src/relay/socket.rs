@@ -15,7 +15,8 @@
 //! The control reader's replies (pong, close) are written through the same mutex.
 //! [`Socket::send`] has one deadline for the whole call (the wedge window from its start,
 //! checked before each write, never a fresh timeout per write); a writer that misses it marks
-//! the socket broken.
+//! the socket broken and shuts the connection down, so the connection's thread ends and
+//! releases what it holds.
 //!
 //! Cell-wide threads (the pinger, the lease renewer, the drain) never wait on one socket:
 //! [`Socket::try_send`] skips a socket another thread is writing, and otherwise writes the
@@ -237,7 +238,12 @@ impl Socket {
                 Ok(())
             }
             Err(_) => {
+                // The deadline passed or the write failed, perhaps in the middle of a frame:
+                // nothing more can reach the peer. Shut the connection down (a close frame
+                // cannot follow half a frame, and the writer is stuck), so its reader ends and
+                // the connection releases its seat and unit now, not at its silence.
                 writer.broken = true;
+                self.shutdown();
                 Err(SendError::Wedged)
             }
         }

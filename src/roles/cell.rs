@@ -144,8 +144,9 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             registry
                 .counter("orca_relay_handshake_runs_total", HANDSHAKE_RUNS_HELP, &[])
                 .inc();
-            // Registered before the first attempt and updated as each starts, so a scrape
-            // during a slow handshake shows how far it got.
+            // Registered before the first attempt and updated as each starts: once the cell
+            // serves it says how many attempts its start took (while it registers, `/metrics`
+            // answers 503 like every path but `/health`, SPEC §8).
             let attempts = registry.gauge(
                 "orca_relay_handshake_attempts",
                 HANDSHAKE_ATTEMPTS_HELP,

@@ -394,24 +394,29 @@ impl ServeGate {
 }
 
 /// The endpoints every role serves: `/health` (touches nothing), `/ready` (the readiness
-/// verdict, never blocking on a dependency) and `/metrics`.
+/// verdict, never blocking on a dependency) and `/metrics`; and, while the process starts,
+/// the answer to every other request (SPEC §8: until registration succeeds, `/health` 200,
+/// everything else 503), so a role's own routes and its 404 come after it.
 pub struct ProcessRoutes {
     pub registry: crate::metrics::Registry,
     pub readiness: crate::readiness::Readiness,
     pub clock: SharedClock,
-    /// `/metrics` answers 503 `starting` while readiness is in its starting phase (SPEC §8: a
-    /// cell in its startup handshake serves only `/health`). The director's starting phase is
-    /// its wait for the database (migrations), which may last: it keeps `/metrics`, so
-    /// `orca_relay_ready` stays visible to the alert that watches it.
+    /// `/metrics` answers 503 `starting` while readiness is in its starting phase, as every
+    /// other path does (SPEC §8: a cell in its startup handshake serves only `/health`). The
+    /// director's starting phase is its wait for the database (migrations), which may last:
+    /// it keeps `/metrics`, so `orca_relay_ready` stays visible to the alert that watches it.
     pub metrics_wait_for_start: bool,
     /// See [`ServeGate`]; `None`: `/ready` is the readiness verdict alone.
     pub ready_gate: Option<ServeGate>,
 }
 
 impl ProcessRoutes {
+    /// `/health`, `/ready` and `/metrics`; while starting, every other request too (503
+    /// `starting`, `Retry-After: 2`: unknown paths, other methods, the role's own routes).
+    /// `None`: the caller routes on.
     pub fn route(&self, request: &crate::http::Request<'_>) -> Option<crate::http::Reply> {
         use crate::http::Reply;
-        let starting = || self.readiness.phase() == crate::readiness::Phase::Starting;
+        let starting = self.readiness.phase() == crate::readiness::Phase::Starting;
         match (request.method, request.path) {
             ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
             ("GET", "/ready") => {
@@ -422,10 +427,10 @@ impl ProcessRoutes {
                 }
                 Some(Reply::json(verdict.status, verdict.body))
             }
-            ("GET", "/metrics") if self.metrics_wait_for_start && starting() => {
-                Some(Reply::json(503, r#"{"error":"starting"}"#))
+            ("GET", "/metrics") if !(self.metrics_wait_for_start && starting) => {
+                Some(Reply::text(200, self.registry.render()))
             }
-            ("GET", "/metrics") => Some(Reply::text(200, self.registry.render())),
+            _ if starting => Some(Reply::error(503, "starting").with_header("Retry-After", "2")),
             _ => None,
         }
     }
@@ -525,4 +530,60 @@ pub fn finish_process(
     shutdown.close_signal_listener();
     crate::threads::join_logged("signals", signals);
     log::info!("orca_relay_shutdown_finished role={role}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::Request;
+    use crate::readiness::{Phase, Readiness};
+
+    fn routes(metrics_wait_for_start: bool) -> ProcessRoutes {
+        ProcessRoutes {
+            registry: crate::metrics::Registry::new(),
+            readiness: Readiness::new(false, 1_000, 1_000),
+            clock: crate::clock::ManualClock::starting_at(1_000),
+            metrics_wait_for_start,
+            ready_gate: None,
+        }
+    }
+
+    fn status(routes: &ProcessRoutes, method: &str, path: &str) -> Option<u16> {
+        let mut body = Vec::new();
+        let request = Request::new(method, path, "", None, &mut body);
+        routes.route(&request).map(|reply| reply.status)
+    }
+
+    /// SPEC §8: until registration succeeds, `/health` 200 and everything else 503, whatever
+    /// the path or method; the director keeps `/metrics` through its wait for the database.
+    #[test]
+    fn while_starting_everything_but_health_answers_503() {
+        for (routes, metrics) in [(routes(true), 503), (routes(false), 200)] {
+            assert_eq!(status(&routes, "GET", "/health"), Some(200));
+            assert_eq!(status(&routes, "GET", "/ready"), Some(503));
+            assert_eq!(status(&routes, "GET", "/metrics"), Some(metrics));
+            for (method, path) in [
+                ("GET", "/no-such-path"),
+                ("POST", "/metrics"),
+                ("POST", "/health"),
+                ("POST", "/v1/assign"),
+                ("GET", "/v1/admin/cells"),
+                ("PUT", "/internal/seats"),
+            ] {
+                assert_eq!(status(&routes, method, path), Some(503), "{method} {path}");
+            }
+            routes.readiness.set_phase(Phase::Serving);
+            assert_eq!(status(&routes, "GET", "/metrics"), Some(200));
+            assert_eq!(
+                status(&routes, "GET", "/no-such-path"),
+                None,
+                "the role's 404"
+            );
+            assert_eq!(
+                status(&routes, "POST", "/v1/assign"),
+                None,
+                "the role's route"
+            );
+        }
+    }
 }
