@@ -2,6 +2,12 @@
 //! checked, on the `acceptor` thread, whatever its path (SPEC §12 "Unauthenticated means
 //! pending").
 //!
+//! Why: a connection without a credential must not hold anything a desktop needs. Before this
+//! plane, every routed upgrade took a unit of the connection cap and a relay thread, and a phone
+//! or data leg proved itself only with its first frame, read with a per-read timeout that every
+//! byte and every answered ping restarted: four sockets on `/v1/connect/<any id>` that pinged
+//! kept a desktop with a valid token out of a cap of 4 for as long as they liked.
+//!
 //! One `mio` loop (epoll, edge-triggered) owns the listener and every pending socket. A pending
 //! socket holds no unit of the connection cap, no relay thread and no phone place: only an
 //! entry here (a few hundred bytes plus what it has sent, bounded) and its descriptor. It goes

@@ -25,11 +25,11 @@
 //! token. Without one the listing answers 401 `service_token_not_configured`: the generated
 //! token is known to nobody outside the process.
 //!
-//! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `http-acceptor` and `http-<n>`,
-//! `signals`. The main thread waits for SIGTERM and runs the drain: the cell drains (the poller
-//! keeps polling meanwhile, so the dead-man stays armed), then the poller and `self-record` stop,
-//! then HTTP.
+//! Threads: the cell's (see `roles/cell_runtime.rs`), `readiness`, `migrator` (until migrations
+//! land), `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `self-placement` (at
+//! start, until `/ready`'s gate opens), `http-acceptor` and `http-<n>`, `signals`. The main
+//! thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
+//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
