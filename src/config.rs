@@ -206,6 +206,10 @@ pub struct Config {
     pub pending_upgrades_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
+    /// Under a service manager that keeps descriptors (systemd's `FileDescriptorStoreMax=`),
+    /// every listener and connection is kept in its store so that a crash costs a pause, not a
+    /// redial (SPEC §13, `crash_store`); `ORCA_RELAY_CRASH_STORE=0` turns it off.
+    pub crash_store: bool,
     /// A spliced leg from which nothing arrived for half of this is pinged by the relay; for
     /// all of it, its pair is closed 4408 (SPEC §12).
     pub splice_idle_ms: u64,
@@ -257,6 +261,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_CONNECTION_CAP",
     "ORCA_RELAY_PENDING_UPGRADES_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
+    "ORCA_RELAY_CRASH_STORE",
     "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
     "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
@@ -488,6 +493,20 @@ pub fn is_id(value: &str, max_len: usize) -> bool {
 }
 
 /// A `0`/`1` switch; unset is `0`.
+/// A `0`/`1` flag that is `default` when unset.
+fn parse_flag_default(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    default: bool,
+) -> Result<bool, ConfigError> {
+    match get(lookup, name).as_deref() {
+        None => Ok(default),
+        Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(error(name, other, "0 or 1")),
+    }
+}
+
 fn parse_flag(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<bool, ConfigError> {
     match get(lookup, name).as_deref() {
         None | Some("0") => Ok(false),
@@ -736,6 +755,10 @@ impl Config {
             1,
             MAX_SPLICE_WORKERS,
         ) as u32;
+        let crash_store = r.check(
+            parse_flag_default(lookup, "ORCA_RELAY_CRASH_STORE", true),
+            true,
+        );
         // 2 minutes: the relay pings a leg quiet for 60 s (every endpoint answers a ping), and
         // endpoints' own keepalives of 30-60 s arrive well within it; a vanished phone frees
         // its places within it at the latest.
@@ -861,6 +884,7 @@ impl Config {
             connection_cap,
             pending_upgrades_max,
             splice_workers,
+            crash_store,
             splice_idle_ms,
             http_idle_ms,
             http_connections_max,
@@ -940,6 +964,10 @@ impl Config {
             self.pending_upgrades_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
+        out.insert(
+            "ORCA_RELAY_CRASH_STORE",
+            if self.crash_store { "1" } else { "0" }.to_string(),
+        );
         out.insert("ORCA_RELAY_SPLICE_IDLE_MS", self.splice_idle_ms.to_string());
         out.insert("ORCA_RELAY_HTTP_IDLE_MS", self.http_idle_ms.to_string());
         out.insert(

@@ -46,8 +46,16 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     );
 
     // 1. Both listeners first: /health answers while the handshake runs.
+    // What the service manager passed: socket units' listeners, or after a crash everything
+    // the descriptor store kept (a handover's next process gets its own from the handover).
+    let intake = match &taker {
+        Some(_) => crate::crash_store::Intake::default(),
+        None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
+    };
+    let mut intake = intake;
+    let passed = std::mem::take(&mut intake.listeners);
     let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
-    let listeners = super::process::listeners(&config, handed, true)?;
+    let listeners = super::process::listeners(&config, handed, passed, true)?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -69,6 +77,10 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             .map(|taker| (&taker.document.readiness, &taker.carry)),
     )?;
     let readiness = prober.readiness.clone();
+    // Copies of the listeners to keep in the descriptor store (the originals go to their
+    // servers).
+    let ws_kept = ws_listener.try_clone().ok();
+    let http_kept = http_listener.try_clone().ok();
     let built = CellRuntime::start(CellSetup {
         config: &config,
         clock: clock.clone(),
@@ -87,12 +99,25 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         resume: taker
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
+        crash_store: super::process::crash_store_socket(&config, taker.is_some()),
+        first_connection_id: super::resume::first_connection_id(&intake),
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,
         (Err(e), Some(taker)) => return Err(taker.fail(&e.0)),
         (Err(e), None) => return Err(e),
     });
+    if taker.is_none() {
+        // A start after a crash resumes what the store kept; any start keeps its listeners.
+        let kept: Vec<(&str, &std::net::TcpListener)> = [("ws", &ws_kept), ("http", &http_kept)]
+            .into_iter()
+            .filter_map(|(name, listener)| listener.as_ref().map(|listener| (name, listener)))
+            .collect();
+        super::resume::keep_and_resume(&cell.context, intake, &kept, incarnation);
+    }
+    drop((ws_kept, http_kept));
+    // A listener the descriptor store keeps is shared with the manager, as a socket unit's is.
+    let http_shared = http_shared || cell.context.crash.is_some();
     let handler = {
         let process = super::process::ProcessRoutes {
             registry: registry.clone(),

@@ -27,12 +27,14 @@ impl fmt::Display for RunError {
 impl std::error::Error for RunError {}
 
 /// The process's two listeners: handed over by the running process (`handed`: a live
-/// handover's WebSocket and HTTP listeners), passed by systemd (`LISTEN_FDS` named `ws` and
-/// `http`, the optional socket units), or bound here. Returns the WebSocket listener and
-/// address, then the HTTP ones (`ws` is `None` for a director).
+/// handover's WebSocket and HTTP listeners), passed by the service manager (`passed`: named `ws`
+/// and `http`, from the optional socket units or the descriptor store: `crash_store::Intake`),
+/// or bound here. Returns the WebSocket listener and address, then the HTTP ones (`ws` is `None`
+/// for a director).
 pub fn listeners(
     config: &Config,
     handed: Option<(TcpListener, TcpListener)>,
+    passed: std::collections::BTreeMap<String, std::os::fd::OwnedFd>,
     with_ws: bool,
 ) -> Result<ListenerPair, RunError> {
     let (mut ws, mut http) = (None, None);
@@ -42,7 +44,7 @@ pub fn listeners(
         ws = Some(received_ws);
         http = Some(received_http);
     } else {
-        let passed = crate::lifecycle::listeners_from_systemd().map_err(RunError)?;
+        let passed = crate::lifecycle::listeners_from(passed).map_err(RunError)?;
         for (name, listener) in passed {
             match name.as_str() {
                 "ws" => ws = Some(listener),
@@ -530,6 +532,17 @@ pub fn finish_process(
     shutdown.close_signal_listener();
     crate::threads::join_logged("signals", signals);
     log::info!("orca_relay_shutdown_finished role={role}");
+}
+
+/// The service manager's notify socket, when this process keeps its connections in the
+/// manager's descriptor store (`crash_store`): `ORCA_RELAY_CRASH_STORE` on and a manager there.
+/// A live handover's next process starts keeping only once it owns the connections (after the
+/// commit), never before.
+pub fn crash_store_socket(config: &Config, taking_over: bool) -> Option<std::ffi::OsString> {
+    if !config.crash_store || taking_over {
+        return None;
+    }
+    crate::lifecycle::notify_socket()
 }
 
 #[cfg(test)]

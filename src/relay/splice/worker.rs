@@ -55,6 +55,7 @@ use super::leg::{
 use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
 use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
+use crate::carry::crash::{CrashKind, IO_HOLDING, IO_READING, IO_WRITING};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
@@ -260,8 +261,71 @@ impl Worker {
         self.slots.iter().flatten().count()
     }
 
-    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker.
+    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker. The
+    /// pair's crash-store flags say "busy" while it runs (a read or a write may be under way)
+    /// and what the legs hold once it is done.
     fn guarded(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
+        self.busy(key);
+        self.guarded_body(key, body);
+        self.settle(key);
+    }
+
+    /// The pair of `key` in the crash store: both legs may be read or written from now until
+    /// [`Worker::settle`] (a crash meanwhile may lose bytes or cut a frame: not resumable).
+    fn busy(&mut self, key: LegKey) {
+        let peer = self.leg(key).and_then(|leg| leg.peer);
+        for key in std::iter::once(key).chain(peer) {
+            if let Some(slot) = self.leg(key).and_then(|leg| leg.socket.crash_slot()) {
+                slot.set(IO_READING | IO_WRITING);
+            }
+        }
+    }
+
+    /// The pair of `key` in the crash store once a handler is done: a leg is resumable after a
+    /// crash only if the process holds nothing of it (no partial frame, no unparsed frames, no
+    /// frame streaming through, no output or owed control frame, no message open, not
+    /// closing); otherwise it is marked holding.
+    fn settle(&mut self, key: LegKey) {
+        let peer = self.leg(key).and_then(|leg| leg.peer);
+        for key in std::iter::once(key).chain(peer) {
+            let Some(leg) = self.leg(key) else { continue };
+            let Some(slot) = leg.socket.crash_slot() else {
+                continue;
+            };
+            let holding = !leg.is_open()
+                || leg.peer.is_none()
+                || leg.filled > 0
+                || leg.unparsed
+                || leg.stream_in.is_some()
+                || !leg.output.is_empty()
+                || leg.controls.is_some()
+                || leg.parser.open_message().is_some();
+            slot.assign(if holding { IO_HOLDING } else { 0 });
+        }
+    }
+
+    /// Writes both legs' crash records as a pair (each names the other), once spliced.
+    fn record_pair(&mut self, phone: LegKey, host: LegKey) {
+        let ids = [phone, host].map(|key| self.leg(key).map(|leg| leg.socket.id));
+        for (key, peer_id) in [(phone, ids[1]), (host, ids[0])] {
+            let Some(leg) = self.leg(key) else { continue };
+            let Some(slot) = leg.socket.crash_slot() else {
+                continue;
+            };
+            let kind = if leg.kind == "phone" {
+                CrashKind::Phone
+            } else {
+                CrashKind::Data
+            };
+            let mut record =
+                crate::crash_store::record_of(kind, leg.socket.id, leg.socket.stream());
+            record.relay_host_id = Some(leg.host.to_string());
+            record.peer = peer_id;
+            slot.write(&record);
+        }
+    }
+
+    fn guarded_body(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(self)));
         if outcome.is_err() {
             log::error!(
@@ -454,6 +518,7 @@ impl Worker {
                     leg.peer = Some(peer);
                 }
             }
+            self.record_pair(phone, host);
         }
         let keys: Vec<LegKey> = keys.into_iter().flatten().collect();
         for key in &keys {
@@ -653,6 +718,7 @@ impl Worker {
                 leg.peer = Some(peer);
             }
         }
+        self.record_pair(phone_key, host_key);
         let mut failed = false;
         for key in [phone_key, host_key] {
             if let Some(leg) = self.leg(key) {

@@ -1,0 +1,202 @@
+//! Crash survival (SPEC §13) with the harness playing the service manager
+//! (`harness::manager`): the relay keeps every listener and connection in the manager's
+//! descriptor store and what it needs to resume them in its region; after `kill -9` the manager
+//! starts it again with everything it kept, and it resumes every connection at rest while every
+//! other is closed 1012. The same under a real systemd is `tests/crash_systemd.rs`.
+
+mod common;
+mod harness;
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness::manager::Manager;
+use harness::{expect_ping, read_close, read_json, send_json, splice, Desktop, Relay, TempDir};
+use tungstenite::Message;
+
+/// Short pings so a resumed control proves itself within a second; a silence window long
+/// enough that nothing is closed for being quiet across the restart.
+const ENV: &[(&str, &str)] = &[
+    ("ORCA_RELAY_PING_MS", "300"),
+    ("ORCA_RELAY_SILENCE_MS", "20000"),
+];
+
+fn kill(relay: &mut Relay) {
+    relay.signal("KILL");
+    assert!(
+        relay.wait_exit(Duration::from_secs(10)).is_some(),
+        "the relay did not die"
+    );
+}
+
+/// Names of connections a relay logged as kept: what the store should hold for `count` of
+/// them, plus the listeners and the region.
+fn stored_connections(manager: &Manager, count: usize) -> bool {
+    manager.wait_until(Duration::from_secs(15), |names| {
+        names.iter().filter(|n| is_connection(n)).count() == count
+            && names.iter().any(|n| n == "ws")
+            && names.iter().any(|n| n == "http")
+            && names.iter().any(|n| n.starts_with("crash-store."))
+    })
+}
+
+fn is_connection(name: &str) -> bool {
+    name.len() > 1 && name.starts_with('c') && name[1..].chars().all(|c| c.is_ascii_digit())
+}
+
+fn exchange(from: &mut harness::Ws, to: &mut harness::Ws, payload: &[u8]) {
+    from.send(Message::binary(payload.to_vec())).expect("send");
+    loop {
+        match to.read().expect("read the spliced message") {
+            Message::Binary(got) => {
+                assert_eq!(&got[..], payload, "a spliced message arrived changed");
+                return;
+            }
+            Message::Ping(_) | Message::Pong(_) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_relay_killed_with_sigkill_resumes_its_controls_and_pairs() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash"));
+    let mut relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktops: Vec<Desktop> = (0..6).map(|_| Desktop::connect(&relay)).collect();
+    let mut pairs = Vec::new();
+    for desktop in desktops.iter_mut().take(3) {
+        let (mut phone, mut leg) = splice(&relay, desktop);
+        exchange(&mut phone, &mut leg, b"before");
+        exchange(&mut leg, &mut phone, b"before, back");
+        pairs.push((phone, leg));
+    }
+    assert!(
+        stored_connections(&manager, 6 + 2 * 3),
+        "the store holds {:?}",
+        manager.names()
+    );
+    let (ws, http) = (relay.ws.clone(), relay.http.clone());
+
+    kill(&mut relay);
+    let relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    assert_eq!(
+        (relay.ws.clone(), relay.http.clone()),
+        (ws, http),
+        "the same listeners"
+    );
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no resume line; log:\n{}", relay.log_text()));
+    assert!(
+        resumed.contains("controls=6 pairs=3 closed=0"),
+        "{resumed}\n{}",
+        relay.log_text()
+    );
+
+    // Every control is answered by the new process, with nothing but a pause behind it.
+    for desktop in desktops.iter_mut() {
+        expect_ping(&mut desktop.control);
+        send_json(
+            &mut desktop.control,
+            serde_json::json!({"type":"invite-create","reqId":"after"}),
+        );
+        let answer = read_json(&mut desktop.control);
+        assert_eq!(answer["type"], "invite-created", "{answer}");
+    }
+    // Every pair goes on, both ways, byte-exact.
+    for (phone, leg) in pairs.iter_mut() {
+        exchange(phone, leg, b"after the crash");
+        exchange(leg, phone, &vec![7u8; 200_000]);
+    }
+    // A new desktop and a new pair are served as ever; the store names them too.
+    let mut newcomer = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut newcomer);
+    exchange(&mut phone, &mut leg, b"new");
+    assert!(stored_connections(&manager, 6 + 2 * 3 + 3));
+    assert_eq!(
+        manager
+            .names()
+            .iter()
+            .filter(|n| n.starts_with("crash-store."))
+            .count(),
+        1,
+        "the dead process's region is forgotten: {:?}",
+        manager.names()
+    );
+}
+
+#[test]
+fn a_control_with_half_a_frame_read_is_closed_1012_and_its_pairs_with_it() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-dirty"));
+    let mut relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut clean = Desktop::connect(&relay);
+    let mut torn = Desktop::connect(&relay);
+    let (mut phone, _leg) = splice(&relay, &mut torn);
+    assert!(stored_connections(&manager, 4));
+    // Two bytes of a frame's header: the relay has read them and holds them when it dies.
+    torn.control
+        .get_mut()
+        .write_all(&[0x81, 0x85])
+        .expect("half a header");
+    assert!(harness::wait_until(Duration::from_secs(5), || {
+        relay.metric("orca_relay_connections{kind=\"control\"}") == Some(2.0)
+    }));
+    orca_relay::clock::sleep(Duration::from_millis(300));
+    kill(&mut relay);
+    let relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
+        .unwrap();
+    assert!(resumed.contains("controls=1 pairs=0 closed=3"), "{resumed}");
+    assert_eq!(read_close(&mut torn.control), Some(1012));
+    assert_eq!(read_close(&mut phone), Some(1012));
+    expect_ping(&mut clean.control);
+    // Nothing is left in the store for what was closed.
+    assert!(
+        manager.wait_until(Duration::from_secs(5), |names| {
+            names.iter().filter(|n| is_connection(n)).count() == 1
+        }),
+        "{:?}",
+        manager.names()
+    );
+}
+
+#[test]
+fn closed_connections_leave_the_store_and_nothing_is_kept_without_a_manager() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-churn"));
+    let relay = manager
+        .launch(dir, ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktops: Vec<Desktop> = (0..8).map(|_| Desktop::connect(&relay)).collect();
+    assert!(stored_connections(&manager, 8));
+    for desktop in desktops.drain(..5) {
+        let mut control = desktop.control;
+        let _ = control.close(None);
+        let _ = read_close(&mut control);
+    }
+    assert!(
+        stored_connections(&manager, 3),
+        "closed controls still stored: {:?}",
+        manager.names()
+    );
+    let kept: HashSet<String> = manager.connections();
+    assert_eq!(kept.len(), 3);
+
+    // A relay without a manager keeps nothing and starts no store.
+    let plain = Relay::combined(ENV);
+    let _desktop = Desktop::connect(&plain);
+    assert_eq!(plain.metric("orca_relay_crash_store_kept_total"), None);
+}
