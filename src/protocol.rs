@@ -224,7 +224,7 @@ mod tests {
         let codes: Vec<u16> = CloseCode::ALL.iter().map(|c| c.code()).collect();
         assert_eq!(
             codes,
-            vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1002, 1000]
+            vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1002, 1000, 1012]
         );
     }
 }
