@@ -5,6 +5,7 @@
 //! other is closed 1012. The same under a real systemd is `tests/crash_systemd.rs`.
 
 mod common;
+mod handover_kit;
 mod harness;
 
 use std::collections::HashSet;
@@ -199,4 +200,59 @@ fn closed_connections_leave_the_store_and_nothing_is_kept_without_a_manager() {
     let plain = Relay::combined(ENV);
     let _desktop = Desktop::connect(&plain);
     assert_eq!(plain.metric("orca_relay_crash_store_kept_total"), None);
+}
+
+#[test]
+fn a_crash_after_a_live_handover_resumes_what_the_next_process_kept() {
+    handover_kit::adopt_orphans();
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-handover"));
+    let relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktops: Vec<Desktop> = (0..3).map(|_| Desktop::connect(&relay)).collect();
+    let (mut phone, mut leg) = splice(&relay, &mut desktops[0]);
+    assert!(stored_connections(&manager, 5));
+    let regions_before: Vec<String> = manager
+        .names()
+        .into_iter()
+        .filter(|n| n.starts_with("crash-store."))
+        .collect();
+
+    let handover = handover_kit::hand_over(&relay, None, &[], &[]);
+    assert_eq!(handover.code, 0, "{handover:?}\n{}", relay.log_text());
+    let next = handover.new_pid.expect("the next process's pid");
+    // The next process's region replaces the running one's; the connections stay stored.
+    assert!(
+        manager.wait_until(Duration::from_secs(10), |names| {
+            let regions: Vec<&String> = names
+                .iter()
+                .filter(|n| n.starts_with("crash-store."))
+                .collect();
+            regions.len() == 1 && !regions_before.contains(regions[0])
+        }),
+        "{:?}",
+        manager.names()
+    );
+    assert!(stored_connections(&manager, 5));
+    exchange(&mut phone, &mut leg, b"after the handover");
+
+    // SAFETY: a signal to the process the handover started.
+    unsafe { libc::kill(next as i32, libc::SIGKILL) };
+    assert!(harness::wait_until(Duration::from_secs(10), || {
+        // SAFETY: reaping our own (adopted) child, or learning it is gone.
+        let reaped = unsafe { libc::waitpid(next as i32, std::ptr::null_mut(), libc::WNOHANG) };
+        reaped == next as i32 || reaped < 0
+    }));
+    let relay = manager
+        .launch(dir, ENV)
+        .expect_listening("orca_relay_started");
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
+        .unwrap();
+    assert!(resumed.contains("controls=3 pairs=1 closed=0"), "{resumed}");
+    for desktop in desktops.iter_mut() {
+        expect_ping(&mut desktop.control);
+    }
+    exchange(&mut leg, &mut phone, b"after the crash");
 }

@@ -20,7 +20,8 @@ const MAX_PASSED: usize = 1 << 20;
 pub struct Intake {
     /// `ws`, `http`.
     pub listeners: BTreeMap<String, OwnedFd>,
-    /// The newest region (the highest incarnation) and its name; older ones are in `stale`.
+    /// The newest region (the highest number in its name) and its name; older ones are in
+    /// `stale`.
     pub region: Option<(String, OwnedFd)>,
     /// Kept connections by id.
     pub connections: BTreeMap<u64, OwnedFd>,
@@ -75,7 +76,7 @@ impl Intake {
             std::process::id(),
         )?;
         let mut intake = Intake::default();
-        let mut regions: Vec<(i64, String, OwnedFd)> = Vec::new();
+        let mut regions: Vec<(u64, String, OwnedFd)> = Vec::new();
         for (fd, name) in passed {
             // SAFETY: F_SETFD on a descriptor the manager gave this process.
             unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
@@ -84,11 +85,8 @@ impl Intake {
             if name == "ws" || name == "http" {
                 // A name twice (a socket unit and the store): the first is kept.
                 intake.listeners.entry(name).or_insert(owned);
-            } else if let Some(incarnation) = name
-                .strip_prefix("crash-store.")
-                .and_then(|n| n.parse::<i64>().ok())
-            {
-                regions.push((incarnation, name, owned));
+            } else if let Some(moment) = super::region_moment(&name) {
+                regions.push((moment, name, owned));
             } else if let Some(id) = super::connection_id(&name) {
                 if intake.connections.insert(id, owned).is_some() {
                     // Stored twice under one name: both copies are the same socket.
@@ -97,7 +95,7 @@ impl Intake {
                 intake.stale.push(name);
             }
         }
-        regions.sort_by_key(|(incarnation, _, _)| *incarnation);
+        regions.sort_by_key(|(moment, _, _)| *moment);
         if let Some((_, name, fd)) = regions.pop() {
             intake.region = Some((name, fd));
         }

@@ -55,9 +55,16 @@ pub fn connection_id(name: &str) -> Option<u64> {
     name.strip_prefix('c')?.parse().ok()
 }
 
-/// The name of the region written by incarnation `incarnation`.
-pub fn region_name(incarnation: i64) -> String {
-    format!("crash-store.{incarnation}")
+/// The name of a region created at `machine_ms` on the machine's monotonic clock: the newest
+/// region is the one with the highest number (a restart after a crash, or a live handover's next
+/// process, writes a new one, stores it, then removes its predecessor's).
+pub fn region_name(machine_ms: u64) -> String {
+    format!("crash-store.{machine_ms}")
+}
+
+/// The creation moment a region's name carries.
+pub fn region_moment(name: &str) -> Option<u64> {
+    name.strip_prefix("crash-store.")?.parse().ok()
 }
 
 /// What the `crash-store` thread is asked to tell the manager.
@@ -71,6 +78,9 @@ enum Op {
 /// The crash store of this process.
 pub struct CrashStore {
     region: Region,
+    region_name: String,
+    /// Operations handed to the `crash-store` thread and not yet sent.
+    pending: Arc<std::sync::atomic::AtomicUsize>,
     free: Mutex<VecDeque<u32>>,
     stripes: Vec<Mutex<()>>,
     outbox: Mutex<Option<Sender<Op>>>,
@@ -120,15 +130,19 @@ impl CrashStore {
         let region = Region::create(slots)?;
         let (outbox, inbox) = mpsc::channel();
         let metrics = StoreMetrics::new(registry);
+        let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         {
             let metrics = metrics.clone();
+            let pending = pending.clone();
             crate::threads::spawn("crash-store", move || {
-                run_notifier(notify_socket, inbox, metrics)
+                run_notifier(notify_socket, inbox, metrics, pending)
             })?;
         }
         let store = Arc::new(CrashStore {
             free: Mutex::new((0..region.slots()).collect()),
             region,
+            region_name: region_name(crate::clock::machine_ms().unwrap_or(0)),
+            pending,
             stripes: (0..WRITE_STRIPES).map(|_| Mutex::new(())).collect(),
             outbox: Mutex::new(Some(outbox)),
             metrics,
@@ -158,13 +172,35 @@ impl CrashStore {
     fn send(&self, op: Op) {
         let outbox = self.outbox.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(outbox) = outbox.as_ref() {
-            let _ = outbox.send(op);
+            self.pending.fetch_add(1, Ordering::AcqRel);
+            if outbox.send(op).is_err() {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 
-    /// Keeps the region's memfd under [`region_name`]`(incarnation)`.
-    pub fn keep_region(&self, incarnation: i64) -> io::Result<()> {
-        self.keep_descriptor(&region_name(incarnation), self.region.memfd().as_fd())
+    /// Keeps the region's memfd in the store under its name.
+    pub fn keep_region(&self) -> io::Result<()> {
+        self.keep_descriptor(&self.region_name, self.region.memfd().as_fd())
+    }
+
+    /// The name this process's region is kept under.
+    pub fn region_name(&self) -> &str {
+        &self.region_name
+    }
+
+    /// Waits (until `timeout`) for the `crash-store` thread to have sent everything handed to
+    /// it: a live handover's running process, before it gives its connections away, so that no
+    /// removal of a connection it closed is lost with it.
+    pub fn wait_sent(&self, timeout: Duration) -> bool {
+        let deadline = crate::clock::instant() + timeout;
+        while self.pending.load(Ordering::Acquire) > 0 {
+            if crate::clock::instant() >= deadline {
+                return false;
+            }
+            crate::clock::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// Keeps a descriptor that has no record (a listener) under `name`.
@@ -348,7 +384,12 @@ pub fn record_of(kind: CrashKind, id: u64, socket: &impl AsRawFd) -> CrashRecord
 /// The `crash-store` thread: sends each operation to the manager in order (a store always
 /// before the removal of the same name), trying a datagram the manager's socket did not take
 /// again for a moment; gives one up (counted, logged throttled) rather than wait forever.
-fn run_notifier(notify_socket: std::ffi::OsString, inbox: Receiver<Op>, metrics: StoreMetrics) {
+fn run_notifier(
+    notify_socket: std::ffi::OsString,
+    inbox: Receiver<Op>,
+    metrics: StoreMetrics,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+) {
     let mut failures = crate::logging::FailureThrottle::new();
     let since = crate::clock::instant();
     for op in inbox {
@@ -391,6 +432,7 @@ fn run_notifier(notify_socket: std::ffi::OsString, inbox: Receiver<Op>, metrics:
                 }
             }
         }
+        pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -404,5 +446,6 @@ mod tests {
         assert_eq!(connection_id("ws"), None);
         assert_eq!(connection_id("crash-store.5"), None);
         assert_eq!(region_name(17), "crash-store.17");
+        assert_eq!(region_moment(&region_name(17)), Some(17));
     }
 }

@@ -218,13 +218,39 @@ impl RelayContext {
         host: Option<&str>,
         holding: bool,
     ) {
+        self.keep_as(socket, kind, control, host, holding, false)
+    }
+
+    /// [`RelayContext::keep`] for a connection whose descriptor the store holds already (a live
+    /// handover carried it): only its record is written (this process's memory; nothing is
+    /// sent).
+    pub fn keep_carried(
+        &self,
+        socket: &Socket,
+        kind: CrashKind,
+        control: Option<ControlRecord>,
+        host: Option<&str>,
+        holding: bool,
+    ) {
+        self.keep_as(socket, kind, control, host, holding, true)
+    }
+
+    fn keep_as(
+        &self,
+        socket: &Socket,
+        kind: CrashKind,
+        control: Option<ControlRecord>,
+        host: Option<&str>,
+        holding: bool,
+        stored: bool,
+    ) {
         let Some(store) = &self.crash else {
             return;
         };
         let mut record = crate::crash_store::record_of(kind, socket.id, socket.stream());
         record.control = control;
         record.relay_host_id = host.map(str::to_string);
-        if let Some(slot) = store.keep(socket.stream(), record, false) {
+        if let Some(slot) = store.keep(socket.stream(), record, stored) {
             if holding {
                 slot.set(IO_HOLDING);
             }

@@ -170,7 +170,7 @@ pub fn run(
         resume: taker
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
-        crash_store: super::process::crash_store_socket(&config, taker.is_some()),
+        crash_store: super::process::crash_store_socket(&config),
         first_connection_id: super::resume::first_connection_id(&intake),
     });
     let cell = Arc::new(match (built, &taker) {
@@ -184,7 +184,7 @@ pub fn run(
             .into_iter()
             .filter_map(|(name, listener)| listener.as_ref().map(|listener| (name, listener)))
             .collect();
-        super::resume::keep_and_resume(&cell.context, intake, &kept, incarnation);
+        super::resume::keep_and_resume(&cell.context, intake, &kept);
     }
     drop((ws_kept, http_kept));
     // A listener the descriptor store keeps is shared with the manager, as a socket unit's is.

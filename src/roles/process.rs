@@ -535,11 +535,11 @@ pub fn finish_process(
 }
 
 /// The service manager's notify socket, when this process keeps its connections in the
-/// manager's descriptor store (`crash_store`): `ORCA_RELAY_CRASH_STORE` on and a manager there.
-/// A live handover's next process starts keeping only once it owns the connections (after the
-/// commit), never before.
-pub fn crash_store_socket(config: &Config, taking_over: bool) -> Option<std::ffi::OsString> {
-    if !config.crash_store || taking_over {
+/// manager's descriptor store (`crash_store`): `ORCA_RELAY_CRASH_STORE` on and a manager there
+/// (a live handover's next process has adopted the running one's). Making the store sends
+/// nothing: a handover's next process writes to the manager only once it owns the connections.
+pub fn crash_store_socket(config: &Config) -> Option<std::ffi::OsString> {
+    if !config.crash_store {
         return None;
     }
     crate::lifecycle::notify_socket()

@@ -59,13 +59,8 @@ fn records_of(region: Option<Region>) -> HashMap<u64, (CrashRecord, u32)> {
 }
 
 /// Resumes what `intake` brought back (see the module header). `store` is this process's own
-/// (its region new); `incarnation` names the region this process keeps.
-pub fn after_crash(
-    context: &RelayContext,
-    store: &Arc<CrashStore>,
-    intake: Intake,
-    incarnation: i64,
-) -> Outcome {
+/// (its region new).
+pub fn after_crash(context: &RelayContext, store: &Arc<CrashStore>, intake: Intake) -> Outcome {
     let Intake {
         region,
         connections,
@@ -160,7 +155,7 @@ pub fn after_crash(
         }
     }
     // 5. The store's bookkeeping: this process's region in, the dead one's out.
-    if let Err(e) = store.keep_region(incarnation) {
+    if let Err(e) = store.keep_region() {
         log::warn!("orca_relay_crash_store_region_not_kept error={e}");
     }
     for name in old_region_name.into_iter().chain(stale) {
@@ -342,7 +337,6 @@ pub fn keep_and_resume(
     context: &RelayContext,
     intake: Intake,
     listeners: &[(&str, &std::net::TcpListener)],
-    incarnation: i64,
 ) {
     let passed = intake.connections.len();
     match &context.crash {
@@ -353,7 +347,7 @@ pub fn keep_and_resume(
                     log::warn!("orca_relay_crash_store_listener_not_kept name={name} error={e}");
                 }
             }
-            let outcome = after_crash(context, store, intake, incarnation);
+            let outcome = after_crash(context, store, intake);
             if passed > 0 {
                 log::info!(
                     "orca_relay_crash_resumed controls={} pairs={} closed={}",
