@@ -96,7 +96,7 @@ fn a_relay_killed_with_sigkill_resumes_its_controls_and_pairs() {
         .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
         .unwrap_or_else(|| panic!("no resume line; log:\n{}", relay.log_text()));
     assert!(
-        resumed.contains("controls=6 pairs=3 closed=0"),
+        resumed.contains("controls=6 pairs=3 closed=0 cut=0"),
         "{resumed}\n{}",
         relay.log_text()
     );
@@ -160,7 +160,10 @@ fn a_control_with_half_a_frame_read_is_closed_1012_and_its_pairs_with_it() {
     let resumed = relay
         .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
         .unwrap();
-    assert!(resumed.contains("controls=1 pairs=0 closed=3"), "{resumed}");
+    assert!(
+        resumed.contains("controls=1 pairs=0 closed=3 cut=0"),
+        "{resumed}"
+    );
     assert_eq!(read_close(&mut torn.control), Some(1012));
     assert_eq!(read_close(&mut phone), Some(1012));
     expect_ping(&mut clean.control);
@@ -250,7 +253,10 @@ fn a_crash_after_a_live_handover_resumes_what_the_next_process_kept() {
     let resumed = relay
         .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
         .unwrap();
-    assert!(resumed.contains("controls=3 pairs=1 closed=0"), "{resumed}");
+    assert!(
+        resumed.contains("controls=3 pairs=1 closed=0 cut=0"),
+        "{resumed}"
+    );
     for desktop in desktops.iter_mut() {
         expect_ping(&mut desktop.control);
     }

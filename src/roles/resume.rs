@@ -43,8 +43,11 @@ use crate::relay::thread;
 pub struct Outcome {
     pub controls: usize,
     pub pairs: usize,
-    /// Connections closed 1012 (or cut, when a frame was being written).
+    /// Connections closed 1012.
     pub closed: usize,
+    /// Connections that had half a frame on the wire: shut down without a close frame (their
+    /// clients see the connection end, 1006).
+    pub cut: usize,
 }
 
 /// The crash records of a region: connection id → (record, I/O flags).
@@ -174,21 +177,31 @@ fn close_kept(
     cut: bool,
     outcome: &mut Outcome,
 ) {
-    let stream = TcpStream::from(fd);
-    restart_close(context, &stream, cut);
+    restart_close(context, TcpStream::from(fd), cut);
     store.forget(&connection_name(id));
-    outcome.closed += 1;
+    if cut {
+        outcome.cut += 1;
+    } else {
+        outcome.closed += 1;
+    }
 }
 
-/// A 1012 close frame without waiting (none when `cut`), then the connection shut down.
-fn restart_close(context: &RelayContext, stream: &TcpStream, cut: bool) {
+/// A 1012 close frame without waiting, our side shut, and the connection dropped by the reaper
+/// once the client answered (or a moment later), as every close is. When `cut` (half a frame is
+/// on the wire: no close frame may follow it), the connection is shut down at once.
+fn restart_close(context: &RelayContext, stream: TcpStream, cut: bool) {
     let _ = stream.set_nonblocking(true);
-    if !cut {
-        let code = CloseCode::ServiceRestart;
-        let _ = write_now(stream, &close_frame(Some(code.code()), "service restart"));
-        context.metrics.close(code);
+    if cut {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
     }
-    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let code = CloseCode::ServiceRestart;
+    let _ = write_now(&stream, &close_frame(Some(code.code()), "service restart"));
+    context.metrics.close(code);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    context
+        .reaper
+        .schedule_stream(Arc::new(stream), crate::relay::socket::CLOSE_LINGER);
 }
 
 /// A control's socket as this process's, blocking writes under the wedge window.
@@ -220,7 +233,9 @@ fn resume_control(
         lease_id: control.lease_id.clone(),
     });
     if !seated {
-        restart_close(context, socket.stream(), false);
+        if let Ok(stream) = socket.stream().try_clone() {
+            restart_close(context, stream, false);
+        }
         return None;
     }
     context.seats.record(SeatChange {
@@ -350,17 +365,17 @@ pub fn keep_and_resume(
             let outcome = after_crash(context, store, intake);
             if passed > 0 {
                 log::info!(
-                    "orca_relay_crash_resumed controls={} pairs={} closed={}",
+                    "orca_relay_crash_resumed controls={} pairs={} closed={} cut={}",
                     outcome.controls,
                     outcome.pairs,
-                    outcome.closed
+                    outcome.closed,
+                    outcome.cut
                 );
             }
         }
         None => {
             for (id, fd) in intake.connections {
-                let stream = TcpStream::from(fd);
-                restart_close(context, &stream, false);
+                restart_close(context, TcpStream::from(fd), false);
                 forget_without_store(&connection_name(id));
             }
             for name in intake
@@ -372,7 +387,9 @@ pub fn keep_and_resume(
                 forget_without_store(&name);
             }
             if passed > 0 {
-                log::info!("orca_relay_crash_resumed controls=0 pairs=0 closed={passed} store=off");
+                log::info!(
+                    "orca_relay_crash_resumed controls=0 pairs=0 closed={passed} cut=0 store=off"
+                );
             }
         }
     }

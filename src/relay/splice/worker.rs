@@ -261,30 +261,20 @@ impl Worker {
         self.slots.iter().flatten().count()
     }
 
-    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker. The
-    /// pair's crash-store flags say "busy" while it runs (a read or a write may be under way)
-    /// and what the legs hold once it is done.
+    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker. Once it
+    /// is done, the pair's crash-store flags say what the legs hold ([`Worker::settle`]); the
+    /// reads and writes it made marked them as they went (`IO_READING` before a read,
+    /// `IO_WRITING` before a write).
     fn guarded(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
-        self.busy(key);
         self.guarded_body(key, body);
         self.settle(key);
-    }
-
-    /// The pair of `key` in the crash store: both legs may be read or written from now until
-    /// [`Worker::settle`] (a crash meanwhile may lose bytes or cut a frame: not resumable).
-    fn busy(&mut self, key: LegKey) {
-        let peer = self.leg(key).and_then(|leg| leg.peer);
-        for key in std::iter::once(key).chain(peer) {
-            if let Some(slot) = self.leg(key).and_then(|leg| leg.socket.crash_slot()) {
-                slot.set(IO_READING | IO_WRITING);
-            }
-        }
     }
 
     /// The pair of `key` in the crash store once a handler is done: a leg is resumable after a
     /// crash only if the process holds nothing of it (no partial frame, no unparsed frames, no
     /// frame streaming through, no output or owed control frame, no message open, not
-    /// closing); otherwise it is marked holding.
+    /// closing: otherwise `IO_HOLDING`), and its socket is at a frame boundary (otherwise
+    /// `IO_WRITING`: half a frame is on the wire, and no close frame may follow it).
     fn settle(&mut self, key: LegKey) {
         let peer = self.leg(key).and_then(|leg| leg.peer);
         for key in std::iter::once(key).chain(peer) {
@@ -300,7 +290,9 @@ impl Worker {
                 || !leg.output.is_empty()
                 || leg.controls.is_some()
                 || leg.parser.open_message().is_some();
-            slot.assign(if holding { IO_HOLDING } else { 0 });
+            let cut = !leg.cursor.at_boundary();
+            let flags = if holding { IO_HOLDING } else { 0 } | if cut { IO_WRITING } else { 0 };
+            slot.assign(flags);
         }
     }
 
@@ -954,6 +946,9 @@ impl Worker {
         if leg.output.is_empty() && leg.controls.is_none() {
             return;
         }
+        if let Some(slot) = leg.socket.crash_slot() {
+            slot.set(IO_WRITING);
+        }
         let flushed = match leg.controls.as_deref_mut() {
             Some(controls) => leg
                 .output
@@ -1057,6 +1052,9 @@ impl Worker {
                 owes_control = leg.controls.is_some();
                 // A control frame owed to the peer goes first: the frames are queued behind it.
                 if leg.output.is_empty() && !owes_control {
+                    if let Some(slot) = leg.socket.crash_slot() {
+                        slot.set(IO_WRITING);
+                    }
                     match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
@@ -1204,6 +1202,9 @@ impl Worker {
                 self.buf = work;
                 return false;
             };
+            if let Some(slot) = leg.socket.crash_slot() {
+                slot.set(IO_READING);
+            }
             let outcome = read_once(leg.socket.stream(), &mut work);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
@@ -1242,6 +1243,9 @@ impl Worker {
             work[..have].copy_from_slice(&leg.partial[..have]);
             let hangup = leg.hangup_seen;
             let space = work.len() - have;
+            if let Some(slot) = leg.socket.crash_slot() {
+                slot.set(IO_READING);
+            }
             let outcome = read_once(leg.socket.stream(), &mut work[have..]);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
