@@ -32,7 +32,7 @@ try:
     import websockets
     from websockets.client import ClientConnection
     from websockets.exceptions import ConnectionClosed, InvalidStatusCode
-    from websockets.frames import Frame, Opcode
+    from websockets.frames import Opcode
     from websockets.http11 import Response
     from websockets.uri import parse_uri
 except ImportError as error:  # never skipped: the suite installs it
@@ -60,6 +60,10 @@ INVITES_OUTSTANDING = 8
 INVITE_BURST = 8
 PHONES_PER_HOST = 8
 RETRY_AFTER = "2"
+# A close is reported within this of its cause (its deadline, the refused frame): the relay
+# ends the connection as soon as the library has answered its close. (It used to keep it 1 s
+# longer whatever the client did: a 2 s deadline was reported at 3 s.)
+PROMPT = 0.9
 CLOSE_CODES = {
     1000: "normal",
     1002: "protocol error",
@@ -85,7 +89,7 @@ TIMINGS = [
     ("invites outstanding per desktop / `invite-create` rate", "8 / 8 at once, then 1 a second"),
     ("phones per desktop", "8"),
     ("wedge: receiver not draining", "10 s"),
-    ("close frame → TCP dropped when the client does not answer", "1 s"),
+    ("close frame → TCP dropped when the client does not answer", "1 s at most"),
 ]
 # Close reasons the document names.
 REASONS = {
@@ -122,7 +126,11 @@ def eq(got, want, what):
     return check(got == want, f"{what}: got {got!r}, want {want!r}")
 
 
+MEASURED = []  # (what, value, low, high)
+
+
 def between(value, low, high, what):
+    MEASURED.append((what, value, low, high))
     return check(low <= value <= high, f"{what}: {value:.3f} not in [{low:.3f}, {high:.3f}]")
 
 
@@ -239,6 +247,9 @@ async def closed(ws, path=None, timeout=30.0):
     try:
         while True:
             await asyncio.wait_for(ws.recv(), timeout)
+    except asyncio.TimeoutError:
+        fail(f"{path}: not closed within {timeout} s")
+        return None, None, None, time.monotonic()
     except ConnectionClosed as error:
         at = time.monotonic()
         rcvd = (error.rcvd.code, error.rcvd.reason) if error.rcvd else (None, None)
@@ -633,12 +644,12 @@ async def control_refusals(ctx, relay):
         await ws.send(json.dumps(first) if isinstance(first, dict) else first)
         started = time.monotonic()
         at = await expect_close(ws, code, f"control: {what}")
-        check(at - started < 0.5, f"control: {what} reported {at - started:.3f} s after")
+        check(at - started < PROMPT, f"control: {what} reported {at - started:.3f} s after")
     # No hello within 2 s (counted from the upgrade, which comes after `started`).
     started = time.monotonic()
     ws = await connect(url, auth)
     at = await expect_close(ws, 4401, "control: no hello within 2 s")
-    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + 1.0, "control: hello deadline closed at")
+    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + PROMPT, "control: hello deadline closed at")
     # The control's first frame over 1 MiB.
     ws = await connect(url, auth)
     await send_until_refused(ws, b"\x00" * (CONTROL_LIMIT + 1))
@@ -751,7 +762,7 @@ async def phone_refusals(ctx, relay):
     pinger = asyncio.create_task(keep_pinging())
     at = await expect_close(p, 4401, "phone: no first frame within 2 s")
     pinger.cancel()
-    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + 1.0, "phone first-frame deadline at")
+    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + PROMPT, "phone first-frame deadline at")
     # A phone that closes before its first frame: its own code comes back.
     p = await connect(base + desktop.host)
     await p.close(4000, "changed my mind")
@@ -776,7 +787,7 @@ async def data_leg_refusals(ctx, relay):
     started = time.monotonic()
     late = await connect(f"{desktop.cell}/v1/host/data/{open_['connId']}")
     at = await expect_close(late, 4401, "data leg: no first frame within 2 s")
-    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + 1.0, "data leg first-frame deadline at")
+    between(at - started, FIRST_FRAME_S, FIRST_FRAME_S + PROMPT, "data leg first-frame deadline at")
     # The right leg still attaches (the refusals used no attempt of the phone's).
     leg = await data_leg(desktop, open_)
     eq(json.loads(await asyncio.wait_for(p.recv(), 10)), {"type": "relay-hello", "ok": True}, "relay-hello after refusals")
@@ -900,7 +911,7 @@ async def leg_limits(ctx, relay):
             REPORTED["data leg (sans-I/O core): its phone left mid-message"] = (
                 f"received {rcvd.code} {rcvd.reason!r}, sent {sent.code} {sent.reason!r}"
             )
-        check(time.monotonic() - started < 0.5, "the relay kept the leg after its 1002 answer")
+        check(time.monotonic() - started < PROMPT, "the relay kept the leg after its 1002 answer")
     # A frame no client may send (RSV1 without an extension): 1002, its peer 4408.
     p, leg = await splice(desktop)
     raw_write(p, masked_header(0x2, 0, rsv1=True))
@@ -959,7 +970,7 @@ async def keepalive(ctx, relay):
     started = time.monotonic()
     code, reason, at = await quiet.close_report("control: silent (no pong)", timeout=silence + 10)
     eq((code, reason), (4408, REASONS["silent control"]), "a silent control")
-    between(at - started, silence - 0.1, silence + 1.0, "silent control closed after")
+    between(at - started, silence - 0.1, silence + PROMPT, "silent control closed after")
     # One that never answers JSON pings but sends WebSocket pings (the library's keepalive)
     # lives on: any frame counts as life.
     alive = await Desktop.start(ctx, relay, "keepalive by WebSocket pings", ping_interval=silence / 4, answer_pings=False)
@@ -1078,7 +1089,7 @@ async def drain(ctx, relay):
     # phone that never sent its first frame.
     code, reason, at = await stays.close_report("control: drained (4503)", timeout=grace + 10)
     eq(code, 4503, "a control that stayed through the drain")
-    between(at - started, grace - 0.1, grace + 2.0, "4503 after SIGTERM")
+    between(at - started, grace - 0.1, grace + PROMPT, "4503 after SIGTERM")
     await expect_close(p, 4503, "phone: its cell drained")
     await expect_close(leg, 4503, "data leg: its cell drained")
     await expect_close(pending_phone, 4503, "phone: drained before its first frame")
@@ -1166,6 +1177,9 @@ def main():
     eq(SEEN_CODES, set(CLOSE_CODES), "close codes seen")
     eq(SEEN_UPGRADE_STATUSES, UPGRADE_STATUSES, "upgrade refusal statuses seen")
     eq(SEEN_ASSIGN_STATUSES, ASSIGN_STATUSES, "/v1/assign statuses seen")
+    print("timings measured (value, then the bounds checked):")
+    for what, value, low, high in sorted(MEASURED):
+        print(f"  {what}: {value:.3f} in [{low:.3f}, {high:.3f}]")
     print("what the library reported:")
     for path in sorted(REPORTED):
         print(f"  {path}: {REPORTED[path]}")
