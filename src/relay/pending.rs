@@ -64,6 +64,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::context::{Phase, RelayContext};
+use super::frames::CloseAnswer;
 use super::park::{self, Parked, ParkedConn, Wake};
 use super::refuse::{
     close_later, close_pending, refuse, refuse_at_accept, server_frame, write_now,
@@ -133,8 +134,9 @@ pub fn close_parked(context: &RelayContext, parked: Vec<Parked>) {
         let ParkedConn::Pending(stream) = parked.conn else {
             continue;
         };
-        if let park::Stage::FirstFrame { .. } = parked.stage {
-            close_pending(context, stream, CloseCode::Draining, "draining");
+        if let park::Stage::FirstFrame { reader, .. } = parked.stage {
+            let answer = CloseAnswer::after(&reader.buffered);
+            close_pending(context, stream, answer, CloseCode::Draining, "draining");
         }
     }
 }
@@ -768,16 +770,26 @@ impl Plane {
                     }
                     continue;
                 }
-                FirstFrame::Closed => {
+                FirstFrame::Closed(code) => {
                     if let Some(entry) = self.take(slot) {
-                        let _ = write_now(&entry.stream, &server_frame(0x88, &[]));
-                        close_later(&self.context, entry.stream);
+                        // Answered with its own code (RFC 6455 §5.5.1): the handshake is
+                        // complete, so our side ends at once; the descriptor goes with the
+                        // client's end of stream (or the linger).
+                        let payload = code.map_or(Vec::new(), |code| code.to_be_bytes().to_vec());
+                        let _ = write_now(&entry.stream, &server_frame(0x88, &payload));
+                        let _ = entry.stream.shutdown(std::net::Shutdown::Write);
+                        close_later(&self.context, entry.stream, CloseAnswer::unsynced());
                     }
                     return;
                 }
                 FirstFrame::Refused(code) => {
+                    let answer = reader.close_answer();
+                    let reason = match code {
+                        CloseCode::TooBig => "first_frame_too_large",
+                        _ => "first frame",
+                    };
                     if let Some(entry) = self.take(slot) {
-                        close_pending(&self.context, entry.stream, code, "first frame");
+                        close_pending(&self.context, entry.stream, answer, code, reason);
                     }
                     return;
                 }
@@ -857,9 +869,10 @@ impl Plane {
                     None => drop(entry.stream),
                 },
                 Stage::Verifying { .. } => drop(entry.stream),
-                Stage::FirstFrame { .. } => close_pending(
+                Stage::FirstFrame { reader, .. } => close_pending(
                     &self.context,
                     entry.stream,
+                    reader.close_answer(),
                     CloseCode::BadOuterCredential,
                     "first frame late",
                 ),
@@ -1020,7 +1033,7 @@ fn unauthorized(error: &AuthError) -> Refusal {
     Refusal {
         status: 401,
         reason: error.reason_code(),
-        answer: "bad_outer_credential",
+        answer: "unauthorized",
         retry_after_s: None,
     }
 }
