@@ -260,12 +260,17 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --token TOKEN [--test-fault FAULT]`: how `handover` starts the next
-/// process (not for operators).
+/// `--take-over SOCKET --handover-fd FD [--test-fault FAULT]`: how `handover` starts the next
+/// process (not for operators). The token comes on descriptor FD, never on the command line.
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
     let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
-    let token = flag(&flags, "token").ok_or("--take-over needs --token")?;
+    let line = flag(&flags, "handover-fd")
+        .ok_or("--take-over needs --handover-fd")?
+        .parse::<i32>()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or("--handover-fd needs a descriptor number above 2")?;
     let fault = match flag(&flags, "test-fault") {
         Some(name) => Some(
             crate::roles::handover::Fault::parse(name)
@@ -275,13 +280,14 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
     };
     if let Some((name, _)) = flags
         .iter()
-        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "token" | "test-fault"))
+        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "handover-fd" | "test-fault"))
     {
         return Err(format!("unexpected argument --{name}"));
     }
     Ok(crate::roles::handover::TakeOver {
         socket: socket.into(),
-        token: token.to_string(),
+        line,
+        token: String::new(),
         fault,
     })
 }
@@ -333,10 +339,18 @@ pub fn execute(command: Command) -> i32 {
         }
         Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
         Command::Handover(options) => crate::handover_command::run(&options),
-        Command::TakeOver(take_over) => {
+        Command::TakeOver(mut take_over) => {
             if take_over.fault == Some(crate::roles::handover::Fault::ExitAtStart) {
                 // A test's fault: a binary that exits at start.
                 return 3;
+            }
+            // The token first: it comes once the command has made this process an orphan.
+            match crate::roles::handover::read_token(take_over.line) {
+                Ok(token) => take_over.token = token,
+                Err(e) => {
+                    eprintln!("orca-relay: {e}");
+                    return 1;
+                }
             }
             let config = match Config::from_env() {
                 Ok(config) => config,
