@@ -148,10 +148,12 @@ fn hand_over(options: &HandoverOptions, socket: &Path, unknown_wait: Duration) -
     let command = match Channel::connect_trusted(socket, deadline) {
         Ok(command) => command,
         Err(wire::WireError::Untrusted(why)) => return Ending::NotStarted(why),
-        Err(e) => return Ending::NotStarted(format!(
+        Err(e) => {
+            return Ending::NotStarted(format!(
             "no running relay answers at {} ({e}); is it running with this ORCA_RELAY_DATA_DIR?",
             socket.display()
-        )),
+        ))
+        }
     };
     let begin = Begin {
         pid: std::process::id(),
@@ -219,24 +221,23 @@ fn hand_over(options: &HandoverOptions, socket: &Path, unknown_wait: Duration) -
                 to_pid: next.pid,
             },
             NextWord::Ended => {
-                let running = match running.as_ref().map(|r| r.exited_within(Duration::from_secs(1))) {
-                    Some(true) => format!(
-                        "the running relay (pid {}) died during the handover",
-                        accepted.pid
-                    ),
-                    _ => format!(
-                        "the running relay (pid {}) is still running but ended the handover without an outcome",
-                        accepted.pid
-                    ),
-                };
-                let serving = if running.contains("died") {
-                    "no relay serves now (under systemd, Restart= starts one)"
+                let died = running
+                    .as_ref()
+                    .is_some_and(|running| running.exited_within(Duration::from_secs(1)));
+                let (running, serving) = if died {
+                    (
+                        "died during the handover",
+                        "no relay serves now (under systemd, Restart= starts one)",
+                    )
                 } else {
-                    "what it serves is unknown; see its log"
+                    (
+                        "is still running but ended the handover without an outcome",
+                        "what it serves is unknown; see its log",
+                    )
                 };
                 Ending::Failed(format!(
-                    "{running} ({cause}); the new process (pid {}) exited without taking over: {serving}",
-                    next.pid
+                    "the running relay (pid {}) {running} ({cause}); the new process (pid {}) exited without taking over: {serving}",
+                    accepted.pid, next.pid
                 ))
             }
             NextWord::Silent => Ending::Failed(format!(
@@ -310,11 +311,10 @@ impl Next {
                     self.heard = NextWord::Ended;
                     break;
                 }
-                Ok(n) => {
-                    if buf[..n].starts_with(&handover::COMMITTED_WORD[..1]) {
-                        self.heard = NextWord::Committed;
-                        break;
-                    }
+                // The only word the next process writes (`handover::COMMITTED_WORD`).
+                Ok(_) => {
+                    self.heard = NextWord::Committed;
+                    break;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -469,7 +469,12 @@ fn wait_for_outcome(command: &Channel, mut next: Option<&mut Next>) -> Result<Ou
     let mut aborted = false;
     loop {
         let mut watched = vec![command.as_raw_fd()];
-        if let Some(next) = next.as_deref().filter(|_| !aborted) {
+        // The line only until the next process has said its word (or ended): an ended line
+        // stays readable.
+        if let Some(next) = next
+            .as_deref()
+            .filter(|next| next.heard == NextWord::Silent)
+        {
             watched.push(next.line.as_raw_fd());
         }
         match wire::wait_readable(&watched, deadline) {

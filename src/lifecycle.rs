@@ -954,6 +954,37 @@ mod tests {
         assert_eq!(shutdown.request(), ShutdownState::Immediate);
     }
 
+    /// A live handover's commit decision against a stop (issue 31): a stop first refuses the
+    /// commit (the handover rolls back, this process drains); a stop after the decision does
+    /// not move this process (it goes with `committed`, counted until the word is sent); a
+    /// commit that then fails gives the stop back to this process.
+    #[test]
+    fn a_stop_before_the_commit_decision_refuses_it_and_one_after_goes_with_it() {
+        let stopped_first = Shutdown::new();
+        assert_eq!(stopped_first.request(), ShutdownState::Draining);
+        assert!(!stopped_first.commit_handover(42));
+
+        let shutdown = Shutdown::new();
+        assert!(shutdown.commit_handover(42));
+        assert_eq!(shutdown.request(), ShutdownState::Running);
+        assert!(!shutdown.is_draining(), "the stop is the next process's");
+        assert_eq!(shutdown.stops_for_commit(), 1);
+        // After the word: not counted any more (systemd, or this process, signals the next).
+        assert_eq!(shutdown.request(), ShutdownState::Running);
+        assert_eq!(shutdown.stops_for_commit(), 1);
+
+        let failed = Shutdown::new();
+        assert!(failed.commit_handover(42));
+        failed.request();
+        assert!(!failed.is_draining());
+        failed.abandon_handover();
+        assert_eq!(
+            failed.state(),
+            ShutdownState::Draining,
+            "the stop is honoured here"
+        );
+    }
+
     #[test]
     fn drain_callbacks_run_exactly_once_and_late_ones_run_at_once() {
         let shutdown = Shutdown::new();

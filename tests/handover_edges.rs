@@ -13,7 +13,7 @@ mod harness;
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -229,7 +229,7 @@ fn the_command_says_so_when_the_running_relay_dies_during_the_handover() {
 #[test]
 fn the_command_says_committed_when_the_running_relay_exits_before_reporting() {
     use handover_kit::fixture::{self, Captured, Giver};
-    use orca_relay::handover::{self as protocol, body, receive, send, Accepted, Kind};
+    use orca_relay::handover::{self as protocol, receive, send, Accepted, Kind};
     handover_kit::adopt_orphans();
     let dir = fixture::dir(1);
     let read = |name: &str| std::fs::read(dir.join(name)).expect("the fixture");
@@ -266,7 +266,6 @@ fn the_command_says_committed_when_the_running_relay_exits_before_reporting() {
         let handed = giver.hand_over(token, &captured, &from_version, connections + 3);
         // Committed (or not): the stand-in goes away without an outcome.
         drop(command);
-        let _ = body::<Value>;
         (handed, giver)
     })
     .unwrap();
@@ -328,8 +327,11 @@ fn the_command_says_committed_when_the_running_relay_exits_before_reporting() {
 /// and returns every message it received.
 struct Impostor {
     dir: TempDir,
-    thread: Option<std::thread::JoinHandle<Vec<(u8, Vec<u8>)>>>,
+    thread: Option<std::thread::JoinHandle<Messages>>,
 }
+
+/// Messages a socket received: (kind, body).
+type Messages = Vec<(u8, Vec<u8>)>;
 
 impl Impostor {
     fn start() -> Impostor {
@@ -418,7 +420,7 @@ impl Impostor {
         }
     }
 
-    fn received(mut self) -> Vec<(u8, Vec<u8>)> {
+    fn received(mut self) -> Messages {
         self.thread.take().unwrap().join().unwrap()
     }
 }
@@ -718,5 +720,4 @@ fn a_control_whose_write_broke_is_never_resumed_behind_its_half_frame() {
         "{left} bytes of a half frame, and the connection goes on"
     );
     assert!(!frames.is_empty());
-    let _ = PathBuf::new();
 }
