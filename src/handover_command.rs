@@ -448,18 +448,14 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<N
         .write_all(token.as_bytes())
         .and_then(|()| line.shutdown(std::net::Shutdown::Write))
         .and_then(|()| line.set_nonblocking(true));
-    let mut next = Next {
-        pid,
-        line,
-        heard: NextWord::Silent,
+    // A line that cannot be written is one whose other end is gone: the next process exited
+    // already (the running process is told so, as for any exit before confirming).
+    let heard = if sent.is_ok() {
+        NextWord::Silent
+    } else {
+        NextWord::Ended
     };
-    if let Err(e) = sent {
-        next.heard = NextWord::Ended;
-        return Err(format!(
-            "the new process (pid {pid}) did not take its token: {e}"
-        ));
-    }
-    Ok(next)
+    Ok(Next { pid, line, heard })
 }
 
 /// Waits for the running process's outcome, telling it at once if the next process exits
@@ -468,6 +464,21 @@ fn wait_for_outcome(command: &Channel, mut next: Option<&mut Next>) -> Result<Ou
     let deadline = clock::instant() + OUTCOME_WAIT;
     let mut aborted = false;
     loop {
+        if let Some(next) = next.as_deref_mut() {
+            if !aborted && next.listen() == NextWord::Ended {
+                aborted = true;
+                let cause = format!(
+                    "the new process (pid {}) exited before confirming",
+                    next.pid
+                );
+                let _ = send(
+                    command,
+                    Kind::Abort,
+                    &Cause { token: None, cause },
+                    clock::instant() + Duration::from_secs(1),
+                );
+            }
+        }
         let mut watched = vec![command.as_raw_fd()];
         // The line only until the next process has said its word (or ended): an ended line
         // stays readable.
@@ -500,22 +511,6 @@ fn wait_for_outcome(command: &Channel, mut next: Option<&mut Next>) -> Result<Ou
                 ))
             }
             Err(e) => return Err(format!("waiting for the running relay failed: {e}")),
-        }
-        let Some(next) = next.as_deref_mut() else {
-            continue;
-        };
-        if !aborted && next.listen() == NextWord::Ended {
-            aborted = true;
-            let cause = format!(
-                "the new process (pid {}) exited before confirming",
-                next.pid
-            );
-            let _ = send(
-                command,
-                Kind::Abort,
-                &Cause { token: None, cause },
-                clock::instant() + Duration::from_secs(1),
-            );
         }
     }
 }

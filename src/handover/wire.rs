@@ -206,7 +206,7 @@ impl Listener {
     }
 
     /// [`Listener::accept`] with several descriptors that stop the wait (`Ok(None)` when any
-    /// of them becomes readable).
+    /// of them becomes readable and no connection is waiting).
     pub fn accept_until(
         &self,
         stops: &[RawFd],
@@ -235,10 +235,13 @@ impl Listener {
                 }
                 return Err(WireError::Io(error));
             }
-            if fds[1..].iter().any(|fd| fd.revents != 0) {
-                return Ok(None);
-            }
+            // A connection that is already waiting is taken before a stop: a next process that
+            // failed connects to say why before it exits, and its command then says only that it
+            // exited; the cause it gave must win.
             if fds[0].revents == 0 {
+                if fds[1..].iter().any(|fd| fd.revents != 0) {
+                    return Ok(None);
+                }
                 continue;
             }
             // SAFETY: accept4(2) on our listening socket; no address wanted.
