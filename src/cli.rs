@@ -156,13 +156,18 @@ reads its configuration and opens its store; only then does the running one paus
 its listeners, every connection and its state, and exit once the next one has confirmed.
 Streams pause for well under a second. If anything fails before that (a configuration the
 next process refuses, a crash, a state it cannot read, 10 s without a confirmation), the
-running process keeps every connection and serves on.
+running process keeps every connection and serves on. A stop (SIGTERM) of the running
+process before the commit rolls the handover back and that process drains.
+
+Only a handover socket of this user is spoken to: a data directory another user owns or can
+write to, or a socket whose listening process runs as another user, is refused.
 
   --binary PATH   start this binary instead of the one this command runs from
 
 Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
-process owns everything; exit 1 with the cause otherwise. The listening addresses and the
-role cannot change this way: restart for those.
+process owns everything; exit 1 with one line saying what happened otherwise (rolled back and
+the running relay keeps serving; nothing asked; or the running relay died during the
+handover). The listening addresses and the role cannot change this way: restart for those.
 ";
 
 const CLIENT_PHONE_HELP: &str = "\
