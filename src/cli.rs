@@ -156,13 +156,18 @@ reads its configuration and opens its store; only then does the running one paus
 its listeners, every connection and its state, and exit once the next one has confirmed.
 Streams pause for well under a second. If anything fails before that (a configuration the
 next process refuses, a crash, a state it cannot read, 10 s without a confirmation), the
-running process keeps every connection and serves on.
+running process keeps every connection and serves on. A stop (SIGTERM) of the running
+process before the commit rolls the handover back and that process drains.
+
+Only a handover socket of this user is spoken to: a data directory another user owns or can
+write to, or a socket whose listening process runs as another user, is refused.
 
   --binary PATH   start this binary instead of the one this command runs from
 
 Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
-process owns everything; exit 1 with the cause otherwise. The listening addresses and the
-role cannot change this way: restart for those.
+process owns everything; exit 1 with one line saying what happened otherwise (rolled back and
+the running relay keeps serving; nothing asked; or the running relay died during the
+handover). The listening addresses and the role cannot change this way: restart for those.
 ";
 
 const CLIENT_PHONE_HELP: &str = "\
@@ -260,12 +265,17 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --token TOKEN [--test-fault FAULT]`: how `handover` starts the next
-/// process (not for operators).
+/// `--take-over SOCKET --handover-fd FD [--test-fault FAULT]`: how `handover` starts the next
+/// process (not for operators). The token comes on descriptor FD, never on the command line.
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
     let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
-    let token = flag(&flags, "token").ok_or("--take-over needs --token")?;
+    let line = flag(&flags, "handover-fd")
+        .ok_or("--take-over needs --handover-fd")?
+        .parse::<i32>()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or("--handover-fd needs a descriptor number above 2")?;
     let fault = match flag(&flags, "test-fault") {
         Some(name) => Some(
             crate::roles::handover::Fault::parse(name)
@@ -275,13 +285,14 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
     };
     if let Some((name, _)) = flags
         .iter()
-        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "token" | "test-fault"))
+        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "handover-fd" | "test-fault"))
     {
         return Err(format!("unexpected argument --{name}"));
     }
     Ok(crate::roles::handover::TakeOver {
         socket: socket.into(),
-        token: token.to_string(),
+        line,
+        token: String::new(),
         fault,
     })
 }
@@ -337,10 +348,18 @@ pub fn execute(command: Command) -> i32 {
             crate::roles::run(config).map_err(|e| e.to_string())
         }),
         Command::Handover(options) => crate::handover_command::run(&options),
-        Command::TakeOver(take_over) => {
+        Command::TakeOver(mut take_over) => {
             if take_over.fault == Some(crate::roles::handover::Fault::ExitAtStart) {
                 // A test's fault: a binary that exits at start.
                 return 3;
+            }
+            // The token first: it comes once the command has made this process an orphan.
+            match crate::roles::handover::read_token(take_over.line) {
+                Ok(token) => take_over.token = token,
+                Err(e) => {
+                    eprintln!("orca-relay: {e}");
+                    return 1;
+                }
             }
             let config = match Config::from_env() {
                 Ok(config) => config,

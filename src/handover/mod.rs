@@ -27,6 +27,11 @@ pub const HANDOVER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The file name of the running process's handover socket in `ORCA_RELAY_DATA_DIR`.
 pub const SOCKET_NAME: &str = "handover.sock";
 
+/// What the next process writes on the `handover` command's line once it has been committed
+/// (the line is an inherited unix socket; its end without this word means the next process
+/// ended without taking over).
+pub const COMMITTED_WORD: &[u8] = b"committed\n";
+
 /// Where a process whose data directory is `data_dir` listens for handovers.
 pub fn socket_path(data_dir: &Path) -> PathBuf {
     data_dir.join(SOCKET_NAME)
@@ -120,6 +125,16 @@ pub struct Outcome {
     pub paused_ms: u64,
     /// From the begin to the commit (or the rollback).
     pub took_ms: u64,
+}
+
+/// running → next: the commit point's word.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Committed {
+    /// A stop (SIGTERM) reached the running process after its commit decision: the next
+    /// process begins its drain as soon as it serves. (Absent from an older build: false.)
+    #[serde(default)]
+    pub stop: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

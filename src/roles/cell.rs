@@ -219,12 +219,17 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         registry: registry.clone(),
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
+        shutdown: shutdown.clone(),
     });
     log::info!(
         "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation} version={}",
         config.cell_id,
         crate::handover::version()
     );
+    // A stop the running process was asked for after its commit decision: drain now.
+    if taker.as_ref().is_some_and(|taker| taker.stop_requested()) {
+        shutdown.drain_inherited();
+    }
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }

@@ -359,6 +359,7 @@ pub fn run(
         registry: registry.clone(),
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
+        shutdown: shutdown.clone(),
     });
     log::info!(
         "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation} version={}",
@@ -366,6 +367,10 @@ pub fn run(
         crate::handover::version()
     );
 
+    // A stop the running process was asked for after its commit decision: drain now.
+    if taker.as_ref().is_some_and(|taker| taker.stop_requested()) {
+        shutdown.drain_inherited();
+    }
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }

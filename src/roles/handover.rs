@@ -34,8 +34,8 @@ use crate::carry::{read_document, write_document, MAX_DOCUMENT, READS, STATE_VER
 use crate::clock::{self, SharedClock};
 use crate::handover::wire::{self, Channel};
 use crate::handover::{
-    self as protocol, body, receive, send, Accepted, Begin, Cause, Kind, Outcome, Ready, Transfer,
-    HANDOVER_TIMEOUT,
+    self as protocol, body, receive, send, Accepted, Begin, Cause, Committed, Kind, Outcome, Ready,
+    Transfer, HANDOVER_TIMEOUT,
 };
 use crate::http::HttpServer;
 use crate::metrics::Registry;
@@ -79,6 +79,9 @@ pub struct GiverParts {
     pub registry: Registry,
     pub clock: SharedClock,
     pub data_dir: PathBuf,
+    /// The process's stop: a stop requested before the commit rolls the handover back (this
+    /// process then drains); one after it is the next process's.
+    pub shutdown: crate::lifecycle::Shutdown,
 }
 
 /// The running `handover` thread.
@@ -104,6 +107,13 @@ impl Giver {
         };
         let stop = crate::wake::Wake::new().ok()?;
         let thread_stop = stop.clone();
+        // A stop (SIGTERM) wakes a handover's waits at once: it rolls back and the drain
+        // follows.
+        let stopping = crate::wake::Wake::new().ok()?;
+        {
+            let stopping = stopping.clone();
+            parts.shutdown.on_drain(Box::new(move || stopping.set()));
+        }
         let handle = threads::spawn("handover", move || {
             // A lasting accept failure (no descriptors left) logs once, then at the throttle's
             // interval with its count.
@@ -114,7 +124,7 @@ impl Giver {
                 match listener.accept(thread_stop.raw_fd(), far) {
                     Ok(Some(command)) => {
                         failures.success();
-                        serve_request(&parts, &listener, command)
+                        serve_request(&parts, &listener, command, &stopping)
                     }
                     Ok(None) => return,
                     Err(wire::WireError::TimedOut) => continue,
@@ -152,8 +162,17 @@ fn refuse(channel: &Channel, cause: &str) {
     );
 }
 
+/// The cause of a handover rolled back for a stop requested before its commit.
+const STOP_CAUSE: &str =
+    "a stop (SIGTERM) was requested during the handover: the running relay drains instead";
+
 /// One `orca-relay handover`, from its `begin` to its outcome.
-fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel) {
+fn serve_request(
+    parts: &GiverParts,
+    listener: &wire::Listener,
+    command: Channel,
+    stopping: &crate::wake::Wake,
+) {
     let started = clock::instant();
     let deadline = started + HANDOVER_TIMEOUT;
     let begin: Begin = match receive(&command, started + Duration::from_secs(2)) {
@@ -175,6 +194,9 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
     let Ok(_in_progress) = parts.cell.handover.try_lock() else {
         return refuse(&command, "the running relay is draining");
     };
+    if parts.shutdown.is_draining() {
+        return refuse(&command, "the running relay is draining");
+    }
     let Some(token) = protocol::token() else {
         return refuse(&command, "no randomness for the handover's token");
     };
@@ -199,15 +221,20 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
         quiesced: None,
         started,
         deadline,
+        stopping,
     };
     // A panic in a step rolls back like any failure: otherwise the relay threads would stay
     // held and the acceptor stopped with nobody to resume them (never half a handover).
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // A stop requested at any point before the commit ends the handover at the next
+        // step (the waits wake for it), and the commit decision itself is taken against it.
         flight
             .wait_for_next(listener, &token)
+            .and_then(|()| flight.not_stopping())
             .and_then(|()| flight.quiesce())
             .and_then(|snapshot| flight.transfer_cell(snapshot))
             .and_then(|()| flight.await_next(Kind::Built))
+            .and_then(|()| flight.not_stopping())
             .and_then(|()| flight.park_workers())
             .and_then(|snapshot| flight.transfer_pairs(snapshot))
             .and_then(|()| flight.await_next(Kind::Confirm))
@@ -242,13 +269,25 @@ struct InFlight<'a> {
     quiesced: Option<Quiesced>,
     started: Instant,
     deadline: Instant,
+    /// Set when a stop is requested (the process's drain callback).
+    stopping: &'a crate::wake::Wake,
 }
 
 impl InFlight<'_> {
+    /// `Err` once a stop has been requested: the handover rolls back and the drain follows.
+    fn not_stopping(&self) -> Result<(), String> {
+        if self.parts.shutdown.is_draining() {
+            return Err(STOP_CAUSE.into());
+        }
+        Ok(())
+    }
+
     /// Waits for the next process's `ready` (or its `failed`, or the command's `abort`).
     fn wait_for_next(&mut self, listener: &wire::Listener, token: &str) -> Result<(), String> {
         loop {
-            let arrived = match listener.accept(self.command.as_raw_fd(), self.deadline) {
+            self.not_stopping()?;
+            let stops = [self.command.as_raw_fd(), self.stopping.raw_fd()];
+            let arrived = match listener.accept_until(&stops, self.deadline) {
                 Ok(arrived) => arrived,
                 Err(wire::WireError::TimedOut) => {
                     return Err("the new process was not ready within 10 s".into())
@@ -256,6 +295,7 @@ impl InFlight<'_> {
                 Err(e) => return Err(format!("the handover socket failed: {e}")),
             };
             let Some(channel) = arrived else {
+                self.not_stopping()?;
                 // The command spoke (or went away): only an abort is expected.
                 return Err(self.command_cause());
             };
@@ -474,16 +514,19 @@ impl InFlight<'_> {
             .map(|(next, _)| next.as_raw_fd())
             .ok_or("no new process")?;
         loop {
-            let watched: Vec<RawFd> = if self.command_open {
-                vec![next_fd, self.command.as_raw_fd()]
-            } else {
-                vec![next_fd]
-            };
+            self.not_stopping()?;
+            let mut watched: Vec<RawFd> = vec![next_fd, self.stopping.raw_fd()];
+            if self.command_open {
+                watched.push(self.command.as_raw_fd());
+            }
             let ready = wire::wait_readable(&watched, self.deadline).map_err(|e| match e {
                 wire::WireError::TimedOut => "the new process did not confirm within 10 s".into(),
                 other => format!("waiting for the new process failed: {other}"),
             })?;
             if ready.get(1).copied().unwrap_or(false) {
+                continue;
+            }
+            if ready.get(2).copied().unwrap_or(false) {
                 let cause = self.command_cause();
                 if self.command_open {
                     return Err(cause);
@@ -508,13 +551,19 @@ impl InFlight<'_> {
         }
     }
 
-    /// The commit point: systemd follows the next process first, then `committed`.
+    /// The commit point: decided against a stop (one requested before rolls back: this
+    /// process drains), systemd follows the next process first, then `committed`, carrying a
+    /// stop that arrived since the decision (the next process drains at once).
     fn commit(&mut self) -> Result<(), String> {
         let (next, ready) = self.next.as_ref().ok_or("no new process")?;
         // Every removal of a connection this process closed reaches the manager's store before
         // the next process owns it (and this one exits without a word more).
         if let Some(store) = &self.parts.cell.context.crash {
             store.wait_sent(Duration::from_millis(500));
+        }
+        let shutdown = &self.parts.shutdown;
+        if !shutdown.commit_handover(ready.pid) {
+            return Err(STOP_CAUSE.into());
         }
         let under_systemd = crate::lifecycle::notify_socket().is_some();
         if under_systemd {
@@ -523,10 +572,13 @@ impl InFlight<'_> {
                 log::warn!("orca_relay_handover_barrier_failed error={e}");
             }
         }
+        let committed = Committed {
+            stop: shutdown.stops_for_commit() > 0,
+        };
         let sent = send(
             next,
             Kind::Committed,
-            &serde_json::json!({}),
+            &committed,
             clock::instant() + Duration::from_secs(2),
         );
         if let Err(e) = sent {
@@ -534,7 +586,15 @@ impl InFlight<'_> {
                 crate::lifecycle::notify_main_pid(std::process::id());
                 let _ = crate::lifecycle::notify_barrier(Duration::from_secs(2));
             }
+            // Serving on: a stop that came meanwhile is this process's again.
+            shutdown.abandon_handover();
             return Err(format!("the new process went away before the commit: {e}"));
+        }
+        if committed.stop {
+            log::info!(
+                "orca_relay_handover_stop_passed_on to_pid={} note=the_new_process_drains",
+                ready.pid
+            );
         }
         Ok(())
     }
@@ -746,12 +806,94 @@ pub fn committed() -> bool {
     COMMITTED.load(Ordering::Acquire)
 }
 
-/// How the next process was started: `orca-relay run --take-over <socket> --token <token>`.
+/// How the next process was started: `orca-relay run --take-over <socket> --handover-fd <fd>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TakeOver {
     pub socket: PathBuf,
+    /// The command's line to this process (an inherited unix socket): the token arrives on it,
+    /// and `committed` goes back on it (see [`read_token`]).
+    pub line: RawFd,
+    /// Read from the line (empty until then).
     pub token: String,
     pub fault: Option<Fault>,
+}
+
+/// The longest token read from the command's line.
+const MAX_TOKEN: u64 = 1024;
+
+/// How long the next process waits for its token: the command writes it as soon as it has
+/// reaped the process that started this one.
+const TOKEN_WAIT: Duration = Duration::from_secs(10);
+
+/// The command's line, kept to tell it `committed` (then closed).
+static COMMAND_LINE: Mutex<Option<std::os::unix::net::UnixStream>> = Mutex::new(None);
+
+/// Takes the command's line (descriptor `fd`, inherited) and reads the one-time token from it
+/// up to its end. The command writes it only once this process is an orphan (its parent is
+/// the one that reaps orphans: systemd under systemd), so nothing this process says can make
+/// it the unit's main process before that. The token never travels on a command line.
+pub fn read_token(fd: RawFd) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    let mut stat: libc::stat = unsafe {
+        // SAFETY: plain old data, filled by fstat below.
+        std::mem::zeroed()
+    };
+    // SAFETY: fstat(2) into a struct we own; fails cleanly on a descriptor that is not open.
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(format!(
+            "--handover-fd {fd} is not the handover command's line (start the next process with `orca-relay handover`)"
+        ));
+    }
+    // SAFETY: F_SETFD on an inherited descriptor: not passed on to any process this one
+    // starts.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    // SAFETY: the descriptor was inherited for this process alone, which owns it from here.
+    let line = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    let deadline = clock::instant() + TOKEN_WAIT;
+    let mut token = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        let left = deadline.saturating_duration_since(clock::instant());
+        if left.is_zero() {
+            return Err("no token from the handover command within 10 s".into());
+        }
+        let _ = line.set_read_timeout(Some(left));
+        match (&line)
+            .take(MAX_TOKEN + 1 - token.len() as u64)
+            .read(&mut buf)
+        {
+            Ok(0) => break,
+            Ok(n) => {
+                token.extend_from_slice(&buf[..n]);
+                if token.len() as u64 > MAX_TOKEN {
+                    return Err("the handover command's token is too long".into());
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("cannot read the handover command's token: {e}")),
+        }
+    }
+    let token = String::from_utf8(token)
+        .ok()
+        .filter(|token| !token.is_empty() && token.bytes().all(|b| b.is_ascii_graphic()))
+        .ok_or("the handover command sent no usable token")?;
+    *COMMAND_LINE.lock().unwrap_or_else(|e| e.into_inner()) = Some(line);
+    Ok(token)
+}
+
+/// Tells the command this process was committed (it owns everything now), then closes the
+/// line. The command relies on it when the running process went away without an outcome.
+fn tell_command_committed() {
+    use std::io::Write;
+    let line = COMMAND_LINE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(line) = line {
+        let _ = line.set_write_timeout(Some(Duration::from_secs(1)));
+        let _ = (&line).write_all(protocol::COMMITTED_WORD);
+    }
 }
 
 /// The next process's side of the handover, from `ready` to the giver's word.
@@ -770,12 +912,15 @@ pub struct Taker {
     pub received_at: Instant,
     /// Milestones for the log line (from `received_at`).
     marks: Vec<(&'static str, Instant)>,
+    /// The running process was asked to stop after its commit decision: this one drains as
+    /// soon as it serves.
+    stop_requested: bool,
 }
 
 /// A take-over that could not go on: tell the giver (which rolls back) and stop.
 pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
     let deadline = clock::instant() + Duration::from_secs(2);
-    if let Ok(channel) = Channel::connect(socket, deadline) {
+    if let Ok(channel) = Channel::connect_trusted(socket, deadline) {
         let _ = send(
             &channel,
             Kind::Failed,
@@ -798,7 +943,8 @@ impl Taker {
         clock: &SharedClock,
     ) -> Result<Taker, RunError> {
         let deadline = clock::instant() + TAKER_WAIT;
-        let channel = Channel::connect(&take_over.socket, deadline).map_err(|e| {
+        // Only a listener of this user hears the token (`connect_trusted`).
+        let channel = Channel::connect_trusted(&take_over.socket, deadline).map_err(|e| {
             RunError(format!(
                 "cannot reach the running relay at {}: {e}",
                 take_over.socket.display()
@@ -883,6 +1029,7 @@ impl Taker {
             pairs: Vec::new(),
             received_at,
             marks: Vec::new(),
+            stop_requested: false,
         })
     }
 
@@ -916,6 +1063,12 @@ impl Taker {
         let committed = self.commit(cell)?;
         cell.resume_threads()?;
         Ok(committed)
+    }
+
+    /// Whether the running process passed on a stop with `committed`: the caller begins the
+    /// drain ([`crate::lifecycle::Shutdown::drain_inherited`]) once it serves.
+    pub fn stop_requested(&self) -> bool {
+        self.stop_requested
     }
 
     /// The line of a take-over done (logged once the HTTP listener serves too).
@@ -1169,7 +1322,10 @@ impl Taker {
         )
         .map_err(|e| RunError(format!("the running relay did not hear confirm: {e}")))?;
         match receive(&self.channel, deadline) {
-            Ok((Kind::Committed, _)) => {}
+            Ok((Kind::Committed, message)) => {
+                // An older running process sends `{}`: no stop.
+                self.stop_requested = body::<Committed>(&message).is_ok_and(|c| c.stop);
+            }
             Ok(_) | Err(_) => {
                 // Rolled back (or no word): exit without touching a connection.
                 log::logger().flush();
@@ -1177,6 +1333,7 @@ impl Taker {
             }
         }
         COMMITTED.store(true, Ordering::Release);
+        tell_command_committed();
         self.mark("committed");
         // The streams first: a thousand relay threads waking at once at the gate must not
         // stand between a splice worker and its pairs.
