@@ -24,7 +24,24 @@ const ENV: &[(&str, &str)] = &[
     ("ORCA_RELAY_SILENCE_MS", "20000"),
 ];
 
+/// Waits until the relay holds nothing of any kept connection (every read acted on, every write
+/// done): what a kill now finds is resumable.
+fn settled(relay: &Relay) {
+    assert!(
+        harness::wait_until(Duration::from_secs(10), || {
+            relay.metric("orca_relay_crash_store_slots{state=\"unsettled\"}") == Some(0.0)
+        }),
+        "never settled: {:?}",
+        relay.metric("orca_relay_crash_store_slots{state=\"unsettled\"}")
+    );
+}
+
 fn kill(relay: &mut Relay) {
+    settled(relay);
+    kill_now(relay);
+}
+
+fn kill_now(relay: &mut Relay) {
     relay.signal("KILL");
     assert!(
         relay.wait_exit(Duration::from_secs(10)).is_some(),
@@ -149,11 +166,11 @@ fn a_control_with_half_a_frame_read_is_closed_1012_and_its_pairs_with_it() {
         .get_mut()
         .write_all(&[0x81, 0x85])
         .expect("half a header");
+    // The relay holds them (its control is unsettled) and the rest is settled.
     assert!(harness::wait_until(Duration::from_secs(5), || {
-        relay.metric("orca_relay_connections{kind=\"control\"}") == Some(2.0)
+        relay.metric("orca_relay_crash_store_slots{state=\"unsettled\"}") == Some(1.0)
     }));
-    orca_relay::clock::sleep(Duration::from_millis(300));
-    kill(&mut relay);
+    kill_now(&mut relay);
     let relay = manager
         .launch(dir.clone(), ENV)
         .expect_listening("orca_relay_started");
@@ -239,6 +256,15 @@ fn a_crash_after_a_live_handover_resumes_what_the_next_process_kept() {
     );
     assert!(stored_connections(&manager, 5));
     exchange(&mut phone, &mut leg, b"after the handover");
+    // The next process is done with that message too (a kill while it still acts on it would
+    // close the pair 1012).
+    let next_http = relay.http.clone();
+    assert!(harness::wait_until(Duration::from_secs(10), || {
+        handover_kit::metric(
+            &next_http,
+            "orca_relay_crash_store_slots{state=\"unsettled\"}",
+        ) == Some(0.0)
+    }));
 
     // SAFETY: a signal to the process the handover started.
     unsafe { libc::kill(next as i32, libc::SIGKILL) };
@@ -261,4 +287,47 @@ fn a_crash_after_a_live_handover_resumes_what_the_next_process_kept() {
         expect_ping(&mut desktop.control);
     }
     exchange(&mut leg, &mut phone, b"after the crash");
+}
+
+#[test]
+fn a_pair_whose_reader_lags_is_not_resumed_behind_the_bytes_the_relay_held() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-lagging"));
+    let mut relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktop = Desktop::connect(&relay);
+    let (phone, _leg) = splice(&relay, &mut desktop);
+    assert!(stored_connections(&manager, 3));
+    // The desktop's data leg reads nothing: what the phone sends piles up in the kernel's
+    // buffers, then in the relay's output for the leg (which the crash would lose).
+    let sender = orca_relay::threads::spawn("test-phone-sender", move || {
+        let mut phone = phone;
+        for _ in 0..32 {
+            if phone.send(Message::binary(vec![9u8; 1 << 20])).is_err() {
+                break;
+            }
+        }
+        phone
+    })
+    .unwrap();
+    assert!(
+        harness::wait_until(Duration::from_secs(20), || {
+            relay.metric("orca_relay_crash_store_slots{state=\"unsettled\"}") >= Some(1.0)
+        }),
+        "the relay never held output for the lagging leg"
+    );
+    kill_now(&mut relay);
+    let relay = manager
+        .launch(dir, ENV)
+        .expect_listening("orca_relay_started");
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
+        .unwrap();
+    assert!(resumed.contains("controls=1 pairs=0"), "{resumed}");
+    expect_ping(&mut desktop.control);
+    let mut phone = sender.join().unwrap();
+    // The phone hears 1012 (its own sends may have failed first, once the relay shut it).
+    let code = read_close(&mut phone);
+    assert!(matches!(code, Some(1012) | None), "{code:?}");
 }

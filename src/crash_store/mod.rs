@@ -151,12 +151,17 @@ impl CrashStore {
             let store = store.clone();
             registry.sampled_gauge(
                 "orca_relay_crash_store_slots",
-                "Crash-store slots: in use, and in all.",
+                "Crash-store slots: in use, in use by a connection a crash now could not resume (a read or a write under way, bytes held), and in all.",
                 move || {
                     let total = store.region.slots() as f64;
                     let free = store.lock_free().len() as f64;
+                    // Free slots have no flags: every slot is looked at, no lock taken.
+                    let unsettled = (0..store.region.slots())
+                        .filter(|index| store.region.io(*index).load(Ordering::Relaxed) != 0)
+                        .count() as f64;
                     vec![
                         (vec![("state".into(), "used".into())], total - free),
+                        (vec![("state".into(), "unsettled".into())], unsettled),
                         (vec![("state".into(), "total".into())], total),
                     ]
                 },
