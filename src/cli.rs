@@ -325,7 +325,7 @@ pub fn execute(command: Command) -> i32 {
             0
         }
         Command::CheckConfig => {
-            let lookup = |name: &str| std::env::var(name).ok();
+            let lookup = |name: &str| std::env::var_os(name);
             let (code, out, err) = check_config(&lookup);
             print!("{out}");
             eprint!("{err}");
@@ -430,11 +430,12 @@ pub fn execute(command: Command) -> i32 {
 
 /// `check-config` over `lookup`: (exit code, stdout, stderr). Valid: every variable with its
 /// effective value (secrets masked), then `config ok: role=… (N variables set)`. Not valid:
-/// every problem, one line each, then `N problems`.
-pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, String) {
+/// every problem, one line each, then `N problems` (a value that is not valid UTF-8 among
+/// them, SPEC §13).
+pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32, String, String) {
     use std::fmt::Write as _;
     let (mut out, mut err) = (String::new(), String::new());
-    match Config::from_lookup_all(lookup) {
+    match Config::from_os_lookup_all(lookup) {
         Ok(config) => {
             // The CA file is read as a start would read it, before anything is printed.
             let database_tls = match &config.database_tls {
@@ -479,7 +480,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                 out,
                 "config ok: role={} ({} variables set)",
                 config.role.as_str(),
-                Config::variables_set(lookup)
+                Config::variables_set(&|name| Config::text_lookup(lookup, name))
             );
             (0, out, err)
         }

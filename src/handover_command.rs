@@ -72,6 +72,14 @@ pub fn data_dir_from(lookup: &dyn Fn(&str) -> Option<String>) -> PathBuf {
 
 /// Runs the command; prints one line; returns the exit code.
 pub fn run(options: &HandoverOptions) -> i32 {
+    // A data directory that is not UTF-8 is refused as `run` refuses it (SPEC §13), not read
+    // as unset (which would look for the running relay in `./data`).
+    if std::env::var_os("ORCA_RELAY_DATA_DIR").is_some_and(|dir| dir.to_str().is_none()) {
+        eprintln!(
+            "orca-relay handover: failed before asking the running relay: invalid ORCA_RELAY_DATA_DIR: the value is not valid UTF-8"
+        );
+        return 1;
+    }
     let data_dir = data_dir_from(&|name| std::env::var(name).ok());
     match hand_over(options, &handover::socket_path(&data_dir)) {
         Ok(outcome) => {
