@@ -260,8 +260,8 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --token TOKEN [--test-fault FAULT]`: how `handover` starts the next
-/// process (not for operators).
+/// `--take-over SOCKET --token TOKEN [--test-fault FAULT] [--listening JSON]`: how `handover`
+/// starts the next process (not for operators).
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
     let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
@@ -273,16 +273,22 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         ),
         None => None,
     };
-    if let Some((name, _)) = flags
-        .iter()
-        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "token" | "test-fault"))
-    {
+    let listening = flag(&flags, "listening")
+        .map(crate::handover::Listening::from_arg)
+        .transpose()?;
+    if let Some((name, _)) = flags.iter().find(|(name, _)| {
+        !matches!(
+            name.as_str(),
+            "take-over" | "token" | "test-fault" | "listening"
+        )
+    }) {
         return Err(format!("unexpected argument --{name}"));
     }
     Ok(crate::roles::handover::TakeOver {
         socket: socket.into(),
         token: token.to_string(),
         fault,
+        listening,
     })
 }
 

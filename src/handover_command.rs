@@ -124,7 +124,7 @@ fn hand_over(options: &HandoverOptions, socket: &Path) -> Result<(u32, Outcome),
         Ok(_) => return Err("the running relay answered something unexpected".into()),
         Err(e) => return Err(format!("no answer from the running relay: {e}")),
     };
-    let mut child = start_next(options, socket, &accepted.token)?;
+    let mut child = start_next(options, socket, &accepted)?;
     let outcome = wait_for_outcome(&command, &mut child);
     match &outcome {
         // Rolled back: the next process was told to exit; one that lingers is killed.
@@ -150,7 +150,11 @@ fn hand_over(options: &HandoverOptions, socket: &Path) -> Result<(u32, Outcome),
 
 /// Starts the next process: the binary, with this command's environment, in a session of its
 /// own, its output where this command's goes until it adopts the running process's.
-fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<Child, String> {
+fn start_next(
+    options: &HandoverOptions,
+    socket: &Path,
+    accepted: &Accepted,
+) -> Result<Child, String> {
     let binary = match &options.binary {
         Some(binary) => binary.clone(),
         None => {
@@ -163,7 +167,7 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<C
         .arg("--take-over")
         .arg(socket)
         .arg("--token")
-        .arg(token)
+        .arg(&accepted.token)
         // Its standard error is this command's until it adopts the running process's; its
         // standard output is nobody's (a caller reading this command's output to its end must
         // not wait for the relay).
@@ -171,6 +175,11 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<C
         .stdout(Stdio::null());
     if let Some(fault) = &options.test_fault {
         command.arg("--test-fault").arg(fault);
+    }
+    // What the running process listens on: the next one refuses, before it says `ready`, an
+    // address it would not hold (a changed listening address needs a restart).
+    if let Some(listening) = &accepted.listening {
+        command.arg("--listening").arg(listening.to_arg());
     }
     {
         use std::os::unix::process::CommandExt;
@@ -303,6 +312,7 @@ mod tests {
                     token: "t".into(),
                     pid: std::process::id(),
                     version: handover::version(),
+                    listening: None,
                 };
                 send(&command, Kind::Accepted, &accepted, soon()).unwrap();
                 // The next process has started; the running one goes away without a word.

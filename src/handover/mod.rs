@@ -95,6 +95,37 @@ pub struct Accepted {
     pub token: String,
     pub pid: u32,
     pub version: String,
+    /// The running process's listeners (absent from a build before issue 31): the command
+    /// passes them to the next process (`--listening`), which refuses, before it says `ready`,
+    /// a configured address they are not bound to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listening: Option<Listening>,
+}
+
+/// The listeners a handover carries, as the running process holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Listening {
+    pub ws: std::net::SocketAddr,
+    pub http: std::net::SocketAddr,
+    /// Held by systemd (the socket units' `ListenStream=`, passed at a start and carried by
+    /// every handover since): the unit decides that address, not `ORCA_RELAY_WS_ADDR`, as at
+    /// any start.
+    #[serde(default)]
+    pub ws_from_systemd: bool,
+    #[serde(default)]
+    pub http_from_systemd: bool,
+}
+
+impl Listening {
+    /// The form `--listening` takes on the next process's command line.
+    pub fn to_arg(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_arg(arg: &str) -> Result<Listening, String> {
+        serde_json::from_str(arg).map_err(|e| format!("a malformed --listening: {e}"))
+    }
 }
 
 /// A cause: why a step was refused or failed.

@@ -31,11 +31,25 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
-    let verifier = super::process::verifier(&config, &clock)?;
+    let (verifier, unsaved_key) =
+        super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = super::process::open_store(&config)?;
-    let (migrated, migrator) = super::process::migrate_in_background(&store, || Ok(()))?;
+    // The next process of a handover writes nothing outside its memory before the commit: its
+    // migrations run after it (`migrate_after_commit`).
+    let (migrated, mut migrator) = match &take_over {
+        Some(_) => (super::process::carried_schema(), None),
+        None => super::process::migrate_in_background(&store, || Ok(()))?,
+    };
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
+        Some(take_over) => {
+            // Before `ready`: what this process would serve, proven (SPEC §13).
+            if let Some(listening) = &take_over.listening {
+                super::process::check_carried_listeners(&config, listening)?;
+            }
+            let wait = super::process::STORE_PROOF_WAIT;
+            super::process::prove_store_writable(&config, &store, wait)?;
+            Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?)
+        }
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(
@@ -46,8 +60,14 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     );
 
     // 1. Both listeners first: /health answers while the handshake runs.
-    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let handed = taker
+        .as_mut()
+        .map(|taker| taker.listeners(&config))
+        .transpose()?;
     let listeners = super::process::listeners(&config, handed, true)?;
+    let listening = listeners
+        .listening()
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -123,8 +143,20 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
 
     let http = match taker.as_mut() {
         Some(taker) => {
-            // Every connection behind the gate, then the commit; only then any I/O.
-            let received = taker.take_over(&cell, &registry, &clock)?;
+            // Every connection behind the gate, then the commit; only then any I/O, and the
+            // first write outside this process's memory.
+            let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                if let Some(key) = unsaved_key {
+                    key.save();
+                }
+                super::process::migrate_after_commit(
+                    &store,
+                    &migrated,
+                    || Ok(()),
+                    super::process::MIGRATE_AFTER_COMMIT_WAIT,
+                )
+            })?;
+            migrator = migrating;
             let http = start_http(http_listener)?;
             taker.log_received(received);
             http
@@ -194,6 +226,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         registry: registry.clone(),
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
+        listening,
     });
     log::info!(
         "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation} version={}",
