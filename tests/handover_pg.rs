@@ -371,6 +371,11 @@ fn a_store_the_next_process_cannot_write_fails_the_reload() {
     assert_eq!(finished.messages_received, finished.messages_sent);
     assert_eq!(cell.count_log("orca_relay_handover_failed"), 2);
     assert_eq!(cell.count_log("orca_relay_handover_committed"), 0);
+    assert_eq!(
+        cell.count_log("orca_relay_dead_man_stopped"),
+        0,
+        "refused before ready: the cell never quiesced"
+    );
     assert_eq!(cell.get("/ready").0, 200);
     assert_eq!(placed(&director).1, format!("ws://{}", cell.ws));
 }

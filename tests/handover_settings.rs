@@ -91,8 +91,9 @@ fn ready(relay: &Relay) {
 }
 
 /// Each setting the next process cannot honour fails the reload with the variable named, before
-/// anything moved: the running process goes on serving its desktops (every control answers its
-/// pings, every stream flows), its version unchanged, its registration in the store unwritten.
+/// the next process says `ready` (the running one never quiesces): the running process goes on
+/// serving its desktops (every control answers its pings, every stream flows), its version
+/// unchanged, its registration in the store unwritten.
 /// Before: a changed WebSocket or HTTP address and a database nobody answers at were committed
 /// (the new address advertised where nothing listens; every placement 503 while `/ready` said
 /// 200), and a value that is not UTF-8 was read as unset.
@@ -172,6 +173,13 @@ fn a_setting_the_next_process_cannot_honour_fails_the_reload_and_touches_nothing
             relay.count_log("orca_relay_handover_committed"),
             0,
             "{name}"
+        );
+        // Refused before the next process said `ready`: the running one never quiesced (the
+        // quiesce stops the cell-wide threads, the dead-man's among them).
+        assert_eq!(
+            relay.count_log("orca_relay_dead_man_stopped"),
+            0,
+            "{name}: refused only after the quiesce\n{log}"
         );
         assert!(finished.closed.is_empty(), "{name}: {:?}", finished.closed);
         assert!(
