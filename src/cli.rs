@@ -161,8 +161,9 @@ running process keeps every connection and serves on.
   --binary PATH   start this binary instead of the one this command runs from
 
 Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
-process owns everything; exit 1 with the cause otherwise. The listening addresses and the
-role cannot change this way: restart for those.
+process owns everything; exit 1 with the cause otherwise. The listening addresses, the role
+and the cell id cannot change this way (the next process refuses them before anything
+pauses): restart for those.
 ";
 
 const CLIENT_PHONE_HELP: &str = "\
@@ -260,7 +261,7 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --token TOKEN [--test-fault FAULT] [--listening JSON]`: how `handover`
+/// `--take-over SOCKET --token TOKEN [--test-fault FAULT] [--running JSON]`: how `handover`
 /// starts the next process (not for operators).
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
@@ -273,13 +274,13 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         ),
         None => None,
     };
-    let listening = flag(&flags, "listening")
-        .map(crate::handover::Listening::from_arg)
+    let running = flag(&flags, "running")
+        .map(crate::handover::Running::from_arg)
         .transpose()?;
     if let Some((name, _)) = flags.iter().find(|(name, _)| {
         !matches!(
             name.as_str(),
-            "take-over" | "token" | "test-fault" | "listening"
+            "take-over" | "token" | "test-fault" | "running"
         )
     }) {
         return Err(format!("unexpected argument --{name}"));
@@ -288,7 +289,7 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         socket: socket.into(),
         token: token.to_string(),
         fault,
-        listening,
+        running,
     })
 }
 

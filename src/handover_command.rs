@@ -176,10 +176,11 @@ fn start_next(
     if let Some(fault) = &options.test_fault {
         command.arg("--test-fault").arg(fault);
     }
-    // What the running process listens on: the next one refuses, before it says `ready`, an
-    // address it would not hold (a changed listening address needs a restart).
-    if let Some(listening) = &accepted.listening {
-        command.arg("--listening").arg(listening.to_arg());
+    // What the running process is and listens on: the next one refuses, before it says
+    // `ready`, another cell or an address it would not hold (a changed listening address needs
+    // a restart).
+    if let Some(running) = &accepted.running {
+        command.arg("--running").arg(running.to_arg());
     }
     {
         use std::os::unix::process::CommandExt;
@@ -312,7 +313,7 @@ mod tests {
                     token: "t".into(),
                     pid: std::process::id(),
                     version: handover::version(),
-                    listening: None,
+                    running: None,
                 };
                 send(&command, Kind::Accepted, &accepted, soon()).unwrap();
                 // The next process has started; the running one goes away without a word.

@@ -96,7 +96,8 @@ fn ready(relay: &Relay) {
 /// unchanged, its registration in the store unwritten.
 /// Before: a changed WebSocket or HTTP address and a database nobody answers at were committed
 /// (the new address advertised where nothing listens; every placement 503 while `/ready` said
-/// 200), and a value that is not UTF-8 was read as unset.
+/// 200), a value that is not UTF-8 was read as unset, and another cell id was refused only once
+/// every connection had paused.
 #[test]
 fn a_setting_the_next_process_cannot_honour_fails_the_reload_and_touches_nothing() {
     handover_kit::adopt_orphans();
@@ -120,6 +121,11 @@ fn a_setting_the_next_process_cannot_honour_fails_the_reload_and_touches_nothing
                 format!("postgres://relay@127.0.0.1:{}/relay", free_port()).into_bytes(),
             )],
             "DATABASE_URL",
+        ),
+        (
+            "another cell id",
+            vec![("ORCA_RELAY_CELL_ID", b"another".to_vec())],
+            "ORCA_RELAY_CELL_ID",
         ),
         (
             "a value that is not UTF-8",

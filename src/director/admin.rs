@@ -28,6 +28,10 @@
 //!   re-register after startup, so a 404 would keep a live cell unplaceable until it restarts.
 //!   The heartbeat carries `internalUrl`, so a cell registered this way (or again, after it
 //!   was forgotten) is booked and polled like any other.
+//! - A heartbeat of the registered incarnation also makes the registration say what the cell
+//!   advertises now (`cellUrl`, `region`, `internalUrl`; written only when they differ,
+//!   `orca_relay_director_cell_advertised`): a live handover applies a changed URL without
+//!   registering again (SPEC §13), and placement must hand out what the cell serves.
 
 use std::collections::HashMap;
 

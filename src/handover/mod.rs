@@ -95,11 +95,32 @@ pub struct Accepted {
     pub token: String,
     pub pid: u32,
     pub version: String,
-    /// The running process's listeners (absent from a build before issue 31): the command
-    /// passes them to the next process (`--listening`), which refuses, before it says `ready`,
-    /// a configured address they are not bound to.
+    /// What the running process is and listens on (absent from a build before issue 31): the
+    /// command passes it to the next process (`--running`), which refuses, before it says
+    /// `ready`, a configuration for another cell or a configured address the listeners are not
+    /// bound to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub listening: Option<Listening>,
+    pub running: Option<Running>,
+}
+
+/// The running process as the next one must match it: its role, its cell and its listeners.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Running {
+    pub role: String,
+    pub cell_id: String,
+    pub listening: Listening,
+}
+
+impl Running {
+    /// The form `--running` takes on the next process's command line.
+    pub fn to_arg(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_arg(arg: &str) -> Result<Running, String> {
+        serde_json::from_str(arg).map_err(|e| format!("a malformed --running: {e}"))
+    }
 }
 
 /// The listeners a handover carries, as the running process holds them.
@@ -115,17 +136,6 @@ pub struct Listening {
     pub ws_from_systemd: bool,
     #[serde(default)]
     pub http_from_systemd: bool,
-}
-
-impl Listening {
-    /// The form `--listening` takes on the next process's command line.
-    pub fn to_arg(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
-    pub fn from_arg(arg: &str) -> Result<Listening, String> {
-        serde_json::from_str(arg).map_err(|e| format!("a malformed --listening: {e}"))
-    }
 }
 
 /// A cause: why a step was refused or failed.

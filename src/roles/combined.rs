@@ -87,8 +87,8 @@ pub fn run(
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
-            if let Some(listening) = &take_over.listening {
-                super::process::check_carried_listeners(&config, listening)?;
+            if let Some(running) = &take_over.running {
+                super::process::check_running(&config, running)?;
             }
             let wait = super::process::STORE_PROOF_WAIT;
             super::process::prove_store_writable(&config, &store, wait)?;

@@ -79,8 +79,9 @@ pub struct GiverParts {
     pub registry: Registry,
     pub clock: SharedClock,
     pub data_dir: PathBuf,
-    /// The listeners as this process holds them: told to the command, which tells the next
-    /// process (it refuses a configured address they are not bound to).
+    /// The listeners as this process holds them: told to the command with the role and cell,
+    /// which tells the next process (it refuses another cell, or a configured address they are
+    /// not bound to).
     pub listening: protocol::Listening,
 }
 
@@ -185,7 +186,11 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
         token: token.clone(),
         pid: std::process::id(),
         version: protocol::version(),
-        listening: Some(parts.listening),
+        running: Some(protocol::Running {
+            role: parts.role.to_string(),
+            cell_id: parts.cell.context.cell_id.to_string(),
+            listening: parts.listening,
+        }),
     };
     if send(&command, Kind::Accepted, &accepted, deadline).is_err() {
         return;
@@ -741,16 +746,16 @@ pub fn committed() -> bool {
 }
 
 /// How the next process was started: `orca-relay run --take-over <socket> --token <token>
-/// [--listening <json>]`.
+/// [--running <json>]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TakeOver {
     pub socket: PathBuf,
     pub token: String,
     pub fault: Option<Fault>,
-    /// The running process's listeners, as it told the command (`None` from a command or a
-    /// running process before issue 31: the addresses are then checked on the listeners
+    /// The running process, as it told the command (`None` from a command or a running
+    /// process before issue 31: the cell and the addresses are then checked on what is
     /// received, after `ready`).
-    pub listening: Option<protocol::Listening>,
+    pub running: Option<protocol::Running>,
 }
 
 /// The next process's side of the handover, from `ready` to the giver's word.
@@ -874,7 +879,7 @@ impl Taker {
         Ok(Taker {
             channel,
             token: take_over.token.clone(),
-            listening: take_over.listening,
+            listening: take_over.running.as_ref().map(|running| running.listening),
             fault,
             gate: Gate::new(),
             document,

@@ -175,6 +175,20 @@ pub fn check_carried_listeners(
     Ok(())
 }
 
+/// The next process of a live handover, before it says `ready`: the same role and cell as the
+/// running process, and listeners bound where its configuration says
+/// ([`check_carried_listeners`]). `Err` is the cause, the setting named.
+pub fn check_running(config: &Config, running: &crate::handover::Running) -> Result<(), RunError> {
+    let role = config.role.as_str();
+    if running.role != role || running.cell_id != config.cell_id {
+        return Err(RunError(format!(
+            "the running relay is a {} cell {:?}; this configuration runs a {role} cell {:?} (ORCA_RELAY_ROLE, ORCA_RELAY_CELL_ID: restart to change)",
+            running.role, running.cell_id, config.cell_id
+        )));
+    }
+    check_carried_listeners(config, &running.listening)
+}
+
 /// How long the next process of a live handover gives its store to prove it takes writes
 /// (well inside the running process's 10 s).
 pub const STORE_PROOF_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
