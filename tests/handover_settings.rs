@@ -216,13 +216,42 @@ fn a_setting_the_next_process_cannot_honour_fails_the_reload_and_touches_nothing
     }
 }
 
-/// A handover that rolls back after the next process built everything (it never confirms, the
-/// running one's 10 s run out) leaves the database as it was: the old URL registered and handed
-/// out by `/v1/assign`. Before: the next process registered its new URL before the commit, and
-/// the running process went on serving with `/v1/assign` sending desktops to the new name. The
+/// The newest migration's row and what it made, gone: as a database looks to a build with a
+/// migration it has not applied (the next build's, in an upgrade).
+fn forget_the_newest_migration(relay: &Relay) {
+    let db = rusqlite::Connection::open(relay.data_dir.0.join("relay.db")).unwrap();
+    db.busy_timeout(Duration::from_secs(10)).unwrap();
+    db.execute_batch(
+        "DELETE FROM schema_migrations WHERE version = 3;
+         DROP INDEX relay_assignment_activity_leases_by_expiry;",
+    )
+    .unwrap();
+}
+
+/// Whether the newest migration is applied: (its row, its index).
+fn newest_migration(relay: &Relay) -> (bool, bool) {
+    let db = rusqlite::Connection::open(relay.data_dir.0.join("relay.db")).unwrap();
+    db.busy_timeout(Duration::from_secs(10)).unwrap();
+    let count = |sql: &str| db.query_row(sql, [], |row| row.get::<_, i64>(0)).unwrap() > 0;
+    (
+        count("SELECT count(*) FROM schema_migrations WHERE version = 3"),
+        count(
+            "SELECT count(*) FROM sqlite_master
+              WHERE name = 'relay_assignment_activity_leases_by_expiry'",
+        ),
+    )
+}
+
+/// Nothing the next process writes outside its memory happens before the commit. A handover
+/// that rolls back after the next process built everything (it never confirms, the running
+/// one's 10 s run out) leaves the database as it was: the old URL registered and handed out by
+/// `/v1/assign`, a migration of the next build not applied. The same handover committed
+/// registers the new URL, which `/v1/assign` then hands out, and applies the migration. Before:
+/// the next process migrated and registered its new URL before the commit, so the running
+/// process went on serving with `/v1/assign` sending desktops to `wss://new-name…`. The
 /// running process's heartbeats are an hour apart here, so none of its own writes hides one.
 #[test]
-fn a_rolled_back_handover_leaves_the_old_url_in_the_database() {
+fn a_rolled_back_handover_leaves_the_database_as_it_was() {
     handover_kit::adopt_orphans();
     let relay = Relay::combined(&[
         ("ORCA_RELAY_HEARTBEAT_MS", "3600000"),
@@ -232,10 +261,12 @@ fn a_rolled_back_handover_leaves_the_old_url_in_the_database() {
     let old_url = format!("ws://{}", relay.ws);
     let before = registration(&relay);
     assert_eq!(before.cell_url, old_url);
+    forget_the_newest_migration(&relay);
+    let new_url = "wss://new-name.example";
     let outcome: Handover = hand_over(
         &relay,
         None,
-        &[("ORCA_RELAY_CELL_URL", "wss://new-name.example")],
+        &[("ORCA_RELAY_CELL_URL", new_url)],
         &["--test-fault", "never-confirm"],
     );
     assert_eq!(outcome.code, 1, "{outcome:?}\n{}", relay.log_text());
@@ -249,18 +280,15 @@ fn a_rolled_back_handover_leaves_the_old_url_in_the_database() {
         written(&before),
         "the registration unwritten"
     );
+    assert_eq!(
+        newest_migration(&relay),
+        (false, false),
+        "no migration before the commit"
+    );
     let (_, url) = placed(&relay);
     assert_eq!(url, old_url, "/v1/assign hands out the URL that is served");
-}
 
-/// A committed handover with a changed `ORCA_RELAY_CELL_URL` registers it once it has
-/// committed: `/v1/assign` hands it out, and the store holds it.
-#[test]
-fn a_committed_handover_registers_the_changed_url() {
-    handover_kit::adopt_orphans();
-    let relay = Relay::combined(&[]);
-    ready(&relay);
-    let new_url = "wss://new-name.example";
+    // Committed: the new URL registered and handed out, the migration applied.
     let outcome = hand_over(&relay, None, &[("ORCA_RELAY_CELL_URL", new_url)], &[]);
     assert_eq!(outcome.code, 0, "{outcome:?}\n{}", relay.log_text());
     let _serving = Serving {
@@ -273,4 +301,15 @@ fn a_committed_handover_registers_the_changed_url() {
     );
     let (_, url) = placed(&relay);
     assert_eq!(url, new_url);
+    assert_eq!(
+        newest_migration(&relay),
+        (true, true),
+        "{}",
+        relay.log_text()
+    );
+    assert!(
+        relay.count_log("orca_relay_migrations_applied after_handover=true") == 1,
+        "{}",
+        relay.log_text()
+    );
 }

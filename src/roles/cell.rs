@@ -40,6 +40,8 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         Some(_) => (super::process::carried_schema(), None),
         None => super::process::migrate_in_background(&store, || Ok(()))?,
     };
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
@@ -47,7 +49,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
                 super::process::check_running(&config, running)?;
             }
             let wait = super::process::STORE_PROOF_WAIT;
-            super::process::prove_store_writable(&config, &store, wait)?;
+            migrations_pending = super::process::prove_store_writable(&config, &store, wait)?;
             Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?)
         }
         None => None,
@@ -153,7 +155,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
                     &store,
                     &migrated,
                     || Ok(()),
-                    super::process::MIGRATE_AFTER_COMMIT_WAIT,
+                    migrations_pending.then_some(super::process::MIGRATE_AFTER_COMMIT_WAIT),
                 )
             })?;
             migrator = migrating;

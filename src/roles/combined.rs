@@ -84,6 +84,8 @@ pub fn run(
     let (verifier, unsaved_key) =
         super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = open_store(&config)?;
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
@@ -91,7 +93,7 @@ pub fn run(
                 super::process::check_running(&config, running)?;
             }
             let wait = super::process::STORE_PROOF_WAIT;
-            super::process::prove_store_writable(&config, &store, wait)?;
+            migrations_pending = super::process::prove_store_writable(&config, &store, wait)?;
             Some(Taker::receive(
                 take_over,
                 "combined",
@@ -272,7 +274,7 @@ pub fn run(
                     &store,
                     &migrated,
                     register,
-                    super::process::MIGRATE_AFTER_COMMIT_WAIT,
+                    migrations_pending.then_some(super::process::MIGRATE_AFTER_COMMIT_WAIT),
                 )
             })?;
             migrator = migrating;

@@ -195,13 +195,15 @@ pub const STORE_PROOF_WAIT: std::time::Duration = std::time::Duration::from_secs
 
 /// The next process of a live handover proves, before it says `ready`, that it can write its
 /// store ([`Store::write_probe`]: a write that is rolled back, so nothing is left behind),
-/// within `within`. `Err` names the variable: `DATABASE_URL` (a closed port, a standby, a
-/// read-only server or role), or `ORCA_RELAY_DATA_DIR` for SQLite.
+/// within `within`, and reads whether this build has migrations to apply after the commit
+/// (the `Ok` value: then its controls wait for them, [`migrate_after_commit`]). `Err` names
+/// the variable: `DATABASE_URL` (a closed port, a standby, a read-only server or role), or
+/// `ORCA_RELAY_DATA_DIR` for SQLite.
 pub fn prove_store_writable(
     config: &Config,
     store: &Store,
     within: std::time::Duration,
-) -> Result<(), RunError> {
+) -> Result<bool, RunError> {
     let variable = if config.database_url.is_some() {
         "DATABASE_URL"
     } else {
@@ -210,11 +212,14 @@ pub fn prove_store_writable(
     let (done, result) = std::sync::mpsc::channel();
     let (probe_store, cell_id) = (store.clone(), config.cell_id.clone());
     crate::threads::spawn("store-proof", move || {
-        let _ = done.send(probe_store.write_probe(&cell_id));
+        let proof = probe_store
+            .write_probe(&cell_id)
+            .and_then(|()| probe_store.migrations_pending());
+        let _ = done.send(proof);
     })
     .map_err(|e| RunError(format!("cannot start the store-proof thread: {e}")))?;
     match result.recv_timeout(within) {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(pending)) => Ok(pending),
         Ok(Err(e)) => Err(RunError(format!(
             "{variable}: the store cannot take writes: {e}"
         ))),
@@ -507,21 +512,25 @@ pub fn carried_schema() -> Migrated {
     Migrated::new(std::sync::atomic::AtomicBool::new(true))
 }
 
-/// How long a committed next process waits for its migrations before it opens its gate.
+/// How long a committed next process with migrations to apply waits for them before it opens
+/// its gate.
 pub const MIGRATE_AFTER_COMMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A live handover's next process, right after the commit and before any of its threads that
 /// use the store start (the gate still closed; the spliced pairs, which use none, already
 /// flowing): applies this build's migrations and runs `after` (the combined role registers its
-/// cell) on the `migrator` thread, and waits up to `wait` for the first attempt. One that fails
-/// or takes longer goes on in the background, `migrated` unset until it succeeds (`/ready`
-/// then counts the SQL dependency as failing, under its grace) — a migration the database
-/// refuses included: the process owns its connections now and cannot stop.
+/// cell) on the `migrator` thread. When migrations were pending (`wait`: read before the
+/// commit), it waits up to that long for the first attempt, so nothing of this build runs on
+/// the older schema; otherwise nothing waits (the migrations are a no-op, `after` a write
+/// the heartbeat would make too). An attempt that fails or takes longer goes on in the
+/// background, `migrated` unset until it succeeds (`/ready` then counts the SQL dependency as
+/// failing, under its grace), a migration the database refuses included: the process owns its
+/// connections now and cannot stop.
 pub fn migrate_after_commit(
     store: &Store,
     migrated: &Migrated,
     after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
-    wait: std::time::Duration,
+    wait: Option<std::time::Duration>,
 ) -> Option<std::thread::JoinHandle<()>> {
     use std::sync::atomic::Ordering;
     let (first, first_done) = std::sync::mpsc::channel();
@@ -534,8 +543,11 @@ pub fn migrate_after_commit(
             match store.migrate().and_then(|()| after()) {
                 Ok(()) => {
                     done.store(true, Ordering::Release);
-                    if failures > 0 {
-                        log::info!("orca_relay_migrations_applied after_retry=true");
+                    if failures > 0 || wait.is_some() {
+                        log::info!(
+                            "orca_relay_migrations_applied after_handover=true after_retry={}",
+                            failures > 0
+                        );
                     }
                     let _ = first.send(());
                     return;
@@ -558,11 +570,13 @@ pub fn migrate_after_commit(
     });
     match spawned {
         Ok(handle) => {
-            if first_done.recv_timeout(wait).is_err() {
-                log::warn!(
-                    "orca_relay_migrations_slow after_handover=true waited_ms={}",
-                    wait.as_millis()
-                );
+            if let Some(wait) = wait {
+                if first_done.recv_timeout(wait).is_err() {
+                    log::warn!(
+                        "orca_relay_migrations_slow after_handover=true waited_ms={}",
+                        wait.as_millis()
+                    );
+                }
             }
             Some(handle)
         }

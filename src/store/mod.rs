@@ -479,6 +479,13 @@ impl Store {
         dispatch!(self, store => store.migrate())
     }
 
+    /// Whether a migration of this build is not applied to the database yet. Reads only (a
+    /// live handover's next process asks before its commit, to know whether its controls must
+    /// wait for [`Store::migrate`] after it).
+    pub fn migrations_pending(&self) -> Result<bool, StoreError> {
+        dispatch!(self, store => store.migrations_pending())
+    }
+
     /// `SELECT 1`.
     pub fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, store => store.ping())

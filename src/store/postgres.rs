@@ -316,6 +316,25 @@ impl PgStore {
         })
     }
 
+    /// Whether a migration of this build is not applied yet (read only; no `schema_migrations`
+    /// table: all of them).
+    pub(super) fn migrations_pending(&self) -> Result<bool, StoreError> {
+        self.with_client("read applied migrations", |client, n| {
+            let rows = match query(client, n, "SELECT version FROM schema_migrations", &[]) {
+                Ok(rows) => rows,
+                Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => return Ok(true),
+                Err(error) => return Err(error),
+            };
+            let applied: Vec<i64> = rows
+                .iter()
+                .map(|row| row.try_get(0))
+                .collect::<Result<_, _>>()?;
+            Ok(MIGRATIONS
+                .iter()
+                .any(|(version, _)| !applied.contains(version)))
+        })
+    }
+
     pub(super) fn ping(&self) -> Result<(), StoreError> {
         self.with_client("ping", |client, n| {
             query_one(client, n, "SELECT 1", &[]).map(|_| ())

@@ -296,6 +296,34 @@ impl SqliteStore {
         })
     }
 
+    /// Whether a migration of this build is not applied yet (read only: a database file that
+    /// does not exist is not created; it has every migration to come).
+    pub(super) fn migrations_pending(&self) -> Result<bool, StoreError> {
+        if std::fs::symlink_metadata(&self.path).is_err() {
+            return Ok(true);
+        }
+        self.with_conn("read applied migrations", |conn, n| {
+            let table = query_opt(
+                conn,
+                n,
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'",
+                [],
+                |row| row.get::<_, String>(0),
+            )?;
+            if table.is_none() {
+                return Ok(true);
+            }
+            n.bump();
+            let mut statement = conn.prepare_cached("SELECT version FROM schema_migrations")?;
+            let applied = statement
+                .query_map([], |row| row.get::<_, i64>(0))?
+                .collect::<Result<Vec<i64>, _>>()?;
+            Ok(MIGRATIONS
+                .iter()
+                .any(|(version, _)| !applied.contains(version)))
+        })
+    }
+
     pub(super) fn ping(&self) -> Result<(), StoreError> {
         self.with_conn("ping", |conn, n| {
             query_opt(conn, n, "SELECT 1", [], |row| row.get::<_, i64>(0)).map(|_| ())
