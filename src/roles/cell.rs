@@ -79,7 +79,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let internal_url =
         super::process::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
-    let prober = super::process::start_prober(
+    let mut prober = super::process::start_prober(
         &config,
         &registry,
         &verifier,
@@ -148,6 +148,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             // Every connection behind the gate, then the commit; only then any I/O, and the
             // first write outside this process's memory.
             let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                prober.release();
                 if let Some(key) = unsaved_key {
                     key.save();
                 }

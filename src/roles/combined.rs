@@ -147,7 +147,7 @@ pub fn run(
         None => migrate_in_background(&store, register.clone())?,
     };
 
-    let prober = start_prober(
+    let mut prober = start_prober(
         &config,
         &registry,
         &verifier,
@@ -267,6 +267,7 @@ pub fn run(
             // first write outside this process's memory (the key file, migrations, the
             // registration with this configuration's URLs).
             let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                prober.release();
                 if let Some(key) = unsaved_key {
                     key.save();
                 }

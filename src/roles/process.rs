@@ -381,6 +381,19 @@ pub struct Prober {
     pub readiness: crate::readiness::Readiness,
     pub stop: std::sync::mpsc::Sender<()>,
     pub handle: crate::threads::Watched<()>,
+    /// A live handover's next process: the prober probes nothing until [`Prober::release`]
+    /// (after the commit; the carried verdict stands until then, and the SQL probe, a write
+    /// transaction on SQLite, is not sent before it).
+    held: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl Prober {
+    /// Lets a held prober start probing (a live handover has committed).
+    pub fn release(&mut self) {
+        if let Some(held) = self.held.take() {
+            let _ = held.send(());
+        }
+    }
 }
 
 /// How long a draining cell waits for each of its threads to end, the claim loop's final
@@ -392,7 +405,8 @@ pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs
 
 /// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
-/// counts as failing until `migrated` is set.
+/// counts as failing until `migrated` is set. With `resume` (a live handover's next process),
+/// the carried state stands and the thread probes only once [`Prober::release`]d.
 pub fn start_prober(
     config: &Config,
     registry: &crate::metrics::Registry,
@@ -437,7 +451,18 @@ pub fn start_prober(
     let (stop, receiver) = std::sync::mpsc::channel();
     let prober_readiness = readiness.clone();
     let clock = clock.clone();
+    let (held, hold) = match resume {
+        Some(_) => {
+            let (release, hold) = std::sync::mpsc::channel::<()>();
+            (Some(release), Some(hold))
+        }
+        None => (None, None),
+    };
     let handle = crate::threads::spawn_watched("readiness", move || {
+        if let Some(hold) = hold {
+            // Released after the commit, or dropped when the process ends without one.
+            let _ = hold.recv();
+        }
         crate::readiness::run_prober(
             prober_readiness,
             probes,
@@ -451,6 +476,7 @@ pub fn start_prober(
         readiness,
         stop,
         handle,
+        held,
     })
 }
 
