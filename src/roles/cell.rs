@@ -45,11 +45,8 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
-            if let Some(running) = &take_over.running {
-                super::process::check_running(&config, running)?;
-            }
-            let wait = super::process::STORE_PROOF_WAIT;
-            migrations_pending = super::process::prove_store_writable(&config, &store, wait)?;
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
             Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?)
         }
         None => None,
@@ -148,15 +145,13 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             // Every connection behind the gate, then the commit; only then any I/O, and the
             // first write outside this process's memory.
             let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
-                prober.release();
-                if let Some(key) = unsaved_key {
-                    key.save();
-                }
-                super::process::migrate_after_commit(
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
                     &store,
                     &migrated,
                     || Ok(()),
-                    migrations_pending.then_some(super::process::MIGRATE_AFTER_COMMIT_WAIT),
+                    migrations_pending,
                 )
             })?;
             migrator = migrating;

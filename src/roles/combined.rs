@@ -89,11 +89,8 @@ pub fn run(
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
-            if let Some(running) = &take_over.running {
-                super::process::check_running(&config, running)?;
-            }
-            let wait = super::process::STORE_PROOF_WAIT;
-            migrations_pending = super::process::prove_store_writable(&config, &store, wait)?;
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
             Some(Taker::receive(
                 take_over,
                 "combined",
@@ -267,15 +264,13 @@ pub fn run(
             // first write outside this process's memory (the key file, migrations, the
             // registration with this configuration's URLs).
             let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
-                prober.release();
-                if let Some(key) = unsaved_key {
-                    key.save();
-                }
-                super::process::migrate_after_commit(
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
                     &store,
                     &migrated,
                     register,
-                    migrations_pending.then_some(super::process::MIGRATE_AFTER_COMMIT_WAIT),
+                    migrations_pending,
                 )
             })?;
             migrator = migrating;

@@ -178,7 +178,7 @@ pub fn check_carried_listeners(
 /// The next process of a live handover, before it says `ready`: the same role and cell as the
 /// running process, and listeners bound where its configuration says
 /// ([`check_carried_listeners`]). `Err` is the cause, the setting named.
-pub fn check_running(config: &Config, running: &crate::handover::Running) -> Result<(), RunError> {
+fn check_running(config: &Config, running: &crate::handover::Running) -> Result<(), RunError> {
     let role = config.role.as_str();
     if running.role != role || running.cell_id != config.cell_id {
         return Err(RunError(format!(
@@ -187,6 +187,41 @@ pub fn check_running(config: &Config, running: &crate::handover::Running) -> Res
         )));
     }
     check_carried_listeners(config, &running.listening)
+}
+
+/// The next process of a live handover, before it says `ready` (SPEC §13): the running
+/// process's role, cell and listener addresses matched when it said them
+/// ([`check_running`]), then its store proven to take writes ([`prove_store_writable`]).
+/// `Ok`: whether this build has migrations to apply after the commit.
+pub fn prove_before_ready(
+    config: &Config,
+    store: &Store,
+    running: Option<&crate::handover::Running>,
+) -> Result<bool, RunError> {
+    if let Some(running) = running {
+        check_running(config, running)?;
+    }
+    prove_store_writable(config, store, STORE_PROOF_WAIT)
+}
+
+/// What a live handover's next process does first once it has committed, before its gate
+/// opens: the first writes outside its memory. The prober starts probing, a self-hosted key
+/// made for this process is saved, and the migrations (and `after`) run
+/// ([`migrate_after_commit`], waited for when `migrations_pending`). The migrator's handle.
+pub fn after_commit(
+    prober: &mut Prober,
+    key: Option<UnsavedKey>,
+    store: &Store,
+    migrated: &Migrated,
+    after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
+    migrations_pending: bool,
+) -> Option<std::thread::JoinHandle<()>> {
+    prober.release();
+    if let Some(key) = key {
+        key.save();
+    }
+    let wait = migrations_pending.then_some(MIGRATE_AFTER_COMMIT_WAIT);
+    migrate_after_commit(store, migrated, after, wait)
 }
 
 /// How long the next process of a live handover gives its store to prove it takes writes
@@ -199,7 +234,7 @@ pub const STORE_PROOF_WAIT: std::time::Duration = std::time::Duration::from_secs
 /// (the `Ok` value: then its controls wait for them, [`migrate_after_commit`]). `Err` names
 /// the variable: `DATABASE_URL` (a closed port, a standby, a read-only server or role), or
 /// `ORCA_RELAY_DATA_DIR` for SQLite.
-pub fn prove_store_writable(
+fn prove_store_writable(
     config: &Config,
     store: &Store,
     within: std::time::Duration,
@@ -552,7 +587,7 @@ pub const MIGRATE_AFTER_COMMIT_WAIT: std::time::Duration = std::time::Duration::
 /// background, `migrated` unset until it succeeds (`/ready` then counts the SQL dependency as
 /// failing, under its grace), a migration the database refuses included: the process owns its
 /// connections now and cannot stop.
-pub fn migrate_after_commit(
+fn migrate_after_commit(
     store: &Store,
     migrated: &Migrated,
     after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
