@@ -22,6 +22,14 @@ use orca_relay::store::{Store, StoreConfig};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// The tests take turns: the load test's stall figure is the relay's, not a neighbour's fleet
+/// starting beside it on two cores.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn my_turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs
         .iter()
@@ -31,6 +39,7 @@ fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 
 #[test]
 fn a_postgres_cell_under_load_hands_over_losing_nothing() {
+    let _turn = my_turn();
     handover_kit::raise_fd_limit();
     handover_kit::adopt_orphans();
     let jwks = jwks_server();
@@ -290,6 +299,7 @@ fn registration(store: &Store) -> (String, Option<String>, String, i64, i64) {
 /// the old URL for as long as the process ran.
 #[test]
 fn a_changed_cell_url_reaches_the_directors_within_one_heartbeat() {
+    let _turn = my_turn();
     handover_kit::adopt_orphans();
     const HEARTBEAT_MS: u64 = 1_000;
     let (director, cell, store, _) = cell_with_director("handover_url", "1000");
@@ -353,6 +363,7 @@ fn a_changed_cell_url_reaches_the_directors_within_one_heartbeat() {
 /// every placement on the cell answered 503 while `/ready` stayed 200 for the SQL grace.
 #[test]
 fn a_store_the_next_process_cannot_write_fails_the_reload() {
+    let _turn = my_turn();
     handover_kit::adopt_orphans();
     let (director, cell, store, database_url) = cell_with_director("handover_store", "1000");
     // A role that may log in and read the relay's tables, and write none.
