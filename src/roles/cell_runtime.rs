@@ -252,6 +252,7 @@ impl CellRuntime {
             config.timings.clone(),
             connection_cap,
             config.pending_upgrades_max,
+            config.pending_per_source_max,
             setup.verifier.clone(),
             setup.store.clone(),
             clock.clone(),
