@@ -7,6 +7,9 @@
 //!   its 101 is never shed for one that has sent nothing.
 //! - One source that floods bare connects cannot cycle the pending connections of another: a
 //!   second source's silent connections (a browser's preconnect) still get their upgrade.
+//! - Under `RLIMIT_NOFILE` 1,024, 5,000 refusals a second for 10 s: the refused connections'
+//!   descriptors are bounded, both listeners keep accepting (no `EMFILE`), five desktops are
+//!   admitted and `/health` answers.
 
 mod harness;
 
@@ -207,4 +210,73 @@ fn one_source_cannot_cycle_the_pending_connections_of_another() {
         upgraded, SILENT,
         "the second source's connections were shed"
     );
+}
+
+/// With 1,024 descriptors, 5,000 refused upgrades and first frames a second for 10 s (three in
+/// four held open by their clients, unread): the descriptors that refused connections hold are
+/// bounded, so neither listener ever fails `accept` for want of a descriptor, five desktops are
+/// admitted and `/health` answers. Before issue 30 every refused socket waited out its linger
+/// (0.5 to 1 s) in the reaper, and 2,259 refusals a second filled every descriptor.
+#[test]
+fn refusals_cannot_take_the_descriptors_the_listeners_need() {
+    const DESKTOPS: usize = 5;
+    let _ = orca_relay::lifecycle::raise_fd_limit();
+    let relay = Relay::combined_with_nofile(&[], 1024);
+    let probe = Probe::start(&relay.http, Duration::from_millis(20));
+    let flood = flood::start(&relay.ws, Load::Refusals, 5000, 10.0);
+    // The most descriptors the relay holds while the flood lasts.
+    let descriptors =
+        || std::fs::read_dir(format!("/proc/{}/fd", relay.pid())).map_or(0, |dir| dir.count());
+    let mut peak = 0;
+    let mut wait = |until: Duration| {
+        let started = clock::instant();
+        while started.elapsed() < until {
+            peak = peak.max(descriptors());
+            clock::sleep(Duration::from_millis(20));
+        }
+    };
+    wait(Duration::from_secs(2));
+    let mut admitted = 0;
+    for _ in 0..DESKTOPS {
+        if catch_unwind(AssertUnwindSafe(|| Desktop::connect(&relay))).is_ok() {
+            admitted += 1;
+        }
+        wait(Duration::from_millis(500));
+    }
+    let report = flood.join();
+    let (health, unanswered) = probe.finish();
+    let refused = family_sum(&relay, "orca_relay_upgrades_refused_total")
+        + relay
+            .metric("orca_relay_closes_total{code=\"4401\"}")
+            .unwrap_or(0.0);
+    let log = relay.log_text();
+    let emfile: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("os error 24") || line.contains("accept_failed"))
+        .take(5)
+        .collect();
+    let closed_at_once = |reason: &str| {
+        relay
+            .metric(&format!(
+                "orca_relay_closing_closed_at_once_total{{reason=\"{reason}\"}}"
+            ))
+            .unwrap_or(0.0)
+    };
+    eprintln!(
+        "flood: {} connects in {:.1} s ({:.0}/s), {} failed; refused {refused}, closed at once: {} (bound full), {} (peer gone); the relay's descriptors at most {peak} of 1024; desktops {admitted}/{DESKTOPS}; /health {} answered, {unanswered} not, p99 {:?}",
+        report.opened,
+        report.seconds,
+        report.rate(),
+        report.failed,
+        closed_at_once("full"),
+        closed_at_once("peer_gone"),
+        health.len(),
+        percentile(&health, 99.0)
+    );
+    assert!(
+        emfile.is_empty(),
+        "a listener ran out of descriptors: {emfile:?}"
+    );
+    assert_eq!(admitted, DESKTOPS, "desktops admitted");
+    assert_eq!(unanswered, 0, "/health probes unanswered");
 }

@@ -10,12 +10,14 @@
 //! connection takes a unit (and, for a control or a phone, a thread permit and its relay
 //! thread), so the cap counts admitted sockets only and nobody without a credential can hold a
 //! desktop's place. Every refusal is counted and answered: an HTTP status before the upgrade, a
-//! close code after.
+//! close code after; what refused and closing connections hold while they linger is bounded
+//! (`closing.rs`).
 //!
 //! A panic in a relay thread is caught at the top of the thread: it costs that connection a
 //! close (4429), never the process.
 
 pub mod attach;
+pub mod closing;
 pub mod context;
 pub mod control;
 pub mod control_reader;

@@ -27,7 +27,9 @@
 //! Closing: [`Socket::close`] never waits either: the close frame goes out without blocking
 //! when the writer is free and it fits, and the connection is shut down at once when another
 //! thread is writing or it does not fit; then the [`Reaper`] shuts the TCP connection down one
-//! second later if the peer never answered.
+//! second later if the peer never answered. What lingers there is bounded
+//! (`relay/closing.rs`): a connection whose peer has gone, or one past
+//! `ORCA_RELAY_CLOSING_CONNECTIONS_MAX`, is closed at once instead.
 
 use std::collections::BinaryHeap;
 use std::io::{self, IoSlice, Read, Write};
@@ -42,6 +44,7 @@ use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
+use super::closing::{self, ClosingBound, Verdict};
 use crate::clock;
 use crate::protocol::CloseCode;
 
@@ -509,6 +512,8 @@ pub struct Reaper {
     sender: Sender<(u64, Doomed)>,
     /// Close frames handed to the reaper and not yet written or given up.
     close_frames: Arc<AtomicU64>,
+    /// What may linger here (`relay/closing.rs`).
+    closing: Arc<ClosingBound>,
 }
 
 /// What the reaper drops.
@@ -581,8 +586,16 @@ impl Ord for Due {
 }
 
 impl Reaper {
-    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
+    /// Starts the `reaper` thread without a bound on what lingers (peers that have gone are
+    /// still closed at once); it ends when every `Reaper` handle is dropped.
     pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+        Reaper::start_bounded(ClosingBound::unbounded())
+    }
+
+    /// Starts the `reaper` thread with `closing` bounding the connections that linger.
+    pub fn start_bounded(
+        closing: Arc<ClosingBound>,
+    ) -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
         let (sender, receiver) = mpsc::channel();
         let close_frames = Arc::new(AtomicU64::new(0));
         let owed = close_frames.clone();
@@ -591,6 +604,7 @@ impl Reaper {
             Reaper {
                 sender,
                 close_frames,
+                closing,
             },
             handle,
         ))
@@ -616,12 +630,61 @@ impl Reaper {
     }
 
     fn send(&self, doomed: Doomed, after: Duration) {
+        let Some(doomed) = self.linger_or_close(doomed) else {
+            return;
+        };
         let due = monotonic_ms() + after.as_millis() as u64;
         if let Err(mpsc::SendError((_, doomed))) = self.sender.send((due, doomed)) {
             if matches!(doomed, Doomed::CloseFrame(..)) {
                 self.close_frames.fetch_sub(1, Ordering::AcqRel);
             }
             doomed.shutdown();
+        }
+    }
+}
+
+impl Reaper {
+    /// `doomed` back when it may linger here; otherwise (its peer has gone, or the closing
+    /// bound is reached) it is closed now and `None`. A close frame still owed (at most one
+    /// per authenticated connection whose writer was busy) is written first, not counted.
+    fn linger_or_close(&self, doomed: Doomed) -> Option<Doomed> {
+        let Some((fd, handle)) = doomed.lingering_handle() else {
+            return Some(doomed);
+        };
+        match self.closing.admit(fd, handle) {
+            Verdict::Linger => Some(doomed),
+            verdict => {
+                doomed.close_at_once(verdict);
+                None
+            }
+        }
+    }
+}
+
+impl Doomed {
+    /// The descriptor a lingering connection holds, and a handle that is alive while it is
+    /// open.
+    fn lingering_handle(&self) -> Option<(std::os::fd::RawFd, closing::Handle)> {
+        use std::os::fd::AsRawFd;
+        match self {
+            Doomed::Socket(socket) => {
+                let handle: std::sync::Weak<Socket> = Arc::downgrade(socket);
+                Some((socket.stream().as_raw_fd(), handle))
+            }
+            Doomed::Stream(stream) => {
+                let handle: std::sync::Weak<TcpStream> = Arc::downgrade(stream);
+                Some((stream.as_raw_fd(), handle))
+            }
+            Doomed::CloseFrame(..) => None,
+        }
+    }
+
+    /// Closes a connection that may not linger: a refused one drained and dropped (abortively
+    /// past the bound), a WebSocket (its close frame written) shut down.
+    fn close_at_once(self, verdict: Verdict) {
+        match self {
+            Doomed::Stream(stream) => closing::close_at_once(stream, verdict == Verdict::Full),
+            doomed => doomed.shutdown(),
         }
     }
 }
