@@ -38,9 +38,10 @@
 //! flooding connects cycles only its own share of the table, and clients that never finish
 //! cannot lock out a desktop that sends its head at once. When the least progressed is the
 //! newcomer, it is first held beyond the bound for [`NEWCOMER_GRACE`] (at most
-//! [`NEWCOMERS_HELD_MAX`] at once), since its first read can race the head its client sent right
-//! behind the handshake; judged again once it has got further or its grace is over, it is
-//! dropped if it is still the least progressed. Sheds are counted by stage, drops by bound, and
+//! [`NEWCOMERS_HELD_MAX`] at once, the one held longest giving up its place to a new one), since
+//! its first read can race the head its client sent right behind the handshake; judged again
+//! once it has got further or its grace is over, it is dropped if it is still the least
+//! progressed. Sheds are counted by stage, drops by bound, and
 //! logged through a failure throttle. Only a socket whose token is on the verifier thread is not
 //! sheddable.
 //!
@@ -73,7 +74,7 @@ use super::park::{self, Parked, ParkedConn, Wake};
 use super::refuse::{
     close_later, close_pending, refuse, refuse_at_accept, server_frame, write_now,
 };
-use super::shedding::{self, Bound, Progress, ShedOrder};
+use super::shedding::{self, Bound, Hold, Progress, ShedOrder};
 use super::splice_reader::{FirstFrame, FirstFrameReader, PendingLeg};
 use super::upgrade::{self, Refusal, Route, Upgrade};
 use super::{data, phone, thread};
@@ -102,8 +103,9 @@ const PINGS_PER_TURN: usize = 16;
 /// long, beyond the bound, for the rest of what its client sent with the connect: the accept
 /// races the client's first segment, which arrives right behind the handshake's last ACK.
 const NEWCOMER_GRACE: Duration = Duration::from_millis(50);
-/// Newcomers held in their grace at most at once; past it a newcomer is judged at once.
-const NEWCOMERS_HELD_MAX: usize = 64;
+/// Newcomers held in their grace at most at once (beyond the table's bound: the capacity plan
+/// reserves their descriptors with the table's); past it the one held longest is dropped.
+pub const NEWCOMERS_HELD_MAX: usize = 64;
 
 /// The `acceptor` thread body: the pending plane, starting with the pending connections a
 /// handover carried (`carried`), until `stop` is set. Then the listener and every pending
@@ -407,49 +409,72 @@ impl Plane {
     /// grace) is dropped, not shed, when it is the one, unless it `may_wait` for its grace.
     fn shed_over_bound(&mut self, source: IpAddr, newcomer: u64, may_wait: bool) {
         while let Some(victim) = self.shed.victim(&source) {
-            if victim.seq == newcomer
-                && may_wait
-                && self.shed.hold(newcomer, clock::instant() + NEWCOMER_GRACE)
-            {
-                return;
+            let is_newcomer = victim.seq == newcomer;
+            if is_newcomer && may_wait {
+                let until = clock::instant() + NEWCOMER_GRACE;
+                match self.shed.hold(newcomer, until, victim.bound) {
+                    Hold::Held => return,
+                    Hold::Replaced { seq, bound } => {
+                        // The newcomer held longest gives up its place: dropped as a newcomer.
+                        self.close_for_bound(seq, Progress::NoBytes, bound, true);
+                        return;
+                    }
+                    Hold::Refused => {}
+                }
             }
-            let Some(&slot) = self.slot_of.get(&victim.seq) else {
+            if !self.close_for_bound(victim.seq, victim.progress, victim.bound, is_newcomer) {
                 // Not expected: the order and the table disagree. Forget the entry rather than
                 // loop.
                 self.shed.remove(victim.seq);
-                continue;
-            };
-            if let Some(entry) = self.take(slot) {
-                let _ = entry.stream.shutdown(std::net::Shutdown::Both);
-            }
-            let metrics = &self.context.metrics;
-            let is_newcomer = victim.seq == newcomer;
-            if is_newcomer {
-                metrics.dropped_at_accept(match victim.bound {
-                    Bound::Table => "pending_upgrades_full",
-                    Bound::Source => "pending_source_full",
-                });
-            } else {
-                metrics.pending_shed(victim.progress.label());
-            }
-            if victim.bound == Bound::Source {
-                metrics.pending_source_full();
-            }
-            if let Some(note) = self.shed_log.failure(self.context.clock.now_ms()) {
-                log::warn!(
-                    "orca_relay_ws_pending_shed stage={} bound={} newcomer={is_newcomer} pending={}{note}",
-                    victim.progress.label(),
-                    match victim.bound {
-                        Bound::Table => "table",
-                        Bound::Source => "source",
-                    },
-                    self.live
-                );
             }
             if is_newcomer {
                 return;
             }
         }
+    }
+
+    /// Closes entry `seq` for `bound`: shed (counted by its `progress`), or dropped as a
+    /// `newcomer`; logged through the throttle. False when it is not in the table.
+    fn close_for_bound(
+        &mut self,
+        seq: u64,
+        progress: Progress,
+        bound: Bound,
+        newcomer: bool,
+    ) -> bool {
+        let Some(entry) = self
+            .slot_of
+            .get(&seq)
+            .copied()
+            .and_then(|slot| self.take(slot))
+        else {
+            return false;
+        };
+        let _ = entry.stream.shutdown(std::net::Shutdown::Both);
+        let metrics = &self.context.metrics;
+        if newcomer {
+            metrics.dropped_at_accept(match bound {
+                Bound::Table => "pending_upgrades_full",
+                Bound::Source => "pending_source_full",
+            });
+        } else {
+            metrics.pending_shed(progress.label());
+        }
+        if bound == Bound::Source {
+            metrics.pending_source_full();
+        }
+        if let Some(note) = self.shed_log.failure(self.context.clock.now_ms()) {
+            log::warn!(
+                "orca_relay_ws_pending_shed stage={} bound={} newcomer={newcomer} pending={}{note}",
+                progress.label(),
+                match bound {
+                    Bound::Table => "table",
+                    Bound::Source => "source",
+                },
+                self.live
+            );
+        }
+        true
     }
 
     /// Puts a connection in the table and the poll, last in the shedding order; `None` (the

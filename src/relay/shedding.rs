@@ -25,8 +25,9 @@
 //! first segment). So a newcomer that would be dropped is first *held* (`hold`): counted, beyond
 //! the bounds, never a victim, until it has got further or its short grace is over
 //! (`release_due`); then it is judged again like a newcomer, and dropped only if it is still the
-//! least progressed. At most `max_held` newcomers are held at once; past that a newcomer is
-//! judged at once.
+//! least progressed. At most `max_held` newcomers are held at once; past that the one held
+//! longest gives up its place (dropped), so under a flood each still gets the longest grace the
+//! room allows.
 //!
 //! **Pinned.** An entry whose token is on the verifier thread cannot be shed (the thread answers
 //! for it): it counts against both bounds but is never a victim. With every entry pinned there
@@ -98,6 +99,18 @@ pub enum Bound {
     Source,
 }
 
+/// What [`ShedOrder::hold`] did with a newcomer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// It is held.
+    Held,
+    /// It is held in place of the newcomer held longest, whose grace is cut short: the caller
+    /// drops that one (`bound`: what it had been held for).
+    Replaced { seq: u64, bound: Bound },
+    /// Nothing is held (the order keeps no room for held newcomers).
+    Refused,
+}
+
 /// The entry to shed now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Victim {
@@ -142,8 +155,9 @@ pub struct ShedOrder<S> {
     order: BTreeSet<(Progress, u64)>,
     sources: HashMap<S, SourceEntries>,
     /// Newcomers in their grace, in the order they were held: (grace over at, seq, progress
-    /// when held). At most `max_held` of them are held at once (`held_now`).
-    held: VecDeque<(Instant, u64, Progress)>,
+    /// when held, the bound they were held for). At most `max_held` of them are held at once
+    /// (`held_now`); entries that left or were released are skipped.
+    held: VecDeque<(Instant, u64, Progress, Bound)>,
     held_now: usize,
     max_held: usize,
 }
@@ -255,21 +269,32 @@ impl<S: Hash + Eq + Clone> ShedOrder<S> {
         }
     }
 
-    /// Gives a newcomer that would be dropped its grace: its first read may have come before
-    /// the rest of what its client sent with the connect (the accept races the client's first
-    /// segment), so it is held, counted but not sheddable, until `until` or until it has got
-    /// further, whichever is first; then [`ShedOrder::release_due`] hands it back to be judged
-    /// as a newcomer once more. False (nothing held) when `max_held` newcomers are already held.
-    pub fn hold(&mut self, seq: u64, until: Instant) -> bool {
+    /// Gives a newcomer that would be dropped (for `bound`) its grace: its first read may have
+    /// come before the rest of what its client sent with the connect (the accept races the
+    /// client's first segment), so it is held, counted but not sheddable, until `until` or
+    /// until it has got further, whichever is first; then [`ShedOrder::release_due`] hands it
+    /// back to be judged as a newcomer once more. With `max_held` newcomers already held, the
+    /// one held longest gives up its place (its grace is cut short, the caller drops it): so
+    /// under a flood every newcomer still gets the longest grace the room allows.
+    pub fn hold(&mut self, seq: u64, until: Instant, bound: Bound) -> Hold {
+        if self.max_held == 0 || self.entries.get(&seq).is_none_or(|meta| meta.held) {
+            return Hold::Refused;
+        }
+        let mut replaced = None;
         if self.held_now >= self.max_held {
-            return false;
+            while let Some((_, oldest, _, oldest_bound)) = self.held.pop_front() {
+                if self.unhold(oldest) {
+                    replaced = Some(Hold::Replaced {
+                        seq: oldest,
+                        bound: oldest_bound,
+                    });
+                    break;
+                }
+            }
         }
         let Some(meta) = self.entries.get(&seq) else {
-            return false;
+            return Hold::Refused;
         };
-        if meta.held {
-            return false;
-        }
         let progress = meta.progress;
         if meta.sheddable() {
             self.unorder(seq);
@@ -281,7 +306,24 @@ impl<S: Hash + Eq + Clone> ShedOrder<S> {
             }
         }
         self.held_now += 1;
-        self.held.push_back((until, seq, progress));
+        self.held.push_back((until, seq, progress, bound));
+        replaced.unwrap_or(Hold::Held)
+    }
+
+    /// Ends an entry's grace (it is sheddable again); false when it was not held.
+    fn unhold(&mut self, seq: u64) -> bool {
+        let Some(meta) = self.entries.get_mut(&seq) else {
+            return false;
+        };
+        if !meta.held {
+            return false;
+        }
+        meta.held = false;
+        self.held_now -= 1;
+        if let Some(entries) = self.sources.get_mut(&meta.source) {
+            entries.held -= 1;
+        }
+        self.reorder(seq);
         true
     }
 
@@ -292,24 +334,20 @@ impl<S: Hash + Eq + Clone> ShedOrder<S> {
     pub fn release_due(&mut self, now: Instant) -> Vec<(u64, S)> {
         let mut released = Vec::new();
         let mut kept = VecDeque::with_capacity(self.held.len());
-        for (until, seq, progress) in std::mem::take(&mut self.held) {
-            let Some(meta) = self.entries.get_mut(&seq) else {
+        for (until, seq, progress, bound) in std::mem::take(&mut self.held) {
+            let Some(meta) = self.entries.get(&seq) else {
                 continue;
             };
             if !meta.held {
                 continue;
             }
             if until > now && meta.progress == progress {
-                kept.push_back((until, seq, progress));
+                kept.push_back((until, seq, progress, bound));
                 continue;
             }
-            meta.held = false;
-            self.held_now -= 1;
-            if let Some(entries) = self.sources.get_mut(&meta.source) {
-                entries.held -= 1;
-            }
-            released.push((seq, meta.source.clone()));
-            self.reorder(seq);
+            let source = meta.source.clone();
+            self.unhold(seq);
+            released.push((seq, source));
         }
         self.held = kept;
         released
@@ -317,7 +355,7 @@ impl<S: Hash + Eq + Clone> ShedOrder<S> {
 
     /// When the next grace ends, if any entry is held.
     pub fn next_release(&self) -> Option<Instant> {
-        self.held.iter().map(|(until, _, _)| *until).min()
+        self.held.iter().map(|(until, _, _, _)| *until).min()
     }
 
     /// The entry left the table.
@@ -588,7 +626,7 @@ mod tests {
         let mut table = order(2, 2, &[(1, 1, PartialHead), (2, 2, PartialHead)]);
         table.insert(3, 3, NoBytes);
         assert_eq!(table.victim(&3).map(|v| v.seq), Some(3));
-        assert!(table.hold(3, now + grace));
+        assert_eq!(table.hold(3, now + grace, Bound::Table), Hold::Held);
         // Held: beyond the bound, and nobody is shed for it meanwhile.
         assert_eq!(table.victim(&3), None);
         assert_eq!(table.len(), 3);
@@ -601,7 +639,7 @@ mod tests {
         assert_eq!(table.victim(&3), None);
         // A bare newcomer whose grace runs out with nothing received: it is the one dropped.
         table.insert(4, 4, NoBytes);
-        assert!(table.hold(4, now + grace));
+        assert_eq!(table.hold(4, now + grace, Bound::Table), Hold::Held);
         assert_eq!(table.next_release(), Some(now + grace));
         assert_eq!(table.release_due(now + grace), vec![(4, 4)]);
         assert_eq!(table.victim(&4).map(|v| v.seq), Some(4));
@@ -614,19 +652,32 @@ mod tests {
             table.victim(&1).map(|v| (v.seq, v.bound)),
             Some((2, Bound::Source))
         );
-        assert!(table.hold(2, now + grace));
+        assert_eq!(table.hold(2, now + grace, Bound::Source), Hold::Held);
         assert_eq!(table.victim(&1), None);
-        // At most max_held (4) at once; a held entry that leaves frees its place.
+        // At most max_held (4) at once: a fifth takes the place of the one held longest (the
+        // caller drops it); a held entry that leaves frees its place.
         let mut table = order(1, 1, &[(1, 1, Upgraded)]);
         for seq in 2..6 {
             table.insert(seq, seq as u8, NoBytes);
-            assert!(table.hold(seq, now + grace));
+            assert_eq!(table.hold(seq, now + grace, Bound::Table), Hold::Held);
         }
         table.insert(6, 6, NoBytes);
-        assert!(!table.hold(6, now + grace));
+        assert_eq!(
+            table.hold(6, now + grace, Bound::Table),
+            Hold::Replaced {
+                seq: 2,
+                bound: Bound::Table
+            }
+        );
         table.remove(2);
-        assert!(table.hold(6, now + grace));
+        table.remove(3);
+        table.insert(7, 7, NoBytes);
+        assert_eq!(table.hold(7, now + grace, Bound::Table), Hold::Held);
         assert_eq!(table.len(), 5);
+        // No room at all: nothing is held.
+        let mut table: ShedOrder<u8> = ShedOrder::new(1, 1, 0);
+        table.insert(1, 1, NoBytes);
+        assert_eq!(table.hold(1, now + grace, Bound::Table), Hold::Refused);
     }
 
     #[test]

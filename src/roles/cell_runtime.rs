@@ -909,7 +909,9 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     crate::capacity::Needs {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         database_pool_max: config.pool_max as u64,
-        pending_upgrades_max: config.pending_upgrades_max as u64,
+        // The table, and the newcomers held beyond it in their grace.
+        pending_upgrades_max: config.pending_upgrades_max as u64
+            + relay::pending::NEWCOMERS_HELD_MAX as u64,
         closing_connections_max: config.closing_connections_max as u64,
         http_connections_max: config.http_connections_max as u64,
         configured_cap: config.connection_cap as u64,
