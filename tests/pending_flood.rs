@@ -26,6 +26,16 @@ use tungstenite::Message;
 
 const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
 
+/// One flood at a time: each is a few thousand connects a second on a 2-core machine, and the
+/// figures (`/health`'s p99 above all) are each scenario's, not two floods' at once.
+static ONE_FLOOD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_flood() -> std::sync::MutexGuard<'static, ()> {
+    ONE_FLOOD
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// The sum of every series of a metric family (0 when absent).
 fn family_sum(relay: &Relay, family: &str) -> f64 {
     let (_, body) = relay.get("/metrics");
@@ -83,6 +93,7 @@ fn desktop_and_slow_phone(relay: &Relay, rtt: Duration) -> (bool, bool) {
 #[test]
 fn bare_connects_never_shed_a_phone_that_got_its_101() {
     const PAIRS: usize = 12;
+    let _flood = one_flood();
     let _ = orca_relay::lifecycle::raise_fd_limit();
     let relay = Relay::combined(&[]);
     let probe = Probe::start(&relay.http, Duration::from_millis(10));
@@ -171,6 +182,7 @@ fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
 #[test]
 fn one_source_cannot_cycle_the_pending_connections_of_another() {
     const SILENT: usize = 20;
+    let _flood = one_flood();
     let _ = orca_relay::lifecycle::raise_fd_limit();
     let relay = Relay::combined(&[]);
     let flood = flood::start(&relay.ws, Load::Bare, 2500, 4.0);
@@ -220,6 +232,7 @@ fn one_source_cannot_cycle_the_pending_connections_of_another() {
 #[test]
 fn refusals_cannot_take_the_descriptors_the_listeners_need() {
     const DESKTOPS: usize = 5;
+    let _flood = one_flood();
     let _ = orca_relay::lifecycle::raise_fd_limit();
     let relay = Relay::combined_with_nofile(&[], 1024);
     let probe = Probe::start(&relay.http, Duration::from_millis(20));
