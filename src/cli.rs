@@ -487,6 +487,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32
                         let needs = crate::roles::cell_runtime::capacity_needs(&config);
                         let plan = crate::capacity::plan(&limits, needs);
                         let _ = writeln!(out, "effective capacity: {}", plan.summary());
+                        let _ = writeln!(out, "  {}", plan.descriptors_reserved);
                         for figure in &plan.capacity.figures {
                             let raise = figure.resource.how_to_raise();
                             let _ = writeln!(out, "  {figure} (raise: {raise})");

@@ -218,6 +218,12 @@ pub struct Config {
     /// Pre-authentication sockets on the WebSocket port at most, apart from the connection cap
     /// (SPEC §11).
     pub pending_upgrades_max: u32,
+    /// Of those, at most this many from one source address (an IPv6 /64): one host that
+    /// floods connects sheds its own (issue 30).
+    pub pending_per_source_max: u32,
+    /// Descriptors held at most by refused and closing connections waiting out their linger in
+    /// the reaper; past it (or once the peer has gone) a socket is closed at once (issue 30).
+    pub closing_connections_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
     /// A spliced leg from which nothing arrived for half of this is pinged by the relay; for
@@ -270,6 +276,8 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_SWITCH_FILE",
     "ORCA_RELAY_CONNECTION_CAP",
     "ORCA_RELAY_PENDING_UPGRADES_MAX",
+    "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
+    "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
     "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
@@ -808,6 +816,12 @@ impl Config {
             .unwrap_or_else(|| data_dir.join("switch.json"));
         let connection_cap = r.int("ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000) as u32;
         let pending_upgrades_max = r.int("ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000) as u32;
+        // A quarter of the default table: a phone holds its place about one round trip, so one
+        // address (a carrier NAT) still starts about 200 phones a second at 300 ms.
+        let pending_per_source_max =
+            r.int("ORCA_RELAY_PENDING_PER_SOURCE_MAX", 64, 1, 100_000) as u32;
+        let closing_connections_max =
+            r.int("ORCA_RELAY_CLOSING_CONNECTIONS_MAX", 256, 0, 100_000) as u32;
         let splice_workers = r.int(
             "ORCA_RELAY_SPLICE_WORKERS",
             default_splice_workers(),
@@ -938,6 +952,8 @@ impl Config {
             switch_file,
             connection_cap,
             pending_upgrades_max,
+            pending_per_source_max,
+            closing_connections_max,
             splice_workers,
             splice_idle_ms,
             http_idle_ms,
@@ -1016,6 +1032,14 @@ impl Config {
         out.insert(
             "ORCA_RELAY_PENDING_UPGRADES_MAX",
             self.pending_upgrades_max.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
+            self.pending_per_source_max.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
+            self.closing_connections_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
         out.insert("ORCA_RELAY_SPLICE_IDLE_MS", self.splice_idle_ms.to_string());
@@ -1138,6 +1162,8 @@ mod tests {
         assert_eq!(config.switch_file, PathBuf::from("./data/switch.json"));
         assert_eq!(config.timings, Timings::default());
         assert_eq!(config.pending_upgrades_max, 256);
+        assert_eq!(config.pending_per_source_max, 64);
+        assert_eq!(config.closing_connections_max, 256);
         assert_eq!(config.http_idle_ms, 30_000);
         assert_eq!(config.http_connections_max, 1024);
         assert_eq!(config.cell_retire_ms, 600_000);
@@ -1280,6 +1306,12 @@ mod tests {
             ("ORCA_RELAY_HTTP_IDLE_MS", "99", "100 to 3600000"),
             ("ORCA_RELAY_HTTP_CONNECTIONS_MAX", "0", "1 to 100000"),
             ("ORCA_RELAY_PENDING_UPGRADES_MAX", "100001", "1 to 100000"),
+            ("ORCA_RELAY_PENDING_PER_SOURCE_MAX", "0", "1 to 100000"),
+            (
+                "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
+                "100001",
+                "0 to 100000",
+            ),
             ("ORCA_RELAY_SPLICE_WORKERS", "0", "1 to 256"),
         ];
         for (name, value, expected) in cases {

@@ -29,7 +29,9 @@
 //! thread is writing or it does not fit; then the [`Reaper`] shuts the TCP connection down one
 //! second later if the peer never answered. The reader of a closing connection drops it as soon
 //! as the peer's answer (its close frame) arrives; a connection nobody reads any more after its
-//! close is read by the reaper for that answer ([`Reaper::watch`]).
+//! close is read by the reaper for that answer ([`Reaper::watch`]). What lingers there is
+//! bounded (`relay/closing.rs`): a connection whose peer has gone, or one past
+//! `ORCA_RELAY_CLOSING_CONNECTIONS_MAX`, is closed at once instead.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, IoSlice, Read, Write};
@@ -47,6 +49,7 @@ use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
+use super::closing::{self, ClosingBound, Verdict};
 use super::frames::CloseAnswer;
 use crate::clock;
 use crate::protocol::CloseCode;
@@ -527,6 +530,8 @@ pub struct Reaper {
     close_frames: Arc<AtomicU64>,
     /// Wakes the thread for each entry sent; the last handle's drop wakes it to end.
     wake: Arc<ReaperWake>,
+    /// What may linger here (`relay/closing.rs`).
+    closing: Arc<ClosingBound>,
 }
 
 /// The reaper thread's waker: dropped with the last [`Reaper`] handle (after its sender), it
@@ -642,8 +647,16 @@ impl Ord for Due {
 }
 
 impl Reaper {
-    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
+    /// Starts the `reaper` thread without a bound on what lingers (peers that have gone are
+    /// still closed at once); it ends when every `Reaper` handle is dropped.
     pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+        Reaper::start_bounded(ClosingBound::unbounded())
+    }
+
+    /// Starts the `reaper` thread with `closing` bounding the connections that linger.
+    pub fn start_bounded(
+        closing: Arc<ClosingBound>,
+    ) -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
         let (sender, receiver) = mpsc::channel();
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), REAPER_WAKER)?;
@@ -655,6 +668,7 @@ impl Reaper {
                 sender,
                 close_frames,
                 wake: Arc::new(ReaperWake(waker)),
+                closing,
             },
             handle,
         ))
@@ -702,6 +716,9 @@ impl Reaper {
     }
 
     fn send(&self, doomed: Doomed, after: Duration) {
+        let Some(doomed) = self.linger_or_close(doomed) else {
+            return;
+        };
         let due = monotonic_ms() + after.as_millis() as u64;
         match self.sender.send((due, doomed)) {
             Ok(()) => {
@@ -713,6 +730,55 @@ impl Reaper {
                 }
                 doomed.shutdown();
             }
+        }
+    }
+}
+
+impl Reaper {
+    /// `doomed` back when it may linger here; otherwise (its peer has gone, or the closing
+    /// bound is reached) it is closed now and `None`. A close frame still owed (at most one
+    /// per authenticated connection whose writer was busy) is written first, not counted.
+    fn linger_or_close(&self, doomed: Doomed) -> Option<Doomed> {
+        let Some((fd, handle)) = doomed.lingering_handle() else {
+            return Some(doomed);
+        };
+        match self.closing.admit(fd, handle) {
+            Verdict::Linger => Some(doomed),
+            verdict => {
+                doomed.close_at_once(verdict);
+                None
+            }
+        }
+    }
+}
+
+impl Doomed {
+    /// The descriptor a lingering connection holds, and a handle that is alive while it is
+    /// open.
+    fn lingering_handle(&self) -> Option<(std::os::fd::RawFd, closing::Handle)> {
+        use std::os::fd::AsRawFd;
+        match self {
+            Doomed::Socket(socket) => {
+                let handle: std::sync::Weak<Socket> = Arc::downgrade(socket);
+                Some((socket.stream().as_raw_fd(), handle))
+            }
+            Doomed::Stream(stream) => {
+                let handle: std::sync::Weak<TcpStream> = Arc::downgrade(stream);
+                Some((stream.as_raw_fd(), handle))
+            }
+            Doomed::CloseFrame(..) => None,
+            Doomed::Watched(watch) => watch.doomed.lingering_handle(),
+            Doomed::Watching(_) => None,
+        }
+    }
+
+    /// Closes a connection that may not linger: a refused one drained and dropped (abortively
+    /// past the bound), a WebSocket (its close frame written) shut down.
+    fn close_at_once(self, verdict: Verdict) {
+        match self {
+            Doomed::Stream(stream) => closing::close_at_once(stream, verdict == Verdict::Full),
+            Doomed::Watched(watch) => watch.doomed.close_at_once(verdict),
+            doomed => doomed.shutdown(),
         }
     }
 }

@@ -230,7 +230,13 @@ impl CellRuntime {
             .ws_listener
             .local_addr()
             .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-        let (reaper, reaper_handle) = Reaper::start()
+        // Refused and closing connections linger there, a descriptor each, at most
+        // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
+        let closing = relay::closing::ClosingBound::new(
+            config.closing_connections_max as usize,
+            &setup.registry,
+        );
+        let (reaper, reaper_handle) = Reaper::start_bounded(closing)
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
@@ -252,6 +258,7 @@ impl CellRuntime {
             config.timings.clone(),
             connection_cap,
             config.pending_upgrades_max,
+            config.pending_per_source_max,
             setup.verifier.clone(),
             setup.store.clone(),
             clock.clone(),
@@ -858,6 +865,22 @@ fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
         );
     }
     let ceiling = plan.ceiling;
+    let reserved = plan.descriptors_reserved;
+    registry.sampled_gauge(
+        "orca_relay_capacity_descriptors_reserved",
+        "Descriptors the capacity plan keeps off the connection cap, by what they are for.",
+        move || {
+            [
+                ("process", reserved.process),
+                ("pending", reserved.pending),
+                ("closing", reserved.closing),
+                ("http", reserved.http),
+            ]
+            .into_iter()
+            .map(|(what, n)| (vec![("for".to_string(), what.to_string())], n as f64))
+            .collect()
+        },
+    );
     let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
     registry.sampled_gauge(
         "orca_relay_capacity_rss_at_cap_bytes",
@@ -886,7 +909,10 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     crate::capacity::Needs {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         database_pool_max: config.pool_max as u64,
-        pending_upgrades_max: config.pending_upgrades_max as u64,
+        // The table, and the newcomers held beyond it in their grace.
+        pending_upgrades_max: config.pending_upgrades_max as u64
+            + relay::pending::NEWCOMERS_HELD_MAX as u64,
+        closing_connections_max: config.closing_connections_max as u64,
         http_connections_max: config.http_connections_max as u64,
         configured_cap: config.connection_cap as u64,
         memory: memory_bounds(config),
