@@ -69,6 +69,8 @@ pub struct RelayContext {
     pub admission_failures: Arc<crate::logging::SharedThrottle>,
     /// A live handover's hold on the relay threads (`relay/park.rs`).
     pub quiesce: Arc<Quiesce>,
+    /// The process's critical threads and its pause clock (`liveness.rs`).
+    pub liveness: crate::liveness::Liveness,
     next_id: Arc<AtomicU64>,
 }
 
@@ -89,6 +91,7 @@ impl RelayContext {
         splice: Arc<splice::SplicePlane>,
         thread_permits: Arc<Permits>,
         quiesce: Arc<Quiesce>,
+        liveness: crate::liveness::Liveness,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
         for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
@@ -190,6 +193,7 @@ impl RelayContext {
             thread_permits,
             admission_failures: Arc::default(),
             quiesce,
+            liveness,
             next_id: Arc::new(AtomicU64::new(1)),
         }
     }

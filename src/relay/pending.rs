@@ -95,6 +95,7 @@ pub fn run(
     context: RelayContext,
     stop: Arc<Wake>,
     carried: Vec<Parked>,
+    beat: &crate::liveness::Beat,
 ) -> (TcpListener, Vec<Parked>) {
     let spare = match listener.try_clone() {
         Ok(spare) => spare,
@@ -109,7 +110,7 @@ pub fn run(
             for parked in carried {
                 plane.adopt(parked);
             }
-            plane.run();
+            plane.run(beat);
             let pending = plane.export();
             (plane.listener, pending)
         }
@@ -246,9 +247,12 @@ impl Plane {
         })
     }
 
-    fn run(&mut self) {
+    /// The loop, until stopped: beats once a turn and waits at most a beat period (an idle
+    /// acceptor beats too).
+    fn run(&mut self, beat: &crate::liveness::Beat) {
         let mut events = Events::with_capacity(1024);
         loop {
+            beat.beat();
             let next_deadline = self
                 .deadlines
                 .peek()
@@ -261,6 +265,9 @@ impl Plane {
             } else {
                 next_deadline
             };
+            let timeout = Some(timeout.map_or(crate::liveness::BEAT_PERIOD, |wait| {
+                wait.min(crate::liveness::BEAT_PERIOD)
+            }));
             match self.poll.poll(&mut events, timeout) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

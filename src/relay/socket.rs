@@ -581,18 +581,29 @@ impl Ord for Due {
 }
 
 impl Reaper {
-    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
-    pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+    /// Starts the `reaper` thread, a critical thread of `liveness`; it ends when every `Reaper`
+    /// handle is dropped (with the process: the cell's context holds one for its whole life).
+    /// Also returns its [`crate::liveness::Standing`]: stood down at the end of a drain, before
+    /// the last handle goes.
+    pub fn start(
+        liveness: &crate::liveness::Liveness,
+    ) -> io::Result<(
+        Reaper,
+        (std::thread::JoinHandle<()>, crate::liveness::Standing),
+    )> {
         let (sender, receiver) = mpsc::channel();
         let close_frames = Arc::new(AtomicU64::new(0));
         let owed = close_frames.clone();
-        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed))?;
+        let thread =
+            liveness.spawn_critical("reaper", crate::liveness::BEAT_PERIOD, move |beat| {
+                run_reaper(receiver, &owed, &beat)
+            })?;
         Ok((
             Reaper {
                 sender,
                 close_frames,
             },
-            handle,
+            thread,
         ))
     }
 
@@ -631,9 +642,14 @@ fn monotonic_ms() -> u64 {
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64) {
+fn run_reaper(
+    receiver: Receiver<(u64, Doomed)>,
+    close_frames: &AtomicU64,
+    beat: &crate::liveness::Beat,
+) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
     loop {
+        beat.beat();
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
             if let Some(Due(_, first, doomed)) = heap.pop() {
@@ -650,7 +666,8 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64) {
         let wait = heap
             .peek()
             .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
-            .unwrap_or(Duration::from_secs(3600));
+            .unwrap_or(crate::liveness::BEAT_PERIOD)
+            .min(crate::liveness::BEAT_PERIOD);
         match receiver.recv_timeout(wait) {
             Ok((due, doomed)) => heap.push(Due(due, due, doomed)),
             Err(RecvTimeoutError::Timeout) => {}
@@ -696,7 +713,8 @@ mod tests {
 
     #[test]
     fn a_close_while_another_thread_writes_still_sends_its_close_frame() {
-        let (reaper, _reaper_thread) = Reaper::start().unwrap();
+        let liveness = crate::liveness::Liveness::detached(crate::clock::system());
+        let (reaper, _reaper_thread) = Reaper::start(&liveness).unwrap();
         let (socket, mut peer) = socket_pair();
         // Another thread (a sender of this socket) holds the writer for a moment.
         let writer = lock_writer(&socket.writer);

@@ -38,7 +38,6 @@ use std::io;
 use std::io::IoSlice;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
@@ -119,6 +118,8 @@ pub struct Worker {
     /// A leg is being read (its turn, frames included): no other leg may be read until it
     /// ends (the rule of the loop, checked in debug builds).
     reading: bool,
+    /// The worker's beat (a critical thread), set when it runs.
+    beat: Option<crate::liveness::Beat>,
 }
 
 impl Worker {
@@ -163,6 +164,7 @@ impl Worker {
             now_ms: 0,
             turn_controls: 0,
             reading: false,
+            beat: None,
         })
     }
 
@@ -184,10 +186,13 @@ impl Worker {
         self.timings.output_bound
     }
 
-    /// The loop: wait for events or the next deadline, serve them, fire due timers.
-    pub fn run(mut self) {
+    /// The loop: wait for events or the next deadline, serve them, fire due timers. Beats once
+    /// a turn, and waits at most a beat period.
+    pub fn run(mut self, beat: crate::liveness::Beat) {
         let mut events = Events::with_capacity(EVENTS);
+        self.beat = Some(beat);
         loop {
+            self.beat();
             self.now_ms = self.clock.now_ms();
             let now = self.now();
             if let Some(stop_at) = self.stop_at {
@@ -202,10 +207,14 @@ impl Worker {
                     .into_iter()
                     .flatten()
                     .min()
-                    .map(|due| Duration::from_millis(due.saturating_sub(now)))
+                    .map_or(crate::liveness::BEAT_PERIOD, |due| {
+                        Duration::from_millis(due.saturating_sub(now))
+                    })
+                    .min(crate::liveness::BEAT_PERIOD)
             } else {
-                Some(Duration::ZERO)
+                Duration::ZERO
             };
+            let timeout = Some(timeout);
             let polled = self.poll.poll(&mut events, timeout);
             self.now_ms = self.clock.now_ms();
             match polled {
@@ -256,13 +265,20 @@ impl Worker {
         }
     }
 
+    /// One loop turn (or one wait of a parked worker): the thread is making progress.
+    fn beat(&self) {
+        if let Some(beat) = &self.beat {
+            beat.beat();
+        }
+    }
+
     fn live_legs(&self) -> usize {
         self.slots.iter().flatten().count()
     }
 
     /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker.
     fn guarded(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(self)));
+        let outcome = crate::threads::catch_panic(|| body(self));
         if outcome.is_err() {
             log::error!(
                 "orca_relay_splice_leg_panicked worker={} slot={}",
@@ -316,7 +332,10 @@ impl Worker {
         }
         let mut waiting = Vec::new();
         loop {
-            match self.inbox.recv() {
+            // A parked worker is waiting on purpose, and beats while it waits.
+            self.beat();
+            match self.inbox.recv_timeout(crate::liveness::BEAT_PERIOD) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                 Ok(Command::Unpark) => break,
                 Ok(Command::Park(again)) => {
                     let _ = again.reply.send(self.export(&again.at));
