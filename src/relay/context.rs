@@ -198,6 +198,20 @@ impl RelayContext {
         }
     }
 
+    /// How a control's silence is judged across this process's own pause: a fresh ping and
+    /// one ping period to answer it after the pause, at most the silence window.
+    pub fn silence_guard(&self) -> super::control_reader::SilenceGuard {
+        super::control_reader::SilenceGuard {
+            pauses: self.liveness.pauses(),
+            resume_grace: std::time::Duration::from_millis(
+                crate::pause_clock::control_resume_grace_ms(
+                    self.timings.ping_ms,
+                    self.timings.silence_ms,
+                ),
+            ),
+        }
+    }
+
     /// Closes `socket` with `code` and counts it.
     pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
         if socket.close(code, reason, &self.reaper) {

@@ -147,7 +147,7 @@ pub struct SplicePlane {
 
 impl SplicePlane {
     /// Starts `count` workers (`splice-0`, `splice-1`, …), critical threads of `liveness`
-    /// (each beats once per loop turn).
+    /// (each beats once per loop turn; its idle timers ask `liveness`'s pause clock).
     pub fn start(
         count: usize,
         timings: SpliceTimings,
@@ -167,6 +167,7 @@ impl SplicePlane {
                 timings,
                 clock.clone(),
                 metrics.clone(),
+                liveness.pauses(),
             )?;
             let waker = worker.waker();
             let name = format!("splice-{index}");

@@ -52,7 +52,9 @@ use super::leg::{
     LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
 use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
-use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
+use super::timers::{
+    after_pause, idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers,
+};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
@@ -118,6 +120,8 @@ pub struct Worker {
     /// A leg is being read (its turn, frames included): no other leg may be read until it
     /// ends (the rule of the loop, checked in debug builds).
     reading: bool,
+    /// The process's pauses: a leg whose silence spans one is not judged by it ([`Worker::fire`]).
+    pauses: Arc<crate::pause_clock::PauseClock>,
     /// The worker's beat (a critical thread), set when it runs.
     beat: Option<crate::liveness::Beat>,
 }
@@ -130,6 +134,7 @@ impl Worker {
         timings: SpliceTimings,
         clock: SharedClock,
         metrics: RelayMetrics,
+        pauses: Arc<crate::pause_clock::PauseClock>,
     ) -> io::Result<Worker> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
@@ -164,6 +169,7 @@ impl Worker {
             now_ms: 0,
             turn_controls: 0,
             reading: false,
+            pauses,
             beat: None,
         })
     }
@@ -1483,6 +1489,14 @@ impl Worker {
     fn fire(&mut self, key: LegKey, kind: TimerKind, now: u64) {
         let wedge_ms = self.timings.wedge_ms;
         let idle_ms = self.timings.idle_ms;
+        // Asked before the leg is borrowed; only an idle timer uses it.
+        let pause_end = match kind {
+            TimerKind::Idle => self
+                .pauses
+                .ended_ago_ms()
+                .map(|ago| now.saturating_sub(ago)),
+            TimerKind::Wedge | TimerKind::Linger => None,
+        };
         let Some(leg) = self.leg(key) else {
             return;
         };
@@ -1519,6 +1533,12 @@ impl Worker {
                     leg.last_arrival_ms = now;
                     leg.idle_pinged = false;
                 }
+                // This process's own pause is not the leg's silence: a silence that spans one
+                // is judged from a fresh ping, sent now, and half a window for its answer.
+                let (last_arrival, pinged) =
+                    after_pause(leg.last_arrival_ms, leg.idle_pinged, pause_end, idle_ms);
+                leg.last_arrival_ms = last_arrival;
+                leg.idle_pinged = pinged;
                 match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
                     IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
                     IdleStep::Ping { then } => {
