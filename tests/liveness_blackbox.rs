@@ -143,6 +143,10 @@ fn every_critical_thread_that_stops_beating_turns_health_503_naming_it() {
             "{name}: /health was never 200 before the fault"
         );
         let fired = fired.expect("the fault fired");
+        eprintln!(
+            "{name}: /health failed {:?} after the wedge",
+            fired.elapsed()
+        );
         assert!(
             fired.elapsed() <= BOUND + SLACK,
             "{name}: judged stale only {:?} after the wedge",

@@ -519,9 +519,10 @@ fn a_relay_stopped_for_2x_and_20x_its_silence_closes_nothing_that_answers_its_ne
             everyone().all(|r| r.pings_since(settled) >= 2)
         });
         let before = now_instant();
-        relay.freeze_for(Duration::from_millis(stopped_ms), || {});
+        // The quitter stops answering while the relay is stopped: the fresh ping after the
+        // resume goes unanswered.
+        relay.freeze_for(Duration::from_millis(stopped_ms), || quitter.go_quiet());
         let resumed = now_instant();
-        quitter.go_quiet();
         // Every socket that answers is pinged again after the resume and stays open.
         wait_for(
             "a ping (or a close) on every answering socket after the resume",
@@ -555,6 +556,9 @@ fn a_relay_stopped_for_2x_and_20x_its_silence_closes_nothing_that_answers_its_ne
         let (code, at) = quitter.closed().unwrap();
         assert_eq!(code, Some(4408), "round {round}");
         let after_ms = at.saturating_duration_since(resumed).as_millis() as u64;
+        eprintln!(
+            "round {round} ({stopped_ms} ms stopped): the silent control closed {after_ms} ms after the resume"
+        );
         assert!(
             after_ms >= RESUME_GRACE_MS / 2,
             "round {round}: the silent control was closed {after_ms} ms after the resume, before a fresh ping could be answered"

@@ -24,7 +24,8 @@
 //! [`upgrade::UPGRADE_DEADLINE`] (5 s) for the head and the whole pending life. At the 101 it
 //! can only come closer: a splice leg's first frame is due `ORCA_RELAY_FIRST_FRAME_MS` (2 s)
 //! after its upgrade and never later than that. The loop sleeps until the nearest deadline
-//! (a min-heap); bytes, pings and answered pongs never move one. A head that was partly sent
+//! (a min-heap), at most a second (the acceptor is a critical thread and beats every turn:
+//! `liveness.rs`); bytes, pings and answered pongs never move one. A head that was partly sent
 //! gets 408, a first frame that is late 4401.
 //!
 //! **The bound.** At most `ORCA_RELAY_PENDING_UPGRADES_MAX` sockets. When full, the oldest
