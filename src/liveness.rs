@@ -146,11 +146,6 @@ impl Liveness {
         self.0.pauses.clone()
     }
 
-    /// The test fault this process was started with (`ORCA_RELAY_TEST_FAULT`).
-    pub fn fault(&self) -> Option<&TestFault> {
-        self.0.fault.as_ref()
-    }
-
     /// Registers a beat named `name` for a thread whose loop waits at most `period`.
     pub fn register(&self, name: &str, period: Duration) -> Beat {
         let now = self.0.clock.monotonic_ms();
@@ -363,11 +358,6 @@ impl Beat {
     /// The handle its stopper keeps.
     pub fn standing(&self) -> Standing {
         Standing(self.slot.clone())
-    }
-
-    /// The thread's name.
-    pub fn name(&self) -> &str {
-        &self.slot.name
     }
 
     /// The test fault, once due: a wedge stops the thread here (not beating) until it is stood

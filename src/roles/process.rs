@@ -347,8 +347,8 @@ pub fn liveness(config: &Config, clock: &SharedClock) -> Result<Liveness, RunErr
 /// (`Liveness::stale` finds none) and its own `GET /health` on the HTTP listener got an answer
 /// (the HTTP server accepts and serves; the answer's status is the same judgement again), so a
 /// wedged process stops petting the watchdog and systemd kills it (SIGABRT) and restarts it.
-/// A failed check is logged once, with the stale threads, and once more when the checks pass
-/// again.
+/// A failed check is logged once (the stale threads, or the request's error), again only when
+/// what fails changes, and once more when the checks pass again.
 pub fn start_systemd_watchdog(
     http_addr: std::net::SocketAddr,
     liveness: &Liveness,
