@@ -166,8 +166,9 @@ write to, or a socket whose listening process runs as another user, is refused.
 
 Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
 process owns everything; exit 1 with one line saying what happened otherwise (rolled back and
-the running relay keeps serving; nothing asked; or the running relay died during the
-handover). The listening addresses and the role cannot change this way: restart for those.
+the running relay keeps serving, with the cause; nothing asked; or the running relay died during
+the handover). The listening addresses, the role and the cell id cannot change this way (the
+next process refuses them before anything pauses): restart for those.
 ";
 
 const CLIENT_PHONE_HELP: &str = "\
@@ -265,8 +266,9 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --handover-fd FD [--test-fault FAULT]`: how `handover` starts the next
-/// process (not for operators). The token comes on descriptor FD, never on the command line.
+/// `--take-over SOCKET --handover-fd FD [--test-fault FAULT] [--running JSON]`: how `handover`
+/// starts the next process (not for operators). The token comes on descriptor FD, never on the
+/// command line; `--running` says what the running process serves (no secret).
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
     let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
@@ -283,10 +285,15 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         ),
         None => None,
     };
-    if let Some((name, _)) = flags
-        .iter()
-        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "handover-fd" | "test-fault"))
-    {
+    let running = flag(&flags, "running")
+        .map(crate::handover::Running::from_arg)
+        .transpose()?;
+    if let Some((name, _)) = flags.iter().find(|(name, _)| {
+        !matches!(
+            name.as_str(),
+            "take-over" | "handover-fd" | "test-fault" | "running"
+        )
+    }) {
         return Err(format!("unexpected argument --{name}"));
     }
     Ok(crate::roles::handover::TakeOver {
@@ -294,6 +301,7 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         line,
         token: String::new(),
         fault,
+        running,
     })
 }
 
@@ -336,7 +344,7 @@ pub fn execute(command: Command) -> i32 {
             0
         }
         Command::CheckConfig => {
-            let lookup = |name: &str| std::env::var(name).ok();
+            let lookup = |name: &str| std::env::var_os(name);
             let (code, out, err) = check_config(&lookup);
             print!("{out}");
             eprint!("{err}");
@@ -453,11 +461,12 @@ pub fn execute(command: Command) -> i32 {
 
 /// `check-config` over `lookup`: (exit code, stdout, stderr). Valid: every variable with its
 /// effective value (secrets masked), then `config ok: role=… (N variables set)`. Not valid:
-/// every problem, one line each, then `N problems`.
-pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, String) {
+/// every problem, one line each, then `N problems` (a value that is not valid UTF-8 among
+/// them, SPEC §13).
+pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32, String, String) {
     use std::fmt::Write as _;
     let (mut out, mut err) = (String::new(), String::new());
-    match Config::from_lookup_all(lookup) {
+    match Config::from_os_lookup_all(lookup) {
         Ok(config) => {
             // The CA file is read as a start would read it, before anything is printed.
             let database_tls = match &config.database_tls {
@@ -482,6 +491,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                         let needs = crate::roles::cell_runtime::capacity_needs(&config);
                         let plan = crate::capacity::plan(&limits, needs);
                         let _ = writeln!(out, "effective capacity: {}", plan.summary());
+                        let _ = writeln!(out, "  {}", plan.descriptors_reserved);
                         for figure in &plan.capacity.figures {
                             let raise = figure.resource.how_to_raise();
                             let _ = writeln!(out, "  {figure} (raise: {raise})");
@@ -502,7 +512,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                 out,
                 "config ok: role={} ({} variables set)",
                 config.role.as_str(),
-                Config::variables_set(lookup)
+                Config::variables_set(&|name| Config::text_lookup(lookup, name))
             );
             (0, out, err)
         }

@@ -97,6 +97,14 @@ enum Ending {
 
 /// Runs the command; prints one line (what really happened); returns the exit code.
 pub fn run(options: &HandoverOptions) -> i32 {
+    // A data directory that is not UTF-8 is refused as `run` refuses it (SPEC §13), not read
+    // as unset (which would look for the running relay in `./data`).
+    if std::env::var_os("ORCA_RELAY_DATA_DIR").is_some_and(|dir| dir.to_str().is_none()) {
+        eprintln!(
+            "orca-relay handover: failed before asking the running relay: invalid ORCA_RELAY_DATA_DIR: the value is not valid UTF-8"
+        );
+        return 1;
+    }
     let data_dir = data_dir_from(&|name| std::env::var(name).ok());
     let ending = hand_over(options, &handover::socket_path(&data_dir), UNKNOWN_WAIT);
     let (line, code) = describe(&ending);
@@ -180,7 +188,7 @@ fn hand_over(options: &HandoverOptions, socket: &Path, unknown_wait: Duration) -
     };
     // Watched from here: whether the running process is still alive when it goes quiet.
     let running = ProcessHandle::open(accepted.pid);
-    let mut next = match start_next(options, socket, &accepted.token) {
+    let mut next = match start_next(options, socket, &accepted) {
         Ok(next) => next,
         Err(cause) => {
             // The running process waits for a next process that will never come: tell it.
@@ -365,7 +373,11 @@ impl Next {
 /// this command writes only after it has reaped the intermediate process, so it cannot say
 /// `ready` (and be named main) before it has been re-parented. The token never appears on a
 /// command line (anyone can read `/proc/<pid>/cmdline`).
-fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<Next, String> {
+fn start_next(
+    options: &HandoverOptions,
+    socket: &Path,
+    accepted: &Accepted,
+) -> Result<Next, String> {
     use std::os::fd::{FromRawFd, OwnedFd};
     let binary = match &options.binary {
         Some(binary) => binary.clone(),
@@ -402,6 +414,12 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<N
         .stdout(Stdio::null());
     if let Some(fault) = &options.test_fault {
         command.arg("--test-fault").arg(fault);
+    }
+    // What the running process is and listens on: the next one refuses, before it says
+    // `ready`, another cell or an address it would not hold (a changed listening address needs
+    // a restart).
+    if let Some(running) = &accepted.running {
+        command.arg("--running").arg(running.to_arg());
     }
     {
         use std::os::unix::process::CommandExt;
@@ -445,7 +463,7 @@ fn start_next(options: &HandoverOptions, socket: &Path, token: &str) -> Result<N
     let pid = u32::from_ne_bytes(bytes);
     let mut writer = &line;
     let sent = writer
-        .write_all(token.as_bytes())
+        .write_all(accepted.token.as_bytes())
         .and_then(|()| line.shutdown(std::net::Shutdown::Write))
         .and_then(|()| line.set_nonblocking(true));
     // A line that cannot be written is one whose other end is gone: the next process exited
@@ -574,6 +592,7 @@ mod tests {
                     token: "t".into(),
                     pid: std::process::id(),
                     version: handover::version(),
+                    running: None,
                 };
                 send(&command, Kind::Accepted, &accepted, soon()).unwrap();
                 // The next process has started; the running one goes away without a word.

@@ -261,6 +261,7 @@ fn the_command_says_committed_when_the_running_relay_exits_before_reporting() {
             token: token.into(),
             pid: std::process::id(),
             version: from_version.clone(),
+            running: None,
         };
         send(&command, Kind::Accepted, &accepted, soon()).unwrap();
         let handed = giver.hand_over(token, &captured, &from_version, connections + 3);

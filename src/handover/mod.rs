@@ -100,6 +100,47 @@ pub struct Accepted {
     pub token: String,
     pub pid: u32,
     pub version: String,
+    /// What the running process is and listens on (absent from a build before issue 31): the
+    /// command passes it to the next process (`--running`), which refuses, before it says
+    /// `ready`, a configuration for another cell or a configured address the listeners are not
+    /// bound to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<Running>,
+}
+
+/// The running process as the next one must match it: its role, its cell and its listeners.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Running {
+    pub role: String,
+    pub cell_id: String,
+    pub listening: Listening,
+}
+
+impl Running {
+    /// The form `--running` takes on the next process's command line.
+    pub fn to_arg(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_arg(arg: &str) -> Result<Running, String> {
+        serde_json::from_str(arg).map_err(|e| format!("a malformed --running: {e}"))
+    }
+}
+
+/// The listeners a handover carries, as the running process holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Listening {
+    pub ws: std::net::SocketAddr,
+    pub http: std::net::SocketAddr,
+    /// Held by systemd (the socket units' `ListenStream=`, passed at a start and carried by
+    /// every handover since): the unit decides that address, not `ORCA_RELAY_WS_ADDR`, as at
+    /// any start.
+    #[serde(default)]
+    pub ws_from_systemd: bool,
+    #[serde(default)]
+    pub http_from_systemd: bool,
 }
 
 /// A cause: why a step was refused or failed.

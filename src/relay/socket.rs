@@ -29,7 +29,9 @@
 //! thread is writing or it does not fit; then the [`Reaper`] shuts the TCP connection down one
 //! second later if the peer never answered. The reader of a closing connection drops it as soon
 //! as the peer's answer (its close frame) arrives; a connection nobody reads any more after its
-//! close is read by the reaper for that answer ([`Reaper::watch`]).
+//! close is read by the reaper for that answer ([`Reaper::watch`]). What lingers there is
+//! bounded (`relay/closing.rs`): a connection whose peer has gone, or one past
+//! `ORCA_RELAY_CLOSING_CONNECTIONS_MAX`, is closed at once instead.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, IoSlice, Read, Write};
@@ -47,6 +49,7 @@ use tungstenite::protocol::frame::FrameHeader;
 use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
+use super::closing::{self, ClosingBound, Verdict};
 use super::frames::CloseAnswer;
 use crate::carry::crash::{IO_HOLDING, IO_WRITING};
 use crate::clock;
@@ -578,6 +581,8 @@ pub struct Reaper {
     close_frames: Arc<AtomicU64>,
     /// Wakes the thread for each entry sent; the last handle's drop wakes it to end.
     wake: Arc<ReaperWake>,
+    /// What may linger here (`relay/closing.rs`).
+    closing: Arc<ClosingBound>,
 }
 
 /// The reaper thread's waker: dropped with the last [`Reaper`] handle (after its sender), it
@@ -693,21 +698,45 @@ impl Ord for Due {
 }
 
 impl Reaper {
-    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
-    pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+    /// Starts the `reaper` thread without a bound on what lingers (peers that have gone are
+    /// still closed at once), a critical thread of `liveness`; it ends when every `Reaper`
+    /// handle is dropped (with the process: the cell's context holds one for its whole life).
+    /// Also returns its [`crate::liveness::Standing`]: stood down at the end of a drain, before
+    /// the last handle goes.
+    pub fn start(
+        liveness: &crate::liveness::Liveness,
+    ) -> io::Result<(
+        Reaper,
+        (std::thread::JoinHandle<()>, crate::liveness::Standing),
+    )> {
+        Reaper::start_bounded(ClosingBound::unbounded(), liveness)
+    }
+
+    /// Starts the `reaper` thread with `closing` bounding the connections that linger.
+    pub fn start_bounded(
+        closing: Arc<ClosingBound>,
+        liveness: &crate::liveness::Liveness,
+    ) -> io::Result<(
+        Reaper,
+        (std::thread::JoinHandle<()>, crate::liveness::Standing),
+    )> {
         let (sender, receiver) = mpsc::channel();
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), REAPER_WAKER)?;
         let close_frames = Arc::new(AtomicU64::new(0));
         let owed = close_frames.clone();
-        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed, poll))?;
+        let thread =
+            liveness.spawn_critical("reaper", crate::liveness::BEAT_PERIOD, move |beat| {
+                run_reaper(receiver, &owed, poll, &beat)
+            })?;
         Ok((
             Reaper {
                 sender,
                 close_frames,
                 wake: Arc::new(ReaperWake(waker)),
+                closing,
             },
-            handle,
+            thread,
         ))
     }
 
@@ -753,6 +782,9 @@ impl Reaper {
     }
 
     fn send(&self, doomed: Doomed, after: Duration) {
+        let Some(doomed) = self.linger_or_close(doomed) else {
+            return;
+        };
         let due = monotonic_ms() + after.as_millis() as u64;
         match self.sender.send((due, doomed)) {
             Ok(()) => {
@@ -768,16 +800,71 @@ impl Reaper {
     }
 }
 
+impl Reaper {
+    /// `doomed` back when it may linger here; otherwise (its peer has gone, or the closing
+    /// bound is reached) it is closed now and `None`. A close frame still owed (at most one
+    /// per authenticated connection whose writer was busy) is written first, not counted.
+    fn linger_or_close(&self, doomed: Doomed) -> Option<Doomed> {
+        let Some((fd, handle)) = doomed.lingering_handle() else {
+            return Some(doomed);
+        };
+        match self.closing.admit(fd, handle) {
+            Verdict::Linger => Some(doomed),
+            verdict => {
+                doomed.close_at_once(verdict);
+                None
+            }
+        }
+    }
+}
+
+impl Doomed {
+    /// The descriptor a lingering connection holds, and a handle that is alive while it is
+    /// open.
+    fn lingering_handle(&self) -> Option<(std::os::fd::RawFd, closing::Handle)> {
+        use std::os::fd::AsRawFd;
+        match self {
+            Doomed::Socket(socket) => {
+                let handle: std::sync::Weak<Socket> = Arc::downgrade(socket);
+                Some((socket.stream().as_raw_fd(), handle))
+            }
+            Doomed::Stream(stream) => {
+                let handle: std::sync::Weak<TcpStream> = Arc::downgrade(stream);
+                Some((stream.as_raw_fd(), handle))
+            }
+            Doomed::CloseFrame(..) => None,
+            Doomed::Watched(watch) => watch.doomed.lingering_handle(),
+            Doomed::Watching(_) => None,
+        }
+    }
+
+    /// Closes a connection that may not linger: a refused one drained and dropped (abortively
+    /// past the bound), a WebSocket (its close frame written) shut down.
+    fn close_at_once(self, verdict: Verdict) {
+        match self {
+            Doomed::Stream(stream) => closing::close_at_once(stream, verdict == Verdict::Full),
+            Doomed::Watched(watch) => watch.doomed.close_at_once(verdict),
+            doomed => doomed.shutdown(),
+        }
+    }
+}
+
 fn monotonic_ms() -> u64 {
     static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64, mut poll: Poll) {
+fn run_reaper(
+    receiver: Receiver<(u64, Doomed)>,
+    close_frames: &AtomicU64,
+    mut poll: Poll,
+    beat: &crate::liveness::Beat,
+) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
     let mut watched = Watched::default();
     let mut events = Events::with_capacity(256);
     loop {
+        beat.beat();
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
             if let Some(Due(_, first, doomed)) = heap.pop() {
@@ -803,7 +890,8 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64, mut p
         let wait = if watched.ready.is_empty() {
             heap.peek()
                 .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
-                .unwrap_or(Duration::from_secs(3600))
+                .unwrap_or(crate::liveness::BEAT_PERIOD)
+                .min(crate::liveness::BEAT_PERIOD)
         } else {
             Duration::ZERO
         };
@@ -959,7 +1047,8 @@ mod tests {
 
     #[test]
     fn a_close_while_another_thread_writes_still_sends_its_close_frame() {
-        let (reaper, _reaper_thread) = Reaper::start().unwrap();
+        let liveness = crate::liveness::Liveness::detached(crate::clock::system());
+        let (reaper, _reaper_thread) = Reaper::start(&liveness).unwrap();
         let (socket, mut peer) = socket_pair();
         // Another thread (a sender of this socket) holds the writer for a moment.
         let writer = lock_writer(&socket.writer);

@@ -31,11 +31,25 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
-    let verifier = super::process::verifier(&config, &clock)?;
+    let liveness = super::process::liveness(&config, &clock)?;
+    let (verifier, unsaved_key) =
+        super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = super::process::open_store(&config)?;
-    let (migrated, migrator) = super::process::migrate_in_background(&store, || Ok(()))?;
+    // The next process of a handover writes nothing outside its memory before the commit: its
+    // migrations run after it (`migrate_after_commit`).
+    let (migrated, mut migrator) = match &take_over {
+        Some(_) => (super::process::carried_schema(), None),
+        None => super::process::migrate_in_background(&store, || Ok(()))?,
+    };
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
+        Some(take_over) => {
+            // Before `ready`: what this process would serve, proven (SPEC §13).
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
+            Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?)
+        }
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(
@@ -48,14 +62,19 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     // 1. Both listeners first: /health answers while the handshake runs.
     // What the service manager passed: socket units' listeners, or after a crash everything
     // the descriptor store kept (a handover's next process gets its own from the handover).
-    let intake = match &taker {
+    let mut intake = match &taker {
         Some(_) => crate::crash_store::Intake::default(),
         None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
     };
-    let mut intake = intake;
     let passed = std::mem::take(&mut intake.listeners);
-    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let handed = taker
+        .as_mut()
+        .map(|taker| taker.listeners(&config))
+        .transpose()?;
     let listeners = super::process::listeners(&config, handed, passed, true)?;
+    let listening = listeners
+        .listening()
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -65,7 +84,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let internal_url =
         super::process::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
-    let prober = super::process::start_prober(
+    let mut prober = super::process::start_prober(
         &config,
         &registry,
         &verifier,
@@ -75,6 +94,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         taker
             .as_ref()
             .map(|taker| (&taker.document.readiness, &taker.carry)),
+        &liveness,
     )?;
     let readiness = prober.readiness.clone();
     // Copies of the listeners to keep in the descriptor store (the originals go to their
@@ -101,6 +121,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
         crash_store: super::process::crash_store_socket(&config),
         first_connection_id: super::resume::first_connection_id(&intake),
+        liveness: liveness.clone(),
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,
@@ -125,6 +146,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             clock: clock.clone(),
             metrics_wait_for_start: true,
             ready_gate: None,
+            liveness: liveness.clone(),
         };
         let cell = cell.clone();
         Arc::new(move |request: &mut Request<'_>| {
@@ -142,14 +164,26 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             HttpSettings::from_config(&config),
             handler.clone(),
             &registry,
+            &liveness,
         )
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
     };
 
     let http = match taker.as_mut() {
         Some(taker) => {
-            // Every connection behind the gate, then the commit; only then any I/O.
-            let received = taker.take_over(&cell, &registry, &clock)?;
+            // Every connection behind the gate, then the commit; only then any I/O, and the
+            // first write outside this process's memory.
+            let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
+                    &store,
+                    &migrated,
+                    || Ok(()),
+                    migrations_pending,
+                )
+            })?;
+            migrator = migrating;
             let http = start_http(http_listener)?;
             taker.log_received(received);
             http
@@ -209,7 +243,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         }
     };
     crate::lifecycle::notify_ready();
-    super::process::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr, &liveness)?;
     let http = Arc::new(Mutex::new(Some(http)));
     let giver = Giver::start(GiverParts {
         role: "cell",
@@ -220,6 +254,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
         shutdown: shutdown.clone(),
+        listening,
     });
     log::info!(
         "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation} version={}",

@@ -44,6 +44,7 @@ use crate::dead_man::window::{ClaimResult, Window};
 use crate::dead_man::writer::{CellAdmitEffectiveWriter, WriterHandle};
 use crate::http::{Reply, Request};
 use crate::lifecycle::{Shutdown, ShutdownState};
+use crate::liveness::{Beat, Liveness, Standing, BEAT_PERIOD};
 use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
@@ -88,6 +89,8 @@ pub struct CellSetup<'a> {
     /// The first connection id this process hands out (above every id kept in the store: a
     /// store name `c<id>` must never stand for two connections).
     pub first_connection_id: u64,
+    /// The process's critical threads (every cell-wide thread is one) and its pause clock.
+    pub liveness: Liveness,
 }
 
 /// The cell-wide threads' state when they are stopped for a live handover: what they go on
@@ -105,6 +108,8 @@ struct Stoppable {
     name: &'static str,
     stop: Sender<()>,
     handle: threads::Watched<()>,
+    /// A critical thread: stood down before it is asked to stop.
+    standing: Standing,
 }
 
 impl Stoppable {
@@ -112,6 +117,7 @@ impl Stoppable {
     /// still inside a database call after [`super::process::FINAL_WRITE_WAIT`] (a drain's exit never
     /// waits on a database that stopped answering).
     fn stop_and_join(self) {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle
             .join_within(self.name, super::process::FINAL_WRITE_WAIT);
@@ -122,11 +128,14 @@ impl Stoppable {
 struct Returning<T> {
     stop: Sender<()>,
     handle: threads::Watched<T>,
+    /// A critical thread: stood down before it is asked to stop.
+    standing: Standing,
 }
 
 impl<T> Returning<T> {
     /// Stops the thread and waits for what it gives back (a live handover needs it).
     fn stop(self, name: &str) -> Option<T> {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle.join(name)
     }
@@ -134,6 +143,7 @@ impl<T> Returning<T> {
     /// Stops the thread for a drain: joined within [`super::process::FINAL_WRITE_WAIT`], else left to
     /// end with the process (it waits on a database that stopped answering).
     fn stop_within(self, name: &str) {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle
             .join_within(name, super::process::FINAL_WRITE_WAIT);
@@ -146,7 +156,10 @@ struct CellThreads {
     renewer: Returning<Instant>,
     switch: Returning<Switch>,
     watchdog: Returning<(Window, mpsc::Receiver<ClaimResult>)>,
-    claim_loop: threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
+    claim_loop: (
+        threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
+        Standing,
+    ),
     /// The claim loop's other writer handle (the drain's final write goes through it).
     writer: WriterHandle,
 }
@@ -172,7 +185,7 @@ pub struct CellRuntime {
     internal: Option<InternalApi>,
     ws_addr: SocketAddr,
     acceptor_stop: Arc<Wake>,
-    acceptor: Mutex<Option<JoinHandle<AcceptorEnd>>>,
+    acceptor: Mutex<Option<(JoinHandle<AcceptorEnd>, Standing)>>,
     /// Pending connections (no credential checked yet) for the next acceptor: a handover's,
     /// or this process's own after a failed one.
     carried_pending: Mutex<Vec<Parked>>,
@@ -184,7 +197,7 @@ pub struct CellRuntime {
     thread_setup: ThreadSetup,
     /// The state a received handover's threads start from (taken by `resume_threads`).
     resumed_state: Mutex<Option<CellThreadsState>>,
-    reaper: Mutex<Option<JoinHandle<()>>>,
+    reaper: Mutex<Option<(JoinHandle<()>, Standing)>>,
     readiness: Readiness,
     /// Starts the `heartbeat` thread; taken by [`CellRuntime::serve`].
     heartbeat: Mutex<Option<PendingHeartbeat>>,
@@ -205,24 +218,39 @@ pub struct CellRuntime {
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
 
+/// Starts the critical thread `name` (it beats at least once a [`BEAT_PERIOD`]).
 fn spawn_stoppable(
+    liveness: &Liveness,
     name: &'static str,
-    body: impl FnOnce(mpsc::Receiver<()>) + Send + 'static,
+    body: impl FnOnce(mpsc::Receiver<()>, &Beat) + Send + 'static,
 ) -> Result<Stoppable, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn_watched(name, move || body(receiver))
+    let (handle, standing) = liveness
+        .spawn_critical_watched(name, BEAT_PERIOD, move |beat| body(receiver, &beat))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
-    Ok(Stoppable { name, stop, handle })
+    Ok(Stoppable {
+        name,
+        stop,
+        handle,
+        standing,
+    })
 }
 
+/// Starts the critical thread `name`, which gives back what it ends with.
 fn spawn_returning<T: Send + 'static>(
+    liveness: &Liveness,
     name: &'static str,
-    body: impl FnOnce(mpsc::Receiver<()>) -> T + Send + 'static,
+    body: impl FnOnce(mpsc::Receiver<()>, &Beat) -> T + Send + 'static,
 ) -> Result<Returning<T>, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn_watched(name, move || body(receiver))
+    let (handle, standing) = liveness
+        .spawn_critical_watched(name, BEAT_PERIOD, move |beat| body(receiver, &beat))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
-    Ok(Returning { stop, handle })
+    Ok(Returning {
+        stop,
+        handle,
+        standing,
+    })
 }
 
 impl CellRuntime {
@@ -237,7 +265,14 @@ impl CellRuntime {
             .ws_listener
             .local_addr()
             .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-        let (reaper, reaper_handle) = Reaper::start()
+        // Refused and closing connections linger there, a descriptor each, at most
+        // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
+        let closing = relay::closing::ClosingBound::new(
+            config.closing_connections_max as usize,
+            &setup.registry,
+        );
+        let liveness = setup.liveness.clone();
+        let (reaper, reaper_handle) = Reaper::start_bounded(closing, &liveness)
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
@@ -248,6 +283,7 @@ impl CellRuntime {
             ),
             clock.clone(),
             RelayMetrics::new(&setup.registry),
+            &liveness,
         )
         .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
         let (connection_cap, relay_threads) = plan_capacity(config, &setup.registry);
@@ -259,6 +295,7 @@ impl CellRuntime {
             config.timings.clone(),
             connection_cap,
             config.pending_upgrades_max,
+            config.pending_per_source_max,
             setup.verifier.clone(),
             setup.store.clone(),
             clock.clone(),
@@ -268,6 +305,7 @@ impl CellRuntime {
             splice.clone(),
             threads::Permits::new(relay_threads),
             quiesce,
+            liveness.clone(),
         );
         context.continue_ids_from(setup.first_connection_id);
         if let Some(notify_socket) = &setup.crash_store {
@@ -376,9 +414,10 @@ impl CellRuntime {
             let period = Duration::from_millis(config.timings.heartbeat_ms);
             let clock = clock.clone();
             let last_beat = last_beat.clone();
+            let liveness = liveness.clone();
             Box::new(move || {
-                spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, clock, stop, last_beat)
+                spawn_stoppable(&liveness, "heartbeat", move |stop, beat| {
+                    heartbeat::run(sink, period, sample, clock, stop, last_beat, beat)
                 })
             })
         };
@@ -452,11 +491,14 @@ impl CellRuntime {
         self.acceptor_stop.clear();
         let context = self.context.clone();
         let stop = self.acceptor_stop.clone();
-        let handle = threads::spawn("acceptor", move || {
-            pending::run(listener, context, stop, carried)
-        })
-        .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
-        *lock(&self.acceptor) = Some(handle);
+        let acceptor = self
+            .context
+            .liveness
+            .spawn_critical("acceptor", BEAT_PERIOD, move |beat| {
+                pending::run(listener, context, stop, carried, &beat)
+            })
+            .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
+        *lock(&self.acceptor) = Some(acceptor);
         Ok(())
     }
 
@@ -464,8 +506,12 @@ impl CellRuntime {
     /// backlog), keeps the listener, and gives back the pending connections it held, as they
     /// were.
     pub fn stop_acceptor(&self) -> Vec<Parked> {
+        let acceptor = lock(&self.acceptor).take();
+        if let Some((_, standing)) = &acceptor {
+            standing.stand_down();
+        }
         self.acceptor_stop.set();
-        if let Some(acceptor) = lock(&self.acceptor).take() {
+        if let Some((acceptor, _)) = acceptor {
             if let Some((listener, pending)) = threads::join_logged("acceptor", acceptor) {
                 *lock(&self.idle_listener) = Some(listener);
                 return pending;
@@ -489,19 +535,20 @@ impl CellRuntime {
     /// `switch-watcher`, `claim-loop` and `watchdog`.
     pub fn restart_threads(&self, state: CellThreadsState) -> Result<(), RunError> {
         let context = &self.context;
+        let liveness = &context.liveness;
         let setup = &self.thread_setup;
         let pinger = {
             let context = context.clone();
             let next = state.next_ping;
-            spawn_returning("pinger", move |stop| {
-                relay::control::run_pinger(context, stop, next)
+            spawn_returning(liveness, "pinger", move |stop, beat| {
+                relay::control::run_pinger(context, stop, next, beat)
             })?
         };
         let renewer = {
             let context = context.clone();
             let next = state.next_renewal;
-            spawn_returning("lease-renewer", move |stop| {
-                relay::control::run_lease_renewer(context, stop, next)
+            spawn_returning(liveness, "lease-renewer", move |stop, beat| {
+                relay::control::run_lease_renewer(context, stop, next, beat)
             })?
         };
         let switch = {
@@ -510,7 +557,7 @@ impl CellRuntime {
             let cell_id = context.cell_id.to_string();
             let period = setup.switch_poll;
             let applied = state.switch;
-            spawn_returning("switch-watcher", move |stop| {
+            spawn_returning(liveness, "switch-watcher", move |stop, beat| {
                 run_switch_watcher(
                     &path,
                     &cell_id,
@@ -518,6 +565,7 @@ impl CellRuntime {
                     |switch| mode.set_switch(switch),
                     stop,
                     applied,
+                    beat,
                 )
             })?
         };
@@ -529,10 +577,11 @@ impl CellRuntime {
         }
         let claim_clock = self.clock.clone();
         let claim_writer = state.writer;
-        let claim_loop = threads::spawn_watched("claim-loop", move || {
-            claim_loop::run(claim_writer, inbox, claim_clock, answers_tx)
-        })
-        .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
+        let claim_loop = liveness
+            .spawn_critical_watched("claim-loop", BEAT_PERIOD, move |beat| {
+                claim_loop::run(claim_writer, inbox, claim_clock, answers_tx, &beat)
+            })
+            .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
         let on_trip = {
             let context = context.clone();
             let stop = self.reregister_stop.clone();
@@ -555,7 +604,9 @@ impl CellRuntime {
             registry: self.registry.clone(),
             window: state.window,
         };
-        let watchdog = spawn_returning("watchdog", move |stop| watchdog.run(stop))?;
+        let watchdog = spawn_returning(liveness, "watchdog", move |stop, beat| {
+            watchdog.run(stop, beat)
+        })?;
         *lock(&self.cell_threads) = Some(CellThreads {
             pinger,
             renewer,
@@ -584,8 +635,10 @@ impl CellRuntime {
         // The watchdog first (the claim loop's other writer), then the loop ends once the last
         // handle is gone; answers it gives after the watchdog stopped wait in the channel.
         let watched = threads.watchdog.stop("watchdog");
+        let (claim_loop, claim_standing) = threads.claim_loop;
+        claim_standing.stand_down();
         drop(threads.writer);
-        let writer = threads.claim_loop.join("claim-loop")?;
+        let writer = claim_loop.join("claim-loop")?;
         let (window, answers) = match watched {
             Some((window, answers)) => (Some(window), answers.try_iter().collect()),
             None => (None, Vec::new()),
@@ -692,6 +745,7 @@ impl CellRuntime {
         let mut threads = lock(&self.threads);
         if let Some(at) = threads.iter().position(|t| t.name == "heartbeat") {
             let heartbeat = threads.remove(at);
+            heartbeat.standing.stand_down();
             drop(heartbeat.stop);
         }
     }
@@ -822,10 +876,10 @@ impl CellRuntime {
             let writer = cell_threads.writer;
             self.final_row_write(&writer);
             // This was the last handle: the claim loop carries out what is pending, then ends.
+            let (claim_loop, claim_standing) = cell_threads.claim_loop;
+            claim_standing.stand_down();
             drop(writer);
-            cell_threads
-                .claim_loop
-                .join_within("claim-loop", super::process::FINAL_WRITE_WAIT);
+            claim_loop.join_within("claim-loop", super::process::FINAL_WRITE_WAIT);
         }
         let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
         for stoppable in stoppables.into_iter().rev() {
@@ -843,7 +897,10 @@ impl CellRuntime {
             self.context.cell_id,
             remaining.len()
         );
-        let _ = lock(&self.reaper).take();
+        // The reaper ends once the last handle to it goes, with the process: not a failure.
+        if let Some((_, standing)) = lock(&self.reaper).take() {
+            standing.stand_down();
+        }
     }
 }
 
@@ -873,6 +930,22 @@ fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
         );
     }
     let ceiling = plan.ceiling;
+    let reserved = plan.descriptors_reserved;
+    registry.sampled_gauge(
+        "orca_relay_capacity_descriptors_reserved",
+        "Descriptors the capacity plan keeps off the connection cap, by what they are for.",
+        move || {
+            [
+                ("process", reserved.process),
+                ("pending", reserved.pending),
+                ("closing", reserved.closing),
+                ("http", reserved.http),
+            ]
+            .into_iter()
+            .map(|(what, n)| (vec![("for".to_string(), what.to_string())], n as f64))
+            .collect()
+        },
+    );
     let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
     registry.sampled_gauge(
         "orca_relay_capacity_rss_at_cap_bytes",
@@ -901,7 +974,10 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     crate::capacity::Needs {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         database_pool_max: config.pool_max as u64,
-        pending_upgrades_max: config.pending_upgrades_max as u64,
+        // The table, and the newcomers held beyond it in their grace.
+        pending_upgrades_max: config.pending_upgrades_max as u64
+            + relay::pending::NEWCOMERS_HELD_MAX as u64,
+        closing_connections_max: config.closing_connections_max as u64,
         http_connections_max: config.http_connections_max as u64,
         configured_cap: config.connection_cap as u64,
         memory: memory_bounds(config),

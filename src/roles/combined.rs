@@ -55,9 +55,7 @@ use crate::store::Store;
 use crate::threads;
 
 use super::cell_runtime::{CellRuntime, CellSetup};
-use super::process::{
-    migrate_in_background, open_store, start_prober, url_for_bound, verifier, RunError,
-};
+use super::process::{migrate_in_background, open_store, start_prober, url_for_bound, RunError};
 
 /// How long start-up waits for the in-process director to be able to place desktops on the
 /// cell (its ready heartbeat in the store, in reserve mode a feed answer), so that `/v1/assign`
@@ -76,6 +74,7 @@ pub fn run(
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
+    let liveness = super::process::liveness(&config, &clock)?;
     // The fleet listing is served only with a token the operator knows.
     let token_configured = config.service_token.is_some();
     if config.service_token.is_none() {
@@ -83,15 +82,23 @@ pub fn run(
     }
     // The tokens this process sends (its own internal API accepts the whole list).
     let service_token = super::process::service_tokens(&config);
-    let verifier = verifier(&config, &clock)?;
+    let (verifier, unsaved_key) =
+        super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = open_store(&config)?;
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(
-            take_over,
-            "combined",
-            &config.cell_id,
-            &clock,
-        )?),
+        Some(take_over) => {
+            // Before `ready`: what this process would serve, proven (SPEC §13).
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
+            Some(Taker::receive(
+                take_over,
+                "combined",
+                &config.cell_id,
+                &clock,
+            )?)
+        }
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(
@@ -104,14 +111,19 @@ pub fn run(
 
     // What the service manager passed: socket units' listeners, or after a crash everything
     // the descriptor store kept (a handover's next process gets its own from the handover).
-    let intake = match &taker {
+    let mut intake = match &taker {
         Some(_) => crate::crash_store::Intake::default(),
         None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
     };
-    let mut intake = intake;
     let passed = std::mem::take(&mut intake.listeners);
-    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let handed = taker
+        .as_mut()
+        .map(|taker| taker.listeners(&config))
+        .transpose()?;
     let listeners = super::process::listeners(&config, handed, passed, true)?;
+    let listening = listeners
+        .listening()
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -122,8 +134,10 @@ pub fn run(
     let internal_url = loopback_url(http_addr);
 
     // The combined role has no remote director to register with: the cell goes into the store
-    // once the schema exists (at once, or when a database that was down at boot answers).
-    let (migrated, migrator) = {
+    // once the schema exists (at once, or when a database that was down at boot answers). The
+    // next process of a handover does both only once it has committed (it writes nothing
+    // outside its memory before: a rolled-back handover leaves the store as it was).
+    let register = {
         let registrar = store.clone();
         let (cell_id, region, cell_url, internal_url) = (
             config.cell_id.clone(),
@@ -131,12 +145,14 @@ pub fn run(
             cell_url.clone(),
             internal_url.clone(),
         );
-        migrate_in_background(&store, move || {
-            registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
-        })?
+        move || registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
+    };
+    let (migrated, mut migrator) = match &taker {
+        Some(_) => (super::process::carried_schema(), None),
+        None => migrate_in_background(&store, register.clone())?,
     };
 
-    let prober = start_prober(
+    let mut prober = start_prober(
         &config,
         &registry,
         &verifier,
@@ -146,6 +162,7 @@ pub fn run(
         taker
             .as_ref()
             .map(|taker| (&taker.document.readiness, &taker.carry)),
+        &liveness,
     )?;
     let readiness = prober.readiness.clone();
 
@@ -172,6 +189,7 @@ pub fn run(
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
         crash_store: super::process::crash_store_socket(&config),
         first_connection_id: super::resume::first_connection_id(&intake),
+        liveness: liveness.clone(),
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,
@@ -235,6 +253,7 @@ pub fn run(
             clock: clock.clone(),
             metrics_wait_for_start: true,
             ready_gate: Some(placeable.clone()),
+            liveness: liveness.clone(),
         };
         let cell = cell.clone();
         let assign_context = assign_context.clone();
@@ -264,13 +283,26 @@ pub fn run(
             HttpSettings::from_config(&config),
             handler.clone(),
             &registry,
+            &liveness,
         )
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
     };
     let http = match taker.as_mut() {
         Some(taker) => {
-            // Every connection behind the gate, then the commit; only then any I/O.
-            let received = taker.take_over(&cell, &registry, &clock)?;
+            // Every connection behind the gate, then the commit; only then any I/O, and the
+            // first write outside this process's memory (the key file, migrations, the
+            // registration with this configuration's URLs).
+            let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
+                    &store,
+                    &migrated,
+                    register,
+                    migrations_pending,
+                )
+            })?;
+            migrator = migrating;
             let http = start_http(http_listener)?;
             taker.log_received(received);
             http
@@ -281,7 +313,7 @@ pub fn run(
         "orca_relay_listening role=combined cell_id={} ws={ws_addr} http={http_addr}",
         config.cell_id
     );
-    super::process::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr, &liveness)?;
 
     // The combined role has no remote director to register with: the cell is in the store.
     let record = SelfRecord {
@@ -315,6 +347,7 @@ pub fn run(
         registry: registry.clone(),
         pacing: Pacing::from_config(&config),
         membership,
+        liveness: liveness.clone(),
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
     let (sweeper_stop, sweeper_stop_rx) = mpsc::channel::<()>();
@@ -360,6 +393,7 @@ pub fn run(
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
         shutdown: shutdown.clone(),
+        listening,
     });
     log::info!(
         "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation} version={}",

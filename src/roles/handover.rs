@@ -49,7 +49,8 @@ use crate::relay::thread;
 use crate::threads;
 
 use super::cell_runtime::{CellRuntime, CellThreadsState};
-use super::process::RunError;
+use super::process::{Handed, RunError};
+use crate::config::Config;
 
 /// How long the taker waits for the giver's word after confirming: the giver's own limit plus
 /// a margin (the giver commits or rolls back within its 10 s).
@@ -82,6 +83,10 @@ pub struct GiverParts {
     /// The process's stop: a stop requested before the commit rolls the handover back (this
     /// process then drains); one after it is the next process's.
     pub shutdown: crate::lifecycle::Shutdown,
+    /// The listeners as this process holds them: told to the command with the role and cell,
+    /// which tells the next process (it refuses another cell, or a configured address they are
+    /// not bound to).
+    pub listening: protocol::Listening,
 }
 
 /// The running `handover` thread.
@@ -204,6 +209,11 @@ fn serve_request(
         token: token.clone(),
         pid: std::process::id(),
         version: protocol::version(),
+        running: Some(protocol::Running {
+            role: parts.role.to_string(),
+            cell_id: parts.cell.context.cell_id.to_string(),
+            listening: parts.listening,
+        }),
     };
     if send(&command, Kind::Accepted, &accepted, deadline).is_err() {
         return;
@@ -806,7 +816,8 @@ pub fn committed() -> bool {
     COMMITTED.load(Ordering::Acquire)
 }
 
-/// How the next process was started: `orca-relay run --take-over <socket> --handover-fd <fd>`.
+/// How the next process was started: `orca-relay run --take-over <socket> --handover-fd <fd>
+/// [--running <json>]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TakeOver {
     pub socket: PathBuf,
@@ -816,6 +827,10 @@ pub struct TakeOver {
     /// Read from the line (empty until then).
     pub token: String,
     pub fault: Option<Fault>,
+    /// The running process, as it told the command (`None` from a command or a running
+    /// process before issue 31: the cell and the addresses are then checked on what is
+    /// received, after `ready`).
+    pub running: Option<protocol::Running>,
 }
 
 /// The longest token read from the command's line.
@@ -900,6 +915,8 @@ fn tell_command_committed() {
 pub struct Taker {
     channel: Channel,
     token: String,
+    /// What the running process said of its listeners (through the command).
+    listening: Option<protocol::Listening>,
     fault: Option<Fault>,
     pub gate: Arc<Gate>,
     pub document: Document,
@@ -1019,6 +1036,7 @@ impl Taker {
         Ok(Taker {
             channel,
             token: take_over.token.clone(),
+            listening: take_over.running.as_ref().map(|running| running.listening),
             fault,
             gate: Gate::new(),
             document,
@@ -1047,22 +1065,38 @@ impl Taker {
             .join(",")
     }
 
-    /// Tells the giver this process cannot go on (it rolls back).
     /// The next process's whole take-over once the transfer is read: every connection behind
-    /// the gate, the pairs, the commit, then the cell's threads. `(pairs, descriptors)`.
-    pub fn take_over(
+    /// the gate, the pairs, the commit, `after_commit` (this process's first writes outside
+    /// its memory: migrations, registration, files; the spliced pairs already flowing, every
+    /// other connection still behind the gate), then the gate and the cell's threads.
+    /// `((pairs, descriptors), what after_commit returned)`.
+    pub fn take_over<T>(
         &mut self,
         cell: &CellRuntime,
         registry: &Registry,
         clock: &SharedClock,
-    ) -> Result<(usize, usize), RunError> {
+        after_commit: impl FnOnce() -> T,
+    ) -> Result<((usize, usize), T), RunError> {
         if let Err(e) = self.import_connections(cell) {
             return Err(self.fail(&e.0));
         }
         self.receive_pairs(cell, registry, clock)?;
         let committed = self.commit(cell)?;
+        let after = after_commit();
+        self.mark("after commit");
+        self.gate.open();
+        // This process's crash-store region replaces the running one's in the manager's store
+        // (every carried connection's record is in it already).
+        if let Some(store) = &cell.context.crash {
+            if let Err(e) = store.keep_region() {
+                log::warn!("orca_relay_crash_store_region_not_kept error={e}");
+            }
+            if let Some(old) = &self.document.crash_region {
+                store.forget(old);
+            }
+        }
         cell.resume_threads()?;
-        Ok(committed)
+        Ok((committed, after))
     }
 
     /// Whether the running process passed on a stop with `committed`: the caller begins the
@@ -1103,10 +1137,12 @@ impl Taker {
     }
 
     /// The listeners (WebSocket, HTTP), and the running process's standard error adopted as
-    /// this one's (its logs go where the running process's went).
-    pub fn listeners(
-        &mut self,
-    ) -> Result<(std::net::TcpListener, std::net::TcpListener), RunError> {
+    /// this one's (its logs go where the running process's went). A configured address they
+    /// are not bound to is refused (`process::check_carried_listeners`): checked before
+    /// `ready` already when the command said what the running process listens on, and here,
+    /// on the listeners themselves, in any case (a running process or a command before issue
+    /// 31 did not say).
+    pub fn listeners(&mut self, config: &Config) -> Result<Handed, RunError> {
         let indices = self.document.listeners.clone();
         if let Some(stderr) = indices.stderr {
             let fd = self.take_fd(stderr)?;
@@ -1115,7 +1151,33 @@ impl Taker {
         }
         let ws = std::net::TcpListener::from(self.take_fd(indices.ws)?);
         let http = std::net::TcpListener::from(self.take_fd(indices.http)?);
-        Ok((ws, http))
+        let from_systemd = self
+            .listening
+            .map_or((false, false), |l| (l.ws_from_systemd, l.http_from_systemd));
+        let bound = |listener: &std::net::TcpListener| {
+            listener
+                .local_addr()
+                .map_err(|e| format!("cannot read a received listener's address: {e}"))
+        };
+        let held = bound(&ws).and_then(|ws| {
+            Ok(protocol::Listening {
+                ws,
+                http: bound(&http)?,
+                ws_from_systemd: from_systemd.0,
+                http_from_systemd: from_systemd.1,
+            })
+        });
+        let checked = held
+            .map_err(RunError)
+            .and_then(|held| super::process::check_carried_listeners(config, &held));
+        if let Err(e) = checked {
+            return Err(self.fail(&e.0));
+        }
+        Ok(Handed {
+            ws,
+            http,
+            from_systemd,
+        })
     }
 
     /// Gives every carried connection to a relay thread held at the gate, and prepares every
@@ -1302,8 +1364,8 @@ impl Taker {
         Ok(())
     }
 
-    /// Confirms and waits for the giver's word. `committed`: the gate opens, the pairs go to the
-    /// splice workers, and this process owns everything. A `rollback` (or a refusal) ends this
+    /// Confirms and waits for the giver's word. `committed`: the pairs go to the splice
+    /// workers and this process owns everything (its caller opens the gate). A `rollback` (or a refusal) ends this
     /// process at once with status 1, having touched nothing; so does a giver that went away
     /// without a word (it may have failed to send its `rollback` and be serving again: only a
     /// `committed` read here makes this process an owner).
@@ -1345,17 +1407,6 @@ impl Taker {
                     "orca_relay_handover_pair_dropped host={}",
                     pair.relay_host_id.as_deref().unwrap_or("-")
                 );
-            }
-        }
-        self.gate.open();
-        // This process's crash-store region replaces the running one's in the manager's store
-        // (every carried connection's record is in it already).
-        if let Some(store) = &cell.context.crash {
-            if let Err(e) = store.keep_region() {
-                log::warn!("orca_relay_crash_store_region_not_kept error={e}");
-            }
-            if let Some(old) = &self.document.crash_region {
-                store.forget(old);
             }
         }
         Ok((count, self.header.fds))

@@ -499,6 +499,7 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
         model_timings(),
         orca_relay::clock::system(),
         orca_relay::relay::metrics::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
+        &orca_relay::liveness::Liveness::detached(orca_relay::clock::system()),
     )
     .map_err(|e| format!("start: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -82,6 +82,20 @@ pub fn hand_over(
     extra: &[(&str, &str)],
     args: &[&str],
 ) -> Handover {
+    let extra: Vec<(&str, &std::ffi::OsStr)> = extra
+        .iter()
+        .map(|(name, value)| (*name, std::ffi::OsStr::new(*value)))
+        .collect();
+    hand_over_raw(relay, binary, &extra, args)
+}
+
+/// As [`hand_over`], with values given as raw bytes (a value that is not UTF-8).
+pub fn hand_over_raw(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &std::ffi::OsStr)],
+    args: &[&str],
+) -> Handover {
     let binary = binary.unwrap_or(Path::new(env!("CARGO_BIN_EXE_orca-relay")));
     let mut command = Command::new(binary);
     command.arg("handover").args(args).env_clear();
