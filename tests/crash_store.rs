@@ -331,3 +331,48 @@ fn a_pair_whose_reader_lags_is_not_resumed_behind_the_bytes_the_relay_held() {
     let code = read_close(&mut phone);
     assert!(matches!(code, Some(1012) | None), "{code:?}");
 }
+
+/// A pair in the middle of a fragmented message (its first fragment relayed in full, so no
+/// frame is half-written: nothing but the open message stops a resume) is not resumed: the new
+/// process could not parse the continuation. Both legs hear 1012; the desktop's control is
+/// resumed. Catches the splice worker's settle leaving a held message unmarked.
+#[test]
+fn a_pair_in_the_middle_of_a_fragmented_message_is_closed_1012() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-fragment"));
+    let mut relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut desktop);
+    exchange(&mut phone, &mut leg, b"whole");
+    assert!(stored_connections(&manager, 3));
+    settled(&relay);
+    // A text message's first fragment (no FIN), masked as a client must.
+    let payload = b"first half";
+    let mask = [1u8, 2, 3, 4];
+    let mut frame = vec![0x01, 0x80 | payload.len() as u8];
+    frame.extend_from_slice(&mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    phone.get_mut().write_all(&frame).unwrap();
+    assert!(
+        harness::wait_until(Duration::from_secs(10), || {
+            relay.metric("orca_relay_crash_store_slots{state=\"unsettled\"}") >= Some(1.0)
+        }),
+        "the open message was never marked held"
+    );
+    kill_now(&mut relay);
+    let relay = manager
+        .launch(dir, ENV)
+        .expect_listening("orca_relay_started");
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(10))
+        .unwrap();
+    assert!(
+        resumed.contains("controls=1 pairs=0 closed=2 cut=0"),
+        "{resumed}"
+    );
+    expect_ping(&mut desktop.control);
+    assert_eq!(read_close(&mut phone), Some(1012));
+    assert_eq!(read_close(&mut leg), Some(1012));
+}

@@ -201,8 +201,11 @@ impl Manager {
                 .store
                 .iter()
                 .map(|(name, fd)| {
-                    // SAFETY: dup of a descriptor the store holds; the copy goes to the child.
-                    (name.clone(), unsafe { libc::dup(fd.as_raw_fd()) })
+                    // SAFETY: a close-on-exec copy of a descriptor the store holds (no other
+                    // child spawned meanwhile inherits it); only its dup2 into 3.. reaches
+                    // the relay, as systemd passes descriptors, with no stray copy beside it.
+                    let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+                    (name.clone(), copy)
                 })
                 .unzip()
         };
@@ -227,10 +230,11 @@ impl Manager {
             // SAFETY: between fork and exec only fcntl and dup2, which are async-signal-safe.
             unsafe {
                 command.pre_exec(move || {
-                    // First out of the way (above the target range), then into 3, 4, …
+                    // First out of the way (above the target range), then into 3, 4, … (dup2
+                    // clears close-on-exec on the target; the copies close at the exec).
                     let mut high = Vec::with_capacity(moved.len());
                     for fd in &moved {
-                        let copy = libc::fcntl(*fd, libc::F_DUPFD, 3 + count);
+                        let copy = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 3 + count);
                         if copy < 0 {
                             return Err(std::io::Error::last_os_error());
                         }
