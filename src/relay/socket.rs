@@ -39,7 +39,7 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::Duration;
 
 use mio::unix::SourceFd;
@@ -51,7 +51,9 @@ use tungstenite::Message;
 
 use super::closing::{self, ClosingBound, Verdict};
 use super::frames::CloseAnswer;
+use crate::carry::crash::{IO_HOLDING, IO_WRITING};
 use crate::clock;
+use crate::crash_store::CrashSlot;
 use crate::protocol::CloseCode;
 
 /// How long a rejected or closed peer has to answer our close frame before the TCP connection
@@ -85,6 +87,10 @@ pub struct Socket {
     /// The send timeout the socket was given (the wedge window): the deadline of one whole
     /// [`Socket::send`].
     send_timeout: Option<Duration>,
+    /// Its slot in the crash store, once this process keeps it there (`crash_store`): every
+    /// write marks it, and a socket kept in the service manager's store is shut down when it is
+    /// dropped (the manager's copy of the descriptor would otherwise hold the connection open).
+    crash: OnceLock<CrashSlot>,
 }
 
 fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
@@ -113,7 +119,33 @@ impl Socket {
             bytes_out: AtomicU64::new(0),
             send_timeout: stream.write_timeout().ok().flatten(),
             stream,
+            crash: OnceLock::new(),
         })
+    }
+
+    /// Keeps this connection's crash-store slot with it (once).
+    pub fn keep(&self, slot: CrashSlot) {
+        if self.is_closing() {
+            slot.set(IO_HOLDING);
+        }
+        let _ = self.crash.set(slot);
+    }
+
+    /// Its crash-store slot, if this process keeps it in one.
+    pub fn crash_slot(&self) -> Option<&CrashSlot> {
+        self.crash.get()
+    }
+
+    fn mark(&self, flags: u32) {
+        if let Some(slot) = self.crash.get() {
+            slot.set(flags);
+        }
+    }
+
+    fn unmark(&self, flags: u32) {
+        if let Some(slot) = self.crash.get() {
+            slot.clear(flags);
+        }
     }
 
     /// Wraps an upgraded control socket. Its reader is built by the caller
@@ -139,6 +171,7 @@ impl Socket {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.mark(IO_HOLDING);
         let mut writer = lock_writer(&self.writer);
         if !writer.broken {
             let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
@@ -198,7 +231,9 @@ impl Socket {
             // Only text goes through here; anything else takes the ordinary path.
             _ => return self.send_locked(&mut writer, message).map(|()| true),
         };
+        self.mark(IO_WRITING);
         if send_without_waiting(&self.stream, &frame) {
+            self.unmark(IO_WRITING);
             self.bytes_out
                 .fetch_add(message.len() as u64, Ordering::Relaxed);
             Ok(true)
@@ -228,6 +263,8 @@ impl Socket {
             return Err(SendError::Closed);
         }
         let len = message.len() as u64;
+        // A crash from here until the frame is out would leave half of it on the wire.
+        self.mark(IO_WRITING);
         let deadline = Deadline::after(self.send_timeout);
         let mut stream = Retrying(&self.stream, deadline);
         let result = match &message {
@@ -249,6 +286,7 @@ impl Socket {
         };
         match result {
             Ok(()) => {
+                self.unmark(IO_WRITING);
                 self.bytes_out.fetch_add(len, Ordering::Relaxed);
                 Ok(())
             }
@@ -273,6 +311,7 @@ impl Socket {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
         }
+        self.mark(IO_HOLDING);
         let sent = match self.writer.try_lock() {
             Ok(mut writer) => {
                 let sent = !writer.broken && {
@@ -325,7 +364,19 @@ impl Socket {
     /// Drops the TCP connection now (both directions); the reader thread wakes with an error.
     pub fn shutdown(&self) {
         self.closing.store(true, Ordering::Release);
+        self.mark(IO_HOLDING);
         let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+impl Drop for Socket {
+    /// A socket kept in the service manager's store is shut down as it goes: the manager's
+    /// copy of the descriptor would keep the connection open, and its peer would never see it
+    /// end. (Its slot, dropped next, clears the record and removes the copy.)
+    fn drop(&mut self) {
+        if self.crash.get().is_some() {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
     }
 }
 
