@@ -21,7 +21,7 @@ use handover_kit::client::{self, Blocking, OP_CLOSE};
 use handover_kit::in_netns;
 use handover_kit::load::{Identity, Spec};
 use handover_kit::remote::RemoteLoad;
-use harness::{host_id, token, TEST_KEY};
+use harness::TEST_KEY;
 use serde_json::json;
 use systemd_harness::Namespace;
 
@@ -67,32 +67,7 @@ fn netns(ns: &Namespace) -> PathBuf {
 
 /// `count` desktops placed by the combined relay's director, from inside the namespace.
 fn place(ns: &Namespace, count: usize) -> Vec<Identity> {
-    in_netns(Some(&netns(ns)), move || {
-        (0..count)
-            .map(|_| {
-                let relay_host_id = host_id();
-                let user_id = format!("user-{relay_host_id}");
-                let token = token(&user_id, &relay_host_id);
-                let mut answer = None;
-                systemd_harness::wait_until(Duration::from_secs(30), || {
-                    answer = ureq::post(&format!("http://{HTTP}/v1/assign"))
-                        .set("Authorization", &format!("Bearer {token}"))
-                        .timeout(Duration::from_secs(20))
-                        .send_string(&json!({"v":1,"relayHostId":relay_host_id}).to_string())
-                        .ok()
-                        .and_then(|response| response.into_json::<serde_json::Value>().ok());
-                    answer.is_some()
-                });
-                let answer = answer.expect("assign");
-                Identity {
-                    user_id,
-                    relay_host_id,
-                    token,
-                    epoch: answer["assignmentEpoch"].as_i64().unwrap(),
-                }
-            })
-            .collect()
-    })
+    handover_kit::place_desktops(Some(&netns(ns)), HTTP, count)
 }
 
 /// Stored descriptors in the unit's store.

@@ -10,23 +10,36 @@
 //! - a critical thread's panic ends the process with status 70 and one ERROR line (priority 3 in
 //!   the journal): `Restart=on-failure` starts a new one.
 //!
+//! Either way the connections outlive the process (the descriptor store, crash survival): the
+//! desktops' controls and their streaming pairs connected before the fault are resumed by the new
+//! process (its next ping answered, every message once, in order), whatever was not got 1012.
+//! The env file loses the fault once the load is connected, so the restarted process runs clean.
+//!
 //! Before issue 32 the watchdog thread sent `WATCHDOG=1` whenever the process's own `GET
 //! /health` answered, which it always did: a wedged cell ran on, serving nobody.
 
+mod handover_kit;
 mod harness;
 mod systemd_harness;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use handover_kit::load::Spec;
+use handover_kit::remote::RemoteLoad;
 use harness::TEST_KEY;
 use systemd_harness::Namespace;
 
 const UNIT: &str = "orca-relay-cell.service";
 const WS: &str = "127.0.0.1:8080";
 const HTTP: &str = "127.0.0.1:8081";
-/// When the fault fires in each process: after it has started and answered `/health`.
-const FAULT_AFTER_MS: u64 = 3_000;
+/// When the fault fires in the first process: after it has started, answered `/health` and
+/// taken the load.
+const FAULT_AFTER_MS: u64 = 6_000;
+/// The load that must outlive the process: desktops' controls, the first few with a streaming
+/// pair each.
+const CONTROLS: usize = 40;
+const PAIRS: usize = 8;
 
 /// The user, the binary, the shipped env file (with a combined relay's values and `fault`), the
 /// shipped unit unchanged, and a drop-in with a short watchdog interval.
@@ -48,9 +61,13 @@ fn install(ns: &Namespace, fault: &str) {
          ORCA_RELAY_ROLE=combined\nDATABASE_URL=\nORCA_RELAY_CELL_ID=combined\nORCA_RELAY_WS_ADDR={WS}\n\
          ORCA_RELAY_HTTP_ADDR={HTTP}\nORCA_RELAY_CELL_URL=ws://{WS}\nORCA_RELAY_DIRECTOR_URLS=\n\
          ORCA_RELAY_SELF_HOSTED_KEY={TEST_KEY}\nORCA_RELAY_SPLICE_WORKERS=2\n\
-         ORCA_RELAY_DRAIN_GRACE_MS=500\nORCA_RELAY_TEST_FAULT={fault}\n"
+         ORCA_RELAY_DRAIN_GRACE_MS=500\nORCA_RELAY_PING_MS=1000\nORCA_RELAY_TEST_FAULT={fault}\n"
     );
     ns.write("/etc/orca-relay/cell.env", &operator);
+    ns.write(
+        "/etc/orca-relay/cell.env.clean",
+        &operator.replace(fault, ""),
+    );
     ns.add_unit(
         UNIT,
         &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
@@ -84,10 +101,16 @@ fn restarts(ns: &Namespace) -> u32 {
     ns.show(UNIT, "NRestarts").parse().unwrap_or(0)
 }
 
-/// Starts the unit with `fault` set; waits for the fault to fire in the first process and for
-/// systemd to restart the unit (the journal saying `what_ended_it`); checks the restarted
-/// process serves. Returns the namespace and how long the restart took from the fault.
+fn netns(ns: &Namespace) -> PathBuf {
+    PathBuf::from(format!("/proc/{}/ns/net", ns.pid1()))
+}
+
+/// Starts the unit with `fault` set and the load connected; waits for the fault to fire in the
+/// first process and for systemd to restart the unit (the journal saying `what_ended_it`);
+/// checks the restarted process serves and resumed the load. Returns the namespace and how long
+/// the restart took from the fault.
 fn restarted_after(fault: &str, what_ended_it: &str) -> (Namespace, Duration) {
+    handover_kit::raise_fd_limit();
     let ns = Namespace::boot("liveness");
     install(&ns, fault);
     ns.systemctl_ok(&["start", UNIT]);
@@ -98,6 +121,28 @@ fn restarted_after(fault: &str, what_ended_it: &str) -> (Namespace, Duration) {
     assert_eq!(ns.show(UNIT, "WatchdogUSec"), "3s");
     assert_eq!(health(&ns), 200, "{}", ns.journal_text(UNIT));
     assert_eq!(restarts(&ns), 0);
+    // The load, connected before the fault fires; the next start reads an env file without it.
+    let identities = handover_kit::place_desktops(Some(&netns(&ns)), HTTP, CONTROLS);
+    let mut spec = Spec::new(CONTROLS, PAIRS);
+    spec.netns = Some(netns(&ns));
+    let mut load = RemoteLoad::start("load_helper", WS, spec, identities);
+    assert!(
+        systemd_harness::wait_until(Duration::from_secs(20), || {
+            ns.show(UNIT, "NFileDescriptorStore") == (CONTROLS + 2 * PAIRS + 3).to_string()
+        }),
+        "{fault}: the load was not all kept before the fault: {} stored",
+        ns.show(UNIT, "NFileDescriptorStore")
+    );
+    assert!(
+        !ns.journal_text(UNIT)
+            .contains("orca_relay_test_fault_fired"),
+        "{fault}: the fault fired before the load was connected; raise FAULT_AFTER_MS"
+    );
+    std::fs::rename(
+        ns.path("/etc/orca-relay/cell.env.clean"),
+        ns.path("/etc/orca-relay/cell.env"),
+    )
+    .unwrap();
     // Until systemd restarts it; when the fault fired in the first process is noted on the way.
     let mut fired: Option<Instant> = None;
     let restarted = systemd_harness::wait_until(Duration::from_secs(60), || {
@@ -120,7 +165,8 @@ fn restarted_after(fault: &str, what_ended_it: &str) -> (Namespace, Duration) {
     ns.wait_for_entry(UNIT, Duration::from_secs(10), |entry| {
         entry.message.contains(what_ended_it)
     });
-    // The new process serves (until its own fault fires).
+    // The new process serves, and pings every control it resumed: the first ping a control
+    // hears after the mark is the new process's (the old one is gone).
     assert!(
         systemd_harness::wait_until(Duration::from_secs(30), || {
             let pid = ns.main_pid(UNIT);
@@ -128,6 +174,50 @@ fn restarted_after(fault: &str, what_ended_it: &str) -> (Namespace, Duration) {
         }),
         "{fault}: the restarted process does not serve; journal:\n{}",
         ns.journal_text(UNIT)
+    );
+    load.mark();
+    let resumed = ns.wait_for_entry(UNIT, Duration::from_secs(10), |entry| {
+        entry.pid != Some(first) && entry.message.contains("orca_relay_crash_resumed")
+    });
+    eprintln!("{fault}: {}", resumed.message);
+    let cut: usize = harness::field(&resumed.message, "cut")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let report = load.report();
+    let open_controls = CONTROLS
+        - report
+            .closed
+            .iter()
+            .filter(|c| c.starts_with("control"))
+            .count();
+    assert!(
+        systemd_harness::wait_until(Duration::from_secs(20), || {
+            load.report().pinged_since_mark >= open_controls
+        }),
+        "{fault}: resumed controls not pinged by the new process: {:?}\n{}",
+        load.report(),
+        ns.journal_text(UNIT)
+    );
+    let finished = load.finish(Duration::from_secs(30));
+    assert!(finished.violations.is_empty(), "{:?}", finished.violations);
+    // What was not resumed got 1012, but a leg with half a frame on the wire (`cut`).
+    assert_eq!(
+        finished
+            .closed
+            .iter()
+            .filter(|c| !c.ends_with("closed 1012"))
+            .count(),
+        cut,
+        "{fault}: {:?}",
+        finished.closed
+    );
+    // Idle controls are kept: at most the few the process was reading or writing at the fault.
+    assert!(
+        finished.closed.len() * 10 <= CONTROLS + 2 * PAIRS,
+        "{fault}: {} of {} connections closed: {:?}",
+        finished.closed.len(),
+        CONTROLS + 2 * PAIRS,
+        finished.closed
     );
     (ns, took)
 }
@@ -196,4 +286,10 @@ fn a_critical_thread_that_panics_ends_the_process_and_restart_on_failure_restart
         )),
         "the first process's one ERROR line: {errors:#?}"
     );
+}
+
+/// The load's own process (`handover_kit::remote`): nothing unless started as one.
+#[test]
+fn load_helper() {
+    handover_kit::remote::helper_main();
 }

@@ -335,7 +335,13 @@ impl CrashSlot {
 }
 
 impl Drop for CrashSlot {
+    /// The record cleared and the store's copy removed: the connection is closed. Not while a
+    /// critical thread's panic unwinds towards the exit (a splice worker's legs dropped with
+    /// it): then the connection outlives the process like any other.
     fn drop(&mut self) {
+        if crate::threads::critical_panic_in_flight() {
+            return;
+        }
         {
             let stripe = &self.store.stripes[self.index as usize % WRITE_STRIPES];
             let _writing = stripe.lock().unwrap_or_else(|e| e.into_inner());

@@ -372,9 +372,11 @@ impl Socket {
 impl Drop for Socket {
     /// A socket kept in the service manager's store is shut down as it goes: the manager's
     /// copy of the descriptor would keep the connection open, and its peer would never see it
-    /// end. (Its slot, dropped next, clears the record and removes the copy.)
+    /// end. (Its slot, dropped next, clears the record and removes the copy.) Not while a
+    /// critical thread's panic unwinds: the process is ending, and the connection is the next
+    /// process's to resume (its record stays, flags and all).
     fn drop(&mut self) {
-        if self.crash.get().is_some() {
+        if self.crash.get().is_some() && !crate::threads::critical_panic_in_flight() {
             let _ = self.stream.shutdown(Shutdown::Both);
         }
     }

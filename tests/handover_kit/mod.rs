@@ -379,3 +379,38 @@ pub fn served(
         orca_relay::clock::sleep(Duration::from_millis(100));
     }
 }
+
+/// `count` desktops placed through `POST /v1/assign` of the relay at `http` (a combined relay's
+/// director), connecting from `netns` when given; each retried for up to 30 s (the relay may
+/// still be starting).
+pub fn place_desktops(netns: Option<&Path>, http: &str, count: usize) -> Vec<load::Identity> {
+    let http = http.to_string();
+    in_netns(netns, move || {
+        (0..count)
+            .map(|_| {
+                let relay_host_id = harness::host_id();
+                let user_id = format!("user-{relay_host_id}");
+                let token = harness::token(&user_id, &relay_host_id);
+                let mut answer = None;
+                harness::wait_until(Duration::from_secs(30), || {
+                    answer = ureq::post(&format!("http://{http}/v1/assign"))
+                        .set("Authorization", &format!("Bearer {token}"))
+                        .timeout(Duration::from_secs(20))
+                        .send_string(
+                            &serde_json::json!({"v":1,"relayHostId":relay_host_id}).to_string(),
+                        )
+                        .ok()
+                        .and_then(|response| response.into_json::<serde_json::Value>().ok());
+                    answer.is_some()
+                });
+                let answer = answer.expect("assign");
+                load::Identity {
+                    user_id,
+                    relay_host_id,
+                    token,
+                    epoch: answer["assignmentEpoch"].as_i64().unwrap(),
+                }
+            })
+            .collect()
+    })
+}
