@@ -22,7 +22,32 @@ use tungstenite::Message;
 const ENV: &[(&str, &str)] = &[
     ("ORCA_RELAY_PING_MS", "300"),
     ("ORCA_RELAY_SILENCE_MS", "20000"),
+    ("ORCA_RELAY_HEARTBEAT_MS", "1000"),
+    ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
 ];
+const SERVICE_TOKEN: &str = "crash-store-service-token";
+
+/// What the relay counts as connected: its gauges (controls, phones, data legs) and the
+/// connections its heartbeat reported to the director (`fleet status --json`, as an operator
+/// reads it).
+fn counted(relay: &Relay) -> (Vec<Option<f64>>, Option<u64>) {
+    let gauges = ["control", "phone", "data"]
+        .iter()
+        .map(|kind| relay.metric(&format!("orca_relay_connections{{kind=\"{kind}\"}}")))
+        .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_orca-relay"))
+        .args(["fleet", "status", "--json", "--director"])
+        .arg(relay.http_url(""))
+        .env_clear()
+        .env("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN)
+        .output()
+        .expect("run fleet status");
+    let listing: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    (
+        gauges,
+        listing["cells"][0]["status"]["connections"].as_u64(),
+    )
+}
 
 /// Waits until the relay holds nothing of any kept connection (every read acted on, every write
 /// done): what a kill now finds is resumable.
@@ -99,6 +124,14 @@ fn a_relay_killed_with_sigkill_resumes_its_controls_and_pairs() {
         manager.names()
     );
     let (ws, http) = (relay.ws.clone(), relay.http.clone());
+    let mut before = counted(&relay);
+    assert!(
+        harness::wait_until(Duration::from_secs(10), || {
+            before = counted(&relay);
+            before.1 == Some(12)
+        }),
+        "{before:?}"
+    );
 
     kill(&mut relay);
     let relay = manager
@@ -116,6 +149,15 @@ fn a_relay_killed_with_sigkill_resumes_its_controls_and_pairs() {
         resumed.contains("controls=6 pairs=3 closed=0 cut=0"),
         "{resumed}\n{}",
         relay.log_text()
+    );
+    // Counted as connected by the new process at once, and reported within a heartbeat.
+    let mut after = counted(&relay);
+    assert!(
+        harness::wait_until(Duration::from_secs(3), || {
+            after = counted(&relay);
+            after == before
+        }),
+        "before the kill {before:?}, after {after:?}"
     );
 
     // Every control is answered by the new process, with nothing but a pause behind it.
