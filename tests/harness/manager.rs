@@ -22,9 +22,11 @@ struct State {
     store: Vec<(String, OwnedFd)>,
     /// Every datagram's first line that is not a store operation (`READY=1`, `WATCHDOG=1`, …).
     notes: Vec<String>,
+    /// The manager was dropped: its thread ends.
+    stopped: bool,
 }
 
-/// The fake manager; its thread lives as long as the test process.
+/// The fake manager; its thread ends when it is dropped (the store is flushed then).
 pub struct Manager {
     path: PathBuf,
     state: Arc<Mutex<State>>,
@@ -111,6 +113,10 @@ impl Manager {
                 };
                 let name = field("FDNAME=").unwrap_or_else(|| "stored".into());
                 let mut state = state.lock().unwrap();
+                if state.stopped {
+                    state.store.clear();
+                    return;
+                }
                 if field("FDSTORE=").as_deref() == Some("1") {
                     for fd in fds {
                         let known = identity(fd.as_raw_fd());
@@ -194,65 +200,126 @@ impl Manager {
         data_dir: Arc<TempDir>,
         env: &[(&str, &str)],
     ) -> Relay {
-        use std::os::unix::process::CommandExt;
-        let (names, fds): (Vec<String>, Vec<RawFd>) = {
-            let state = self.state.lock().unwrap();
-            state
-                .store
-                .iter()
-                .map(|(name, fd)| {
-                    // SAFETY: a close-on-exec copy of a descriptor the store holds (no other
-                    // child spawned meanwhile inherits it); only its dup2 into 3.. reaches
-                    // the relay, as systemd passes descriptors, with no stray copy beside it.
-                    let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
-                    (name.clone(), copy)
-                })
-                .unzip()
-        };
-        let listen_fds = fds.len().to_string();
-        let listen_names = names.join(":");
-        let notify = self.notify_socket();
+        let handoff = self.handoff();
+        let given = handoff.env();
         let mut env: Vec<(&str, &str)> = env.to_vec();
-        env.push(("NOTIFY_SOCKET", &notify));
-        if !fds.is_empty() {
-            env.push(("LISTEN_FDS", &listen_fds));
-            env.push(("LISTEN_FDNAMES", &listen_names));
+        env.extend(given.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        Relay::launch_binary_with(Path::new("/bin/sh"), data_dir, &env, |command| {
+            handoff.wrap(command, binary)
+        })
+    }
+
+    /// What the next start of a process under this manager is handed: copies of every stored
+    /// descriptor, for [`Handoff::wrap`] and [`Handoff::env`]. Drop it once the process is
+    /// spawned (the copies close).
+    pub fn handoff(&self) -> Handoff {
+        let state = self.state.lock().unwrap();
+        let (names, fds) = state
+            .store
+            .iter()
+            .map(|(name, fd)| {
+                // SAFETY: a close-on-exec copy of a descriptor the store holds (no other
+                // child spawned meanwhile inherits it); only its dup2 into 3.. reaches
+                // the process, as systemd passes descriptors, with no stray copy beside it.
+                let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+                (name.clone(), copy)
+            })
+            .unzip();
+        Handoff {
+            notify: self.notify_socket(),
+            names,
+            fds,
         }
-        let moved = fds.clone();
-        let relay = Relay::launch_binary_with(Path::new("/bin/sh"), data_dir, &env, |command| {
-            // `sh` names its own pid, then becomes the relay (same pid): LISTEN_PID is the
-            // relay's, as systemd sets it.
-            command
-                .arg("-c")
-                .arg("export LISTEN_PID=$$; exec \"$0\"")
-                .arg(binary);
-            let count = moved.len() as RawFd;
-            // SAFETY: between fork and exec only fcntl and dup2, which are async-signal-safe.
-            unsafe {
-                command.pre_exec(move || {
-                    // First out of the way (above the target range), then into 3, 4, … (dup2
-                    // clears close-on-exec on the target; the copies close at the exec).
-                    let mut high = Vec::with_capacity(moved.len());
-                    for fd in &moved {
-                        let copy = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 3 + count);
-                        if copy < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        high.push(copy);
-                    }
-                    for (i, fd) in high.iter().enumerate() {
-                        if libc::dup2(*fd, 3 + i as RawFd) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                    }
-                    Ok(())
-                });
-            }
-        });
-        for fd in fds {
-            // SAFETY: our own duplicates, handed to the child.
-            unsafe { libc::close(fd) };
+    }
+
+    /// Forgets every stored descriptor, as systemd flushes a unit's store when the unit stops:
+    /// the connections they held close (unless a process still has them).
+    pub fn flush(&self) {
+        self.state.lock().unwrap().store.clear();
+    }
+
+    /// How many descriptors the store holds.
+    pub fn stored(&self) -> usize {
+        self.state.lock().unwrap().store.len()
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        // The thread ends at its next datagram: this one.
+        self.state.lock().unwrap().stopped = true;
+        self.flush();
+        if let Ok(socket) = UnixDatagram::unbound() {
+            let _ = socket.send_to(b"STOPPING=1", &self.path);
         }
-        relay
+    }
+}
+
+/// A start under the manager: the stored descriptors (close-on-exec copies, closed when this is
+/// dropped) and how the process gets them.
+pub struct Handoff {
+    notify: String,
+    names: Vec<String>,
+    fds: Vec<RawFd>,
+}
+
+impl Handoff {
+    /// How many descriptors the process is handed.
+    pub fn count(&self) -> usize {
+        self.fds.len()
+    }
+
+    /// The environment systemd gives the process: `NOTIFY_SOCKET`, and with descriptors
+    /// `LISTEN_FDS` and `LISTEN_FDNAMES` (`LISTEN_PID` comes from [`Handoff::wrap`]).
+    pub fn env(&self) -> Vec<(String, String)> {
+        let mut env = vec![("NOTIFY_SOCKET".to_string(), self.notify.clone())];
+        if !self.fds.is_empty() {
+            env.push(("LISTEN_FDS".into(), self.fds.len().to_string()));
+            env.push(("LISTEN_FDNAMES".into(), self.names.join(":")));
+        }
+        env
+    }
+
+    /// Makes `command`, a `Command` of `/bin/sh`, run `binary` with the descriptors from 3 on
+    /// and `LISTEN_PID` naming its own pid: `sh` exports its pid, then becomes `binary` (same
+    /// pid). The environment is the caller's (with [`Handoff::env`] in it).
+    pub fn wrap(&self, command: &mut std::process::Command, binary: &Path) {
+        use std::os::unix::process::CommandExt;
+        command
+            .arg("-c")
+            .arg("export LISTEN_PID=$$; exec \"$0\"")
+            .arg(binary);
+        let moved = self.fds.clone();
+        let count = moved.len() as RawFd;
+        // SAFETY: between fork and exec only fcntl and dup2, which are async-signal-safe.
+        unsafe {
+            command.pre_exec(move || {
+                // First out of the way (above the target range), then into 3, 4, … (dup2
+                // clears close-on-exec on the target; the copies close at the exec).
+                let mut high = Vec::with_capacity(moved.len());
+                for fd in &moved {
+                    let copy = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 3 + count);
+                    if copy < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    high.push(copy);
+                }
+                for (i, fd) in high.iter().enumerate() {
+                    if libc::dup2(*fd, 3 + i as RawFd) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        for fd in &self.fds {
+            // SAFETY: our own duplicates, handed to the child (or not used).
+            unsafe { libc::close(*fd) };
+        }
     }
 }

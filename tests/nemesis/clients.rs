@@ -7,9 +7,18 @@
 //! so the receiving side checks each frame byte for byte against the one it expects next: a
 //! lost, duplicated, reordered or altered frame is caught at once. A stream ends in one of
 //! three ways: completed (both sides got every frame, the phone closed 1000 and the data leg
-//! got the documented 4408), closed by a fault that closes it by design (its cell was killed or
-//! drained: then the close code must be the documented one, or the connection simply gone), or
-//! a violation of checker 4.
+//! got the documented 4408), closed by a fault that closes it by design (its cell was killed
+//! without its descriptor store, drained, or died: then the close code must be the documented
+//! one, or the connection simply gone), or a violation of checker 4.
+//!
+//! A `kill -9` that keeps the cell's descriptor store ([`EndKind::KilledKept`]) is judged as a
+//! live handover is: the desktops' controls and spliced pairs stay, every frame arrives once,
+//! in order. What may end is only what the restarted relay closes 1012 or cuts (it counts them
+//! in its `orca_relay_crash_resumed … closed= cut=` line; the run holds each cell's count of
+//! such ends against the sum of its lines, [`ClientCounts::kept_kill_ends`]) and a stream
+//! whose pairing was not made when the process died (an invite or a connection still
+//! authenticating is not kept: its phone or data leg is refused or finds its connection gone
+//! before any frame passed).
 //!
 //! Desktops reach the directors as they would through a load balancer: a `nemesis-lb` thread
 //! checks every director's `/ready` every [`LB_CHECK_EVERY`], and a desktop asks only the
@@ -40,8 +49,9 @@ type Ws = WebSocket<MaybeTlsStream<TcpStream>>;
 const STALL_MS: u64 = 20_000;
 /// How long a desktop waits for an answer on its control (invite) or for an attach.
 const ANSWER_MS: u64 = 15_000;
-/// Close codes a stream or control may end with (docs/PROTOCOL.md).
-const DOCUMENTED: [u16; 8] = [1000, 1001, 4401, 4404, 4408, 4409, 4429, 4503];
+/// Close codes a stream or control may end with (docs/PROTOCOL.md; 1012, "service restart",
+/// from docs/OPERATIONS.md "Crash survival").
+const DOCUMENTED: [u16; 9] = [1000, 1001, 1012, 4401, 4404, 4408, 4409, 4429, 4503];
 
 /// How often the load balancer in front of the directors checks their `/ready`.
 pub const LB_CHECK_EVERY: Duration = Duration::from_millis(250);
@@ -64,6 +74,11 @@ pub struct ClientCounts {
     pub controls_opened: u64,
     pub redials: u64,
     pub voluntary_redials: u64,
+    /// Per cell: controls and legs that ended across a kill keeping the store with a 1012
+    /// close or cut (gone without a close frame), which the restarted relay must have counted.
+    pub kept_kill_ends: Vec<u64>,
+    /// Streams that crossed a kill keeping the store (started before, completed after).
+    pub streams_across_kills: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +89,30 @@ struct Shared {
     controls_opened: AtomicU64,
     redials: AtomicU64,
     voluntary_redials: AtomicU64,
+    kept_kill_ends: std::sync::Mutex<Vec<u64>>,
+    streams_across_kills: AtomicU64,
+}
+
+impl Shared {
+    fn counts(&self) -> ClientCounts {
+        ClientCounts {
+            streams_completed: self.streams_completed.load(Ordering::SeqCst),
+            streams_cut_by_design: self.streams_cut_by_design.load(Ordering::SeqCst),
+            frames_checked: self.frames_checked.load(Ordering::SeqCst),
+            controls_opened: self.controls_opened.load(Ordering::SeqCst),
+            redials: self.redials.load(Ordering::SeqCst),
+            voluntary_redials: self.voluntary_redials.load(Ordering::SeqCst),
+            kept_kill_ends: self.kept_kill_ends.lock().unwrap().clone(),
+            streams_across_kills: self.streams_across_kills.load(Ordering::SeqCst),
+        }
+    }
+
+    /// `n` ends on cell `c` that the relay restarted after a kept kill must have counted.
+    fn kept_kill_end(&self, c: usize, n: u64) {
+        if n > 0 {
+            self.kept_kill_ends.lock().unwrap()[c] += n;
+        }
+    }
 }
 
 /// One desktop's current state, for the liveness check.
@@ -117,12 +156,16 @@ impl Clients {
         knowledge: Arc<Knowledge>,
     ) -> Clients {
         let directors = endpoints.directors.len();
+        let shared = Shared {
+            kept_kill_ends: std::sync::Mutex::new(vec![0; endpoints.cells.len()]),
+            ..Shared::default()
+        };
         let context = Arc::new(Context {
             endpoints,
             in_balancer: std::sync::Mutex::new(vec![false; directors]),
             history,
             knowledge,
-            shared: Arc::default(),
+            shared: Arc::new(shared),
             stop: Arc::default(),
         });
         let balancer = {
@@ -180,15 +223,7 @@ impl Clients {
     }
 
     pub fn counts(&self) -> ClientCounts {
-        let s = &self.context.shared;
-        ClientCounts {
-            streams_completed: s.streams_completed.load(Ordering::SeqCst),
-            streams_cut_by_design: s.streams_cut_by_design.load(Ordering::SeqCst),
-            frames_checked: s.frames_checked.load(Ordering::SeqCst),
-            controls_opened: s.controls_opened.load(Ordering::SeqCst),
-            redials: s.redials.load(Ordering::SeqCst),
-            voluntary_redials: s.voluntary_redials.load(Ordering::SeqCst),
-        }
+        self.context.shared.counts()
     }
 
     /// Ends every desktop: each finishes or cuts its stream, closes its control 1000.
@@ -200,15 +235,7 @@ impl Clients {
         if let Some(balancer) = self.balancer.take() {
             let _ = balancer.join();
         }
-        let s = &self.context.shared;
-        ClientCounts {
-            streams_completed: s.streams_completed.load(Ordering::SeqCst),
-            streams_cut_by_design: s.streams_cut_by_design.load(Ordering::SeqCst),
-            frames_checked: s.frames_checked.load(Ordering::SeqCst),
-            controls_opened: s.controls_opened.load(Ordering::SeqCst),
-            redials: s.redials.load(Ordering::SeqCst),
-            voluntary_redials: s.voluntary_redials.load(Ordering::SeqCst),
-        }
+        self.context.shared.counts()
     }
 }
 
@@ -462,6 +489,43 @@ fn run_leg(
 
 // ---------------------------------------------------------------------------------------------
 // A desktop.
+
+/// Whether a stream that did not complete ended as a kill keeping the store allows, and if
+/// so how many of its connections the restarted relay must have closed 1012 or cut. Each leg
+/// completed its part, or ended with a 1012 close or gone (counted); a phone refused before
+/// `relay-hello` (its invite, or its connection still authenticating, was not kept; counted
+/// when refused 1012); or a leg gone while no frame had passed either way (the pair may not
+/// have been spliced yet: a data leg still authenticating is not kept). A stall, another close
+/// code or a corrupt frame is never by design.
+fn kept_kill_stream_ends(reports: &[LegDone]) -> Option<u64> {
+    let nothing_passed = reports.iter().all(|report| match report {
+        LegDone::Phone(leg) | LegDone::Data(leg) => leg.received == 0,
+        _ => true,
+    });
+    let mut counted = 0;
+    for report in reports {
+        match report {
+            LegDone::Phone(leg) | LegDone::Data(leg) => {
+                if leg.corrupt.is_some() {
+                    return None;
+                }
+                match &leg.end {
+                    _ if leg.completed => {}
+                    End::Closed(Some(1012)) => counted += 1,
+                    End::Gone(_) if nothing_passed => {}
+                    End::Gone(_) => counted += 1,
+                    _ => return None,
+                }
+            }
+            LegDone::PhoneRefused(_, code) | LegDone::DataRefused(_, code) => {
+                if *code == Some(1012) {
+                    counted += 1;
+                }
+            }
+        }
+    }
+    Some(counted)
+}
 
 /// Messages from a stream's leg threads to its desktop.
 enum LegDone {
@@ -951,6 +1015,14 @@ impl Desktop {
                 .shared
                 .streams_completed
                 .fetch_add(1, Ordering::Relaxed);
+            if self.context.knowledge.cell_disrupted(c, s.started_ms, now)
+                == Some(EndKind::KilledKept)
+            {
+                self.context
+                    .shared
+                    .streams_across_kills
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
         if self.context.stop.load(Ordering::SeqCst) {
@@ -963,6 +1035,15 @@ impl Desktop {
         let disruption = self.context.knowledge.cell_disrupted(c, opened_ms, now);
         let by_design = match disruption {
             Some(EndKind::Killed | EndKind::Died) => true,
+            // Across a kill that kept the store, as across a handover: only what the restarted
+            // relay closed 1012 or cut, or a pairing it never had.
+            Some(EndKind::KilledKept) => match kept_kill_stream_ends(&s.reports) {
+                Some(counted) => {
+                    self.context.shared.kept_kill_end(c, counted);
+                    true
+                }
+                None => false,
+            },
             // A drain closes every leg 4503 (or drops one that does not close in time).
             Some(EndKind::Terminated) => codes
                 .iter()
@@ -994,6 +1075,13 @@ impl Desktop {
         let now = self.context.history.now_ms();
         let disruption = self.context.knowledge.cell_disrupted(cell, opened_ms, now);
         let by_design = match (end, disruption) {
+            // Kept in the store, a control outlives the kill: only the restarted relay's 1012
+            // (a control it cannot resume) or its cut (a frame half written) ends it.
+            (End::Closed(Some(1012)) | End::Gone(_), Some(EndKind::KilledKept)) => {
+                self.context.shared.kept_kill_end(cell, 1);
+                true
+            }
+            (_, Some(EndKind::KilledKept)) => false,
             (End::Gone(_) | End::Stalled, Some(_)) => true,
             // A drain sends `drain`, then closes 4503.
             (End::Closed(Some(4503)), Some(EndKind::Terminated)) => true,

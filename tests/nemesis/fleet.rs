@@ -6,7 +6,13 @@
 //! A **supervisor** thread plays systemd's part: it starts a process the nemesis wants running
 //! (at the time it asked), restarts one that exited without being asked after
 //! [`RESTART_MS`] (`Restart=on-failure`), and tells the history and the harness's
-//! [`Knowledge`] about every launch and exit. Each process's stderr is read line by line by a
+//! [`Knowledge`] about every launch and exit. For each cell it also plays the descriptor
+//! store (`crate::harness::manager`, one per cell): the cell runs with `NOTIFY_SOCKET`, keeps
+//! its listeners and connections there (`FDSTORE=1`), and every start gets them back
+//! (`LISTEN_FDS`), as a cell unit's does. The store outlives a `kill -9` that keeps it
+//! ([`EndKind::KilledKept`]: the desktops stay) and a death; a drain (a stop) flushes it, and
+//! so does a kill that does not keep it ([`EndKind::Killed`], the clock jump's: a restart
+//! that lost the store, the desktops redial). Each process's stderr is read line by line by a
 //! thread of its own that stamps every line with the history's time and hands it to the
 //! [`Observer`] (the checkers), so an event's time is when the harness saw it.
 
@@ -22,6 +28,7 @@ use std::time::Duration;
 use super::history::{Checker, History};
 use super::knowledge::{EndKind, Knowledge, Who};
 use super::postgres::free_port;
+use crate::harness::manager::Manager;
 use crate::harness::{jwks_server, FakeServer, SERVICE_TOKEN, TEST_ISSUER};
 
 pub const DIRECTORS: usize = 2;
@@ -110,6 +117,9 @@ struct ProcState {
     /// A live handover of the current run under way: `Some(next pid)` once the command said
     /// it committed, `None` inside while its outcome is not known.
     handover: Option<Option<u32>>,
+    /// The store was flushed at the last exit: flushed again at the next launch (a datagram
+    /// the dead process sent may have been taken in after the flush).
+    flushed: bool,
 }
 
 impl ProcState {
@@ -142,6 +152,8 @@ pub struct Proc {
     binary: PathBuf,
     /// Its wall clock's offset (`ORCA_RELAY_TEST_CLOCK_OFFSET_MS`) from its next launch on.
     clock_offset_ms: AtomicI64,
+    /// A cell's descriptor store (directors have none).
+    manager: Option<Manager>,
     state: Mutex<ProcState>,
     log: Mutex<Vec<LogLine>>,
 }
@@ -239,8 +251,11 @@ impl Proc {
         unsafe { libc::kill(pid as libc::pid_t, signal) == 0 }
     }
 
-    /// `kill -9`; it stays down until [`Proc::start_at`].
-    pub fn kill9(&self, k: &Knowledge, history: &History) -> bool {
+    /// `kill -9`; it stays down until [`Proc::start_at`]. With `keep_store` (a cell) its
+    /// descriptor store outlives it and the next run resumes its connections
+    /// ([`EndKind::KilledKept`]); without, the store is flushed once it is dead (its
+    /// connections close, as after any kill without a store).
+    pub fn kill9(&self, k: &Knowledge, history: &History, keep_store: bool) -> bool {
         let mut state = self.state.lock().unwrap();
         if !state.running() || state.expected.is_some() || state.handover.is_some() {
             return false;
@@ -248,19 +263,30 @@ impl Proc {
         // The harness's knowledge first: a client that sees its socket reset the moment the
         // signal lands must already find the kill recorded.
         let t = history.now_ms();
-        k.ended(self.who, t, EndKind::Killed);
+        let kind = if keep_store && self.manager.is_some() {
+            EndKind::KilledKept
+        } else {
+            EndKind::Killed
+        };
+        k.ended(self.who, t, kind);
         if state.phase == Phase::Paused {
             if let Who::Cell(c) = self.who {
                 k.resumed(c, t);
             }
         }
-        state.expected = Some(EndKind::Killed);
+        state.expected = Some(kind);
         state.want = Want::Stopped;
         state.phase = Phase::Stopping;
         self.signal(&state, libc::SIGKILL);
         history.event(format!(
-            "signal proc={} incarnation={} signal=KILL",
-            self.name, state.incarnation
+            "signal proc={} incarnation={} signal=KILL store={}",
+            self.name,
+            state.incarnation,
+            match (&self.manager, kind) {
+                (None, _) => "none",
+                (Some(_), EndKind::KilledKept) => "kept",
+                _ => "flushed",
+            }
         ));
         true
     }
@@ -504,6 +530,14 @@ impl Proc {
             }
             let clean = status.code() == Some(0);
             let expected = state.expected.take();
+            // systemd flushes a unit's store when it stops (a drain); a kill without the store
+            // loses it. A kill that keeps it and a death (`Restart=on-failure`) do not.
+            if let (Some(manager), Some(EndKind::Killed | EndKind::Terminated)) =
+                (&self.manager, expected)
+            {
+                manager.flush();
+                state.flushed = true;
+            }
             let was = state.phase;
             state.phase = Phase::Down;
             k.exited(self.who, now, clean);
@@ -520,7 +554,7 @@ impl Proc {
                 };
             }
             match expected {
-                Some(EndKind::Killed) => {}
+                Some(EndKind::Killed | EndKind::KilledKept) => {}
                 Some(EndKind::Terminated) => {
                     if !clean {
                         history.violation(
@@ -581,12 +615,28 @@ impl Proc {
         state.incarnation += 1;
         let incarnation = state.incarnation;
         let offset = self.clock_offset_ms();
-        let mut command = Command::new(&self.binary);
+        if std::mem::take(&mut state.flushed) {
+            if let Some(manager) = &self.manager {
+                manager.flush();
+            }
+        }
+        // A cell starts under its store's manager (`/bin/sh` exports `LISTEN_PID` and becomes
+        // the relay: the same pid), with what the store holds.
+        let handoff = self.manager.as_ref().map(Manager::handoff);
+        let mut command = match &handoff {
+            Some(handoff) => {
+                let mut command = Command::new("/bin/sh");
+                handoff.wrap(&mut command, &self.binary);
+                command
+            }
+            None => Command::new(&self.binary),
+        };
         command
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(handoff.iter().flat_map(|handoff| handoff.env()))
             .env("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", offset.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -594,10 +644,12 @@ impl Proc {
         let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", self.name));
+        let stored = handoff.as_ref().map_or(0, |handoff| handoff.count());
+        drop(handoff);
         let stderr = child.stderr.take().expect("piped stderr");
         k.launched(self.who, now);
         history.event(format!(
-            "launch proc={} incarnation={incarnation} pid={} clock_offset_ms={offset}",
+            "launch proc={} incarnation={incarnation} pid={} clock_offset_ms={offset} stored_fds={stored}",
             self.name,
             child.id()
         ));
@@ -785,6 +837,13 @@ impl Fleet {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .chain(TIMINGS.iter().map(|(k, v)| (k.to_string(), v.to_string())))
         .collect();
+        // `ORCA_RELAY_CRASH_STORE` from the test's environment reaches the cells (`=0`: they
+        // keep nothing, the check that a kill keeping the store is judged strictly).
+        let crash_store: Vec<(String, String)> = std::env::var("ORCA_RELAY_CRASH_STORE")
+            .ok()
+            .map(|value| ("ORCA_RELAY_CRASH_STORE".to_string(), value))
+            .into_iter()
+            .collect();
         let make = |who: Who, name: String, ws: bool, extra: Vec<(String, String)>| {
             let data_dir = dir.join(&name);
             std::fs::create_dir_all(&data_dir).expect("create a process's data directory");
@@ -809,6 +868,7 @@ impl Fleet {
                 env,
                 binary: binary.clone(),
                 clock_offset_ms: AtomicI64::new(0),
+                manager: matches!(who, Who::Cell(_)).then(Manager::start),
                 state: Mutex::new(ProcState {
                     child: None,
                     incarnation: 0,
@@ -819,6 +879,7 @@ impl Fleet {
                     readers: Vec::new(),
                     adopted: None,
                     handover: None,
+                    flushed: false,
                 }),
                 log: Mutex::default(),
             })
@@ -862,7 +923,10 @@ impl Fleet {
                             "ORCA_RELAY_DATABASE_POOL_RESERVE_MAX".into(),
                             CELL_POOL_RESERVE_MAX.to_string(),
                         ),
-                    ],
+                    ]
+                    .into_iter()
+                    .chain(crash_store.clone())
+                    .collect(),
                 )
             })
             .collect();
@@ -1066,6 +1130,9 @@ impl Fleet {
             }
             for reader in readers {
                 let _ = reader.join();
+            }
+            if let Some(manager) = &proc.manager {
+                manager.flush();
             }
         }
     }

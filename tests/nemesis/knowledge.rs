@@ -30,8 +30,12 @@ impl Span {
 /// How a process's run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EndKind {
-    /// `kill -9` by the nemesis.
+    /// `kill -9` by the nemesis, its descriptor store lost with it (flushed).
     Killed,
+    /// `kill -9` by the nemesis of a cell whose descriptor store outlives it: the next run
+    /// resumes its controls and spliced pairs (only what the relay closes 1012 or cuts may
+    /// end).
+    KilledKept,
     /// `SIGTERM` by the nemesis (a cell drains).
     Terminated,
     /// It exited without being asked.
@@ -398,17 +402,26 @@ impl Knowledge {
     }
 
     /// How a run of cell `c` that was live at some time in `from..=to` ended by `to`, if one
-    /// did (a run already draining at `from` counts).
+    /// did (a run already draining at `from` counts). An end that closes connections (a kill
+    /// without the store, a drain, a death) comes before [`EndKind::KilledKept`], which keeps
+    /// them; a run that died before it started serving (a refused registration) closes
+    /// nothing: it held no connection of its own, and the store keeps the earlier run's.
     pub fn cell_disrupted(&self, c: usize, from: u64, to: u64) -> Option<EndKind> {
         let facts = self.facts.lock().unwrap();
-        facts.cells[c]
+        let ends: Vec<EndKind> = facts.cells[c]
             .process
             .runs
             .iter()
             .filter(|run| run.launched <= to && run.exited.is_none_or(|(e, _)| e >= from))
+            .filter(|run| run.started.is_some() || !matches!(run.ended, Some((_, EndKind::Died))))
             .filter_map(|run| run.ended)
-            .find(|(t, _)| *t <= to)
+            .filter(|(t, _)| *t <= to)
             .map(|(_, kind)| kind)
+            .collect();
+        ends.iter()
+            .copied()
+            .find(|kind| *kind != EndKind::KilledKept)
+            .or(ends.first().copied())
     }
 
     /// A switch write re-armed cell `c` in `from..=to` (a permit the cell asked for under an

@@ -69,6 +69,44 @@ pub struct Outcome {
     pub liveness_ms: Option<u64>,
     pub samples: BTreeMap<&'static str, u64>,
     pub replay: String,
+    /// The cells' `orca_relay_crash_resumed` lines, summed: what the restarts after kills that
+    /// kept the store resumed and closed.
+    pub resumed: Resumed,
+}
+
+/// The sum of `orca_relay_crash_resumed controls= pairs= closed= cut=` lines.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Resumed {
+    pub controls: u64,
+    pub pairs: u64,
+    pub closed: u64,
+    pub cut: u64,
+}
+
+impl Resumed {
+    /// The sum of every `orca_relay_crash_resumed` line among `lines`.
+    pub fn of<'a>(lines: impl IntoIterator<Item = &'a str>) -> Resumed {
+        let mut sum = Resumed::default();
+        for line in lines {
+            let Some((_, fields)) = line.split_once("orca_relay_crash_resumed ") else {
+                continue;
+            };
+            for (key, value) in fields
+                .split_whitespace()
+                .filter_map(|field| field.split_once('='))
+            {
+                let value: u64 = value.parse().unwrap_or(0);
+                match key {
+                    "controls" => sum.controls += value,
+                    "pairs" => sum.pairs += value,
+                    "closed" => sum.closed += value,
+                    "cut" => sum.cut += value,
+                    _ => {}
+                }
+            }
+        }
+        sum
+    }
 }
 
 impl Outcome {
@@ -84,7 +122,7 @@ impl Outcome {
             .map(|(kind, n)| format!("{kind}={n}"))
             .collect();
         let mut text = format!(
-            "nemesis seed {}: {} ({} violations)\n  faults applied: {} (skipped {}, reserve writes {})\n  trips {} held {} streams completed {} cut by design {} frames checked {} controls {} redials {} (voluntary {})\n  liveness after {:?} ms; samples {:?}\n  history: {}",
+            "nemesis seed {}: {} ({} violations)\n  faults applied: {} (skipped {}, reserve writes {})\n  trips {} held {} streams completed {} (across a kill keeping the store {}) cut by design {} frames checked {} controls {} redials {} (voluntary {})\n  after kills keeping the store: resumed controls {} pairs {}, closed {} cut {} (ends the desktops saw {})\n  liveness after {:?} ms; samples {:?}\n  history: {}",
             self.seed,
             if self.passed() { "every checker held" } else { "FAILED" },
             self.violations.len(),
@@ -94,11 +132,17 @@ impl Outcome {
             self.trips,
             self.helds,
             self.clients.streams_completed,
+            self.clients.streams_across_kills,
             self.clients.streams_cut_by_design,
             self.clients.frames_checked,
             self.clients.controls_opened,
             self.clients.redials,
             self.clients.voluntary_redials,
+            self.resumed.controls,
+            self.resumed.pairs,
+            self.resumed.closed,
+            self.resumed.cut,
+            self.clients.kept_kill_ends.iter().sum::<u64>(),
             self.liveness_ms,
             self.samples,
             self.history.display()
@@ -192,9 +236,12 @@ impl Nemesis<'_> {
         let h = self.history;
         let k = self.knowledge;
         match (fault.kind, fault.target) {
-            (FaultKind::DirectorKill, Target::Director(d)) => self.fleet.directors[d].kill9(k, h),
+            (FaultKind::DirectorKill, Target::Director(d)) => {
+                self.fleet.directors[d].kill9(k, h, false)
+            }
             (FaultKind::CellPause, Target::Cell(c)) => self.fleet.cells[c].pause(k, h),
-            (FaultKind::CellKill, Target::Cell(c)) => self.fleet.cells[c].kill9(k, h),
+            // A crash: the cell's descriptor store outlives it, its desktops stay.
+            (FaultKind::CellKill, Target::Cell(c)) => self.fleet.cells[c].kill9(k, h, true),
             (FaultKind::CellDrain, Target::Cell(c)) => {
                 let cell = &self.fleet.cells[c];
                 let terminated = cell.terminate(k, h);
@@ -242,7 +289,9 @@ impl Nemesis<'_> {
                     return false;
                 }
                 proc.set_clock_offset_ms(fault.value);
-                proc.kill9(k, h)
+                // A restart with another clock (a machine's reboot): the store is lost, the
+                // desktops redial, so the nemesis keeps killing cells both ways.
+                proc.kill9(k, h, false)
             }
             (FaultKind::CellHandover, Target::Cell(c)) => self.handover(c, fault.value),
             _ => false,
@@ -520,6 +569,27 @@ pub fn run(pg: &Arc<Postgres>, settings: &Settings) -> Outcome {
     sampler.stop();
     let client_counts = clients.stop();
     fleet.teardown();
+    // Checker 4 across kills that kept the store: every control or leg that ended with a 1012
+    // close or cut was closed by a restarted relay, which counted it.
+    let mut resumed = Resumed::default();
+    for (c, cell) in fleet.cells.iter().enumerate() {
+        let lines = cell.log_lines();
+        let said = Resumed::of(lines.iter().map(|l| l.text.as_str()));
+        let seen = client_counts.kept_kill_ends.get(c).copied().unwrap_or(0);
+        if seen > said.closed + said.cut {
+            history.violation(
+                Checker::Loss,
+                format!(
+                    "c{c}: desktops saw {seen} controls or legs end (1012 or gone) across kills that kept the store, but the restarted relay closed {} and cut {} ({said:?})",
+                    said.closed, said.cut
+                ),
+            );
+        }
+        resumed.controls += said.controls;
+        resumed.pairs += said.pairs;
+        resumed.closed += said.closed;
+        resumed.cut += said.cut;
+    }
 
     let violations = history.violations();
     let samples: BTreeMap<&'static str, u64> = Checker::ALL
@@ -539,6 +609,7 @@ pub fn run(pg: &Arc<Postgres>, settings: &Settings) -> Outcome {
         liveness_ms,
         samples,
         replay: settings.replay.clone(),
+        resumed,
     };
     history.event(format!(
         "verdict {}",
