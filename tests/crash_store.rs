@@ -418,3 +418,40 @@ fn a_pair_in_the_middle_of_a_fragmented_message_is_closed_1012() {
     assert_eq!(read_close(&mut phone), Some(1012));
     assert_eq!(read_close(&mut leg), Some(1012));
 }
+
+/// A restarted process resumes nothing before its own region is in the store: once a resumed
+/// pair moves a byte, the dead process's records are stale, and a second crash would resume from
+/// them behind bytes already gone (the nemesis lost 45 frames this way across two kills). With
+/// the manager taking nothing, the new process closes every kept connection 1012 instead.
+#[test]
+fn nothing_is_resumed_before_the_new_region_is_in_the_store() {
+    let manager = Manager::start();
+    let dir = Arc::new(TempDir::new("crash-choked"));
+    let mut relay = manager
+        .launch(dir.clone(), ENV)
+        .expect_listening("orca_relay_started");
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut desktop);
+    exchange(&mut phone, &mut leg, b"before");
+    assert!(stored_connections(&manager, 3));
+    kill(&mut relay);
+    manager.choke();
+    // (Its READY=1 waits for the manager: the resume comes first.)
+    let relay = manager.launch(dir, ENV);
+    let resumed = relay
+        .wait_for_log("orca_relay_crash_resumed", Duration::from_secs(15))
+        .unwrap_or_else(|| panic!("no resume line:\n{}", relay.log_text()));
+    manager.unchoke();
+    let relay = relay.expect_listening("orca_relay_started");
+    assert!(
+        resumed.contains("controls=0 pairs=0 closed=3 cut=0"),
+        "{resumed}\n{}",
+        relay.log_text()
+    );
+    assert!(relay
+        .log_text()
+        .contains("orca_relay_crash_store_region_not_kept"));
+    assert_eq!(read_close(&mut desktop.control), Some(1012));
+    assert_eq!(read_close(&mut phone), Some(1012));
+    assert_eq!(read_close(&mut leg), Some(1012));
+}

@@ -24,7 +24,7 @@ pub mod region;
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -85,6 +85,8 @@ pub struct CrashStore {
     stripes: Vec<Mutex<()>>,
     outbox: Mutex<Option<Sender<Op>>>,
     metrics: StoreMetrics,
+    /// The manager's socket, for [`CrashStore::keep_region_now`].
+    notify_socket: std::ffi::OsString,
 }
 
 #[derive(Clone)]
@@ -134,6 +136,7 @@ impl CrashStore {
         {
             let metrics = metrics.clone();
             let pending = pending.clone();
+            let notify_socket = notify_socket.clone();
             crate::threads::spawn("crash-store", move || {
                 run_notifier(notify_socket, inbox, metrics, pending)
             })?;
@@ -146,6 +149,7 @@ impl CrashStore {
             stripes: (0..WRITE_STRIPES).map(|_| Mutex::new(())).collect(),
             outbox: Mutex::new(Some(outbox)),
             metrics,
+            notify_socket,
         });
         {
             let store = store.clone();
@@ -184,9 +188,36 @@ impl CrashStore {
         }
     }
 
-    /// Keeps the region's memfd in the store under its name.
-    pub fn keep_region(&self) -> io::Result<()> {
-        self.keep_descriptor(&self.region_name, self.region.memfd().as_fd())
+    /// Keeps the region's memfd in the store now, from the calling thread: `Ok` once the
+    /// manager has the datagram. After a crash nothing is resumed before this: a resumed
+    /// connection that moves a byte makes the dead process's records stale, and a second crash
+    /// before this region is in the store would resume from them, behind bytes already gone.
+    pub fn keep_region_now(&self) -> io::Result<()> {
+        let message = format!("FDSTORE=1\nFDNAME={}", self.region_name);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match crate::lifecycle::notify_with_fd(
+                &self.notify_socket,
+                &message,
+                self.region.memfd(),
+            ) {
+                Err(e)
+                    if attempt < ATTEMPTS
+                        && matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::ENOBUFS)) =>
+                {
+                    crate::clock::sleep(RETRY);
+                }
+                Err(e) => {
+                    self.metrics.failed.inc();
+                    return Err(e);
+                }
+                Ok(()) => {
+                    self.metrics.kept.inc();
+                    return Ok(());
+                }
+            }
+        }
     }
 
     /// The name this process's region is kept under.

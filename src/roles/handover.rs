@@ -1082,19 +1082,20 @@ impl Taker {
         }
         self.receive_pairs(cell, registry, clock)?;
         let committed = self.commit(cell)?;
-        let after = after_commit();
-        self.mark("after commit");
-        self.gate.open();
         // This process's crash-store region replaces the running one's in the manager's store
-        // (every carried connection's record is in it already).
+        // (every carried connection's record is in it already), before the gate opens: from
+        // then on the running process's records are stale.
         if let Some(store) = &cell.context.crash {
-            if let Err(e) = store.keep_region() {
+            if let Err(e) = store.keep_region_now() {
                 log::warn!("orca_relay_crash_store_region_not_kept error={e}");
             }
             if let Some(old) = &self.document.crash_region {
                 store.forget(old);
             }
         }
+        let after = after_commit();
+        self.mark("after commit");
+        self.gate.open();
         cell.resume_threads()?;
         Ok((committed, after))
     }

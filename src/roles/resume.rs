@@ -81,9 +81,17 @@ pub fn after_crash(context: &RelayContext, store: &Arc<CrashStore>, intake: Inta
         },
         None => (None, None),
     };
-    let records = records_of(old_region);
+    // 2. This process's region in the store before anything resumed moves a byte (the dead
+    //    one's records are stale from then on); if it cannot be, nothing is resumed.
+    let records = match store.keep_region_now() {
+        Ok(()) => records_of(old_region),
+        Err(e) => {
+            log::warn!("orca_relay_crash_store_region_not_kept error={e} resumed=none");
+            HashMap::new()
+        }
+    };
     let mut outcome = Outcome::default();
-    // 2. Each kept connection: at rest and whole (resumed below), or closed now.
+    // 3. Each kept connection: at rest and whole (resumed below), or closed now.
     let mut controls = Vec::new();
     let mut legs: BTreeMap<u64, (CrashRecord, OwnedFd)> = BTreeMap::new();
     for (id, fd) in connections {
@@ -108,7 +116,7 @@ pub fn after_crash(context: &RelayContext, store: &Arc<CrashStore>, intake: Inta
             None => close_kept(context, store, id, fd, false, &mut outcome),
         }
     }
-    // 3. Controls, seated at the generation their desktops know.
+    // 4. Controls, seated at the generation their desktops know.
     let mut seated = HashSet::new();
     for (record, fd) in controls {
         let id = record.id;
@@ -123,7 +131,7 @@ pub fn after_crash(context: &RelayContext, store: &Arc<CrashStore>, intake: Inta
             }
         }
     }
-    // 4. Pairs whose two legs name each other and whose desktop was seated again.
+    // 5. Pairs whose two legs name each other and whose desktop was seated again.
     while let Some((phone_id, (phone, phone_fd))) = legs.pop_first() {
         let peer_id = phone.peer.unwrap_or(0);
         let peer = legs.remove(&peer_id);
@@ -157,10 +165,7 @@ pub fn after_crash(context: &RelayContext, store: &Arc<CrashStore>, intake: Inta
             }
         }
     }
-    // 5. The store's bookkeeping: this process's region in, the dead one's out.
-    if let Err(e) = store.keep_region() {
-        log::warn!("orca_relay_crash_store_region_not_kept error={e}");
-    }
+    // 6. The dead process's region out (after this one's, which is in already).
     for name in old_region_name.into_iter().chain(stale) {
         store.forget(&name);
     }

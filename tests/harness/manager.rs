@@ -24,11 +24,15 @@ struct State {
     notes: Vec<String>,
     /// The manager was dropped: its thread ends.
     stopped: bool,
+    /// Not reading its socket ([`Manager::choke`]): datagrams queue until the sender's
+    /// `EAGAIN`.
+    choked: bool,
 }
 
 /// The fake manager; its thread ends when it is dropped (the store is flushed then).
 pub struct Manager {
     path: PathBuf,
+    socket: Arc<UnixDatagram>,
     state: Arc<Mutex<State>>,
     _dir: Arc<TempDir>,
 }
@@ -60,7 +64,13 @@ fn receive(socket: &UnixDatagram) -> std::io::Result<(String, Vec<OwnedFd>)> {
     header.msg_controllen = space as _;
     let received = loop {
         // SAFETY: a message header whose buffers are live.
-        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut header, libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe {
+            libc::recvmsg(
+                socket.as_raw_fd(),
+                &mut header,
+                libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+            )
+        };
         if n >= 0 {
             break n as usize;
         }
@@ -93,52 +103,78 @@ fn receive(socket: &UnixDatagram) -> std::io::Result<(String, Vec<OwnedFd>)> {
     Ok((String::from_utf8_lossy(&buf[..received]).into_owned(), fds))
 }
 
+/// Applies every datagram waiting on `socket` to `state`, in order; `false` once the manager
+/// is stopped (the thread ends).
+fn drain(socket: &UnixDatagram, state: &mut State) -> bool {
+    loop {
+        if state.stopped {
+            state.store.clear();
+            return false;
+        }
+        if state.choked {
+            return true;
+        }
+        let Ok((message, fds)) = receive(socket) else {
+            return true;
+        };
+        let field = |key: &str| {
+            message
+                .lines()
+                .find_map(|line| line.strip_prefix(key))
+                .map(str::to_string)
+        };
+        let name = field("FDNAME=").unwrap_or_else(|| "stored".into());
+        if field("FDSTORE=").as_deref() == Some("1") {
+            for fd in fds {
+                let known = identity(fd.as_raw_fd());
+                let duplicate = state
+                    .store
+                    .iter()
+                    .any(|(_, kept)| identity(kept.as_raw_fd()) == known);
+                if !duplicate {
+                    state.store.push((name.clone(), fd));
+                }
+            }
+        } else if field("FDSTOREREMOVE=").as_deref() == Some("1") {
+            state.store.retain(|(kept, _)| *kept != name);
+        } else {
+            let first = message.lines().next().unwrap_or("").to_string();
+            state.notes.push(first);
+        }
+    }
+}
+
 impl Manager {
     pub fn start() -> Manager {
         let dir = Arc::new(TempDir::new("manager"));
         let path = dir.0.join("notify.sock");
-        let socket = UnixDatagram::bind(&path).expect("bind the notify socket");
+        let socket = Arc::new(UnixDatagram::bind(&path).expect("bind the notify socket"));
         let state = Arc::new(Mutex::new(State::default()));
         {
             let state = state.clone();
+            // Every datagram is taken and applied under the state's lock, in the order sent
+            // (here, and by `handoff` before it copies the store): a start is handed what the
+            // previous process sent before it died, as systemd handles a unit's notifications
+            // before its exit.
+            let thread_socket = socket.clone();
             orca_relay::threads::spawn("test-manager", move || loop {
-                let Ok((message, fds)) = receive(&socket) else {
-                    return;
+                let mut poll = libc::pollfd {
+                    fd: thread_socket.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
                 };
-                let field = |key: &str| {
-                    message
-                        .lines()
-                        .find_map(|line| line.strip_prefix(key))
-                        .map(str::to_string)
-                };
-                let name = field("FDNAME=").unwrap_or_else(|| "stored".into());
+                // SAFETY: one pollfd we own.
+                unsafe { libc::poll(&mut poll, 1, 50) };
                 let mut state = state.lock().unwrap();
-                if state.stopped {
-                    state.store.clear();
+                if !drain(&thread_socket, &mut state) {
                     return;
-                }
-                if field("FDSTORE=").as_deref() == Some("1") {
-                    for fd in fds {
-                        let known = identity(fd.as_raw_fd());
-                        let duplicate = state
-                            .store
-                            .iter()
-                            .any(|(_, kept)| identity(kept.as_raw_fd()) == known);
-                        if !duplicate {
-                            state.store.push((name.clone(), fd));
-                        }
-                    }
-                } else if field("FDSTOREREMOVE=").as_deref() == Some("1") {
-                    state.store.retain(|(kept, _)| *kept != name);
-                } else {
-                    let first = message.lines().next().unwrap_or("").to_string();
-                    state.notes.push(first);
                 }
             })
             .expect("start the manager's thread");
         }
         Manager {
             path,
+            socket,
             state,
             _dir: dir,
         }
@@ -213,7 +249,8 @@ impl Manager {
     /// descriptor, for [`Handoff::wrap`] and [`Handoff::env`]. Drop it once the process is
     /// spawned (the copies close).
     pub fn handoff(&self) -> Handoff {
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
+        drain(&self.socket, &mut state);
         let (names, fds) = state
             .store
             .iter()
@@ -232,6 +269,27 @@ impl Manager {
         }
     }
 
+    /// Stops reading the notify socket and fills its queue with junk: a manager too busy to take
+    /// anything (every datagram sent meanwhile fails with `EAGAIN`), until [`Manager::unchoke`],
+    /// which drops the junk and takes what is queued after it.
+    pub fn choke(&self) {
+        self.state.lock().unwrap().choked = true;
+        let sender = UnixDatagram::unbound().unwrap();
+        sender.set_nonblocking(true).unwrap();
+        let mut sent = 0;
+        while sender.send_to(b"X-JUNK=1", &self.path).is_ok() {
+            sent += 1;
+            assert!(sent < 1_000_000, "the notify socket's queue never filled");
+        }
+    }
+
+    pub fn unchoke(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.choked = false;
+        drain(&self.socket, &mut state);
+        state.notes.retain(|note| note != "X-JUNK=1");
+    }
+
     /// Forgets every stored descriptor, as systemd flushes a unit's store when the unit stops:
     /// the connections they held close (unless a process still has them).
     pub fn flush(&self) {
@@ -246,10 +304,12 @@ impl Manager {
 
 impl Drop for Manager {
     fn drop(&mut self) {
-        // The thread ends at its next datagram: this one.
+        // The thread ends at its next turn.
         self.state.lock().unwrap().stopped = true;
         self.flush();
         if let Ok(socket) = UnixDatagram::unbound() {
+            // Never blocks on a choked queue: the thread ends at its next turn anyway.
+            let _ = socket.set_nonblocking(true);
             let _ = socket.send_to(b"STOPPING=1", &self.path);
         }
     }
