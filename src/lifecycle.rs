@@ -262,9 +262,25 @@ fn notify(message: &str) {
     let Some(socket) = notify_socket() else {
         return;
     };
-    if let Err(error) = send_notification(&socket, message) {
-        let state = message.split('=').next().unwrap_or(message);
-        log::warn!("orca_relay_sd_notify_failed state={state} error={error}");
+    static FAILURES: Mutex<Option<crate::logging::FailureThrottle>> = Mutex::new(None);
+    static SINCE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let since = *SINCE.get_or_init(crate::clock::instant);
+    let outcome = send_notification(&socket, message);
+    let mut failures = FAILURES.lock().unwrap_or_else(|e| e.into_inner());
+    let failures = failures.get_or_insert_with(crate::logging::FailureThrottle::new);
+    match outcome {
+        Ok(()) => {
+            if let Some(note) = failures.success() {
+                log::info!("orca_relay_sd_notify_recovered{note}");
+            }
+        }
+        Err(error) => {
+            let now_ms = crate::clock::instant().duration_since(since).as_millis() as u64;
+            if let Some(note) = failures.failure(now_ms) {
+                let state = message.split('=').next().unwrap_or(message);
+                log::warn!("orca_relay_sd_notify_failed state={state} error={error}{note}");
+            }
+        }
     }
 }
 
@@ -287,9 +303,15 @@ pub fn parse_notify_socket(value: &OsStr) -> Option<NotifyAddress> {
     }
 }
 
-/// Sends one datagram to the socket named by a `NOTIFY_SOCKET` value. We write it ourselves
-/// rather than through the `sd-notify` crate because that crate does not speak the
-/// abstract-namespace `@` form that systemd uses in some containers.
+/// How long a notification waits for room in the manager's socket (its queue full: a manager
+/// that does not read it) before it is given up: the thread sending it (the watchdog's, the
+/// crash store's) is never held longer.
+const NOTIFY_WAIT: Duration = Duration::from_millis(200);
+
+/// Sends one datagram to the socket named by a `NOTIFY_SOCKET` value, waiting at most
+/// [`NOTIFY_WAIT`] for room. We write it ourselves rather than through the `sd-notify` crate
+/// because that crate does not speak the abstract-namespace `@` form that systemd uses in some
+/// containers.
 pub fn send_notification(socket: &OsStr, message: &str) -> io::Result<()> {
     let address = parse_notify_socket(socket).ok_or_else(|| {
         io::Error::new(
@@ -298,6 +320,8 @@ pub fn send_notification(socket: &OsStr, message: &str) -> io::Result<()> {
         )
     })?;
     let sender = UnixDatagram::unbound()?;
+    sender.set_nonblocking(true)?;
+    let deadline = crate::clock::instant() + NOTIFY_WAIT;
     let sent = loop {
         let attempt = match &address {
             NotifyAddress::Path(path) => sender.send_to(message.as_bytes(), path),
@@ -306,6 +330,11 @@ pub fn send_notification(socket: &OsStr, message: &str) -> io::Result<()> {
         match attempt {
             // An interrupted send sent nothing: send the datagram again.
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock && crate::clock::instant() < deadline =>
+            {
+                crate::clock::sleep(Duration::from_millis(5));
+            }
             result => break result?,
         }
     };

@@ -1,5 +1,5 @@
 //! Liveness under a real systemd (SPEC §13, issue 32): the shipped `orca-relay-cell.service`,
-//! its `/usr/bin/orca-relay` the binary under test, runs the combined role on SQLite in a
+//! its `/usr/bin/orca-relay` a copy of the binary under test, runs the combined role on SQLite in a
 //! private namespace whose PID 1 is systemd 252 (`tests/systemd_harness`). A drop-in shortens
 //! `WatchdogSec=` to 3 s (the shipped 30 s would make each case take a minute); the test knob
 //! `ORCA_RELAY_TEST_FAULT` (in the env file) wedges or panics one critical thread a few seconds
@@ -52,8 +52,9 @@ fn install(ns: &Namespace, fault: &str) {
     ns.run_ok(&["systemd-sysusers"]);
     let link = ns.path("/usr/bin/orca-relay");
     let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_orca-relay"), &link)
-        .expect("link /usr/bin/orca-relay");
+    // A copy, as the package installs it: the unit's private /tmp hides a binary built under
+    // /tmp (a clone there), which a link would point into.
+    std::fs::copy(env!("CARGO_BIN_EXE_orca-relay"), &link).expect("install /usr/bin/orca-relay");
     std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
     let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
     let operator = format!(
