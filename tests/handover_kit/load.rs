@@ -96,6 +96,16 @@ pub struct Report {
     pub worst_gaps: Vec<(u64, u64)>,
     /// Streams that received a message since the mark.
     pub streams_flowing_since_mark: usize,
+    /// Controls whose WebSocket ping of the latest [`Load::probe`] was answered (a pong).
+    #[serde(default)]
+    pub probe_answered: usize,
+    /// Streams that received a message since the latest probe.
+    #[serde(default)]
+    pub probe_streams: usize,
+    /// The longest time from the probe to a control's pong or a stream's first message after
+    /// it, over those counted, ms.
+    #[serde(default)]
+    pub probe_last_ms: u64,
 }
 
 #[derive(Default)]
@@ -143,6 +153,12 @@ struct Shared {
     since_mark: Mutex<SinceMark>,
     /// Streams whose receiving end has everything its sender sent (after stop_sending).
     drained: AtomicUsize,
+    /// The latest probe, as ms since `origin` (plus one); 0: none. Each loop pings its open
+    /// controls once per probe (payload `probe <ms>`) and counts the pongs that carry it.
+    probe_ms: AtomicU64,
+    probe_answered: AtomicUsize,
+    probe_streams: AtomicUsize,
+    probe_last_ms: AtomicU64,
 }
 
 /// The running load.
@@ -208,6 +224,8 @@ struct Stream {
     last_arrival: Option<Instant>,
     /// The mark this stream was last counted as moving for.
     flowing_since: Option<Instant>,
+    /// The probe this stream was last counted as moving for.
+    probed: u64,
     salt_out: u64,
     salt_in: u64,
 }
@@ -223,6 +241,9 @@ struct Conn {
     closed: bool,
     /// The mark this control was last counted as pinged for.
     pinged_since: Option<Instant>,
+    /// The probe (its `probe_ms`) this control was pinged for, and whether it was answered.
+    probed: u64,
+    probe_answered: bool,
     stream: Option<Stream>,
     mask: u32,
 }
@@ -348,6 +369,20 @@ impl Load {
         self.shared.mark_ms.store(ms, Ordering::SeqCst);
     }
 
+    /// From now on: every open control gets a WebSocket ping, and the time until each one's
+    /// pong (and each stream's first message) arrives is measured: how long until every
+    /// connection is answered again, say across a crash of the relay.
+    pub fn probe(&self) {
+        let s = &self.shared;
+        // Counters first, then the probe the loops act on (a pong of an older probe carries
+        // another payload and is not counted).
+        s.probe_answered.store(0, Ordering::SeqCst);
+        s.probe_streams.store(0, Ordering::SeqCst);
+        s.probe_last_ms.store(0, Ordering::SeqCst);
+        let ms = self.origin.elapsed().as_millis() as u64 + 1;
+        s.probe_ms.store(ms, Ordering::SeqCst);
+    }
+
     /// The desktop end of `pair` stops reading (backpressure builds up in the relay).
     pub fn pause_desktop(&self, pair: usize) {
         self.shared.excluded.lock().unwrap().push(pair);
@@ -376,6 +411,9 @@ impl Load {
             pinged_since_mark: pinged,
             worst_gaps: s.worst_gaps.lock().unwrap().clone(),
             streams_flowing_since_mark: flowing,
+            probe_answered: s.probe_answered.load(Ordering::SeqCst),
+            probe_streams: s.probe_streams.load(Ordering::SeqCst),
+            probe_last_ms: s.probe_last_ms.load(Ordering::SeqCst),
         }
     }
 
@@ -497,6 +535,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                     assembling: None,
                     last_arrival: None,
                     flowing_since: None,
+                    probed: 0,
                     salt_out: out_salt,
                     salt_in: in_salt,
                 })
@@ -512,6 +551,8 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             role,
             closed: false,
             pinged_since: None,
+            probed: 0,
+            probe_answered: false,
             stream,
             mask: i as u32 + 1,
         });
@@ -563,6 +604,27 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                 mark,
                 origin,
             );
+        }
+        // A new probe: a ping on every open control.
+        let probe = shared.probe_ms.load(Ordering::SeqCst);
+        if probe > 0 {
+            for conn in conns.iter_mut() {
+                if conn.closed || conn.probed == probe || conn.stream.is_some() {
+                    continue;
+                }
+                conn.probed = probe;
+                conn.probe_answered = false;
+                let mask = conn.next_mask();
+                let mut out = Vec::new();
+                client::encode(
+                    &mut out,
+                    true,
+                    OP_PING,
+                    format!("probe {probe}").as_bytes(),
+                    mask,
+                );
+                conn.queue(&out);
+            }
         }
         // Send what is due.
         if !shared.stop_sending.load(Ordering::SeqCst) {
@@ -689,7 +751,21 @@ fn handle_frame(
             client::encode(&mut out, true, OP_PONG, &body, mask);
             conn.queue(&out);
         }
-        OP_PONG => {}
+        OP_PONG => {
+            let probe = shared.probe_ms.load(Ordering::SeqCst);
+            if probe > 0
+                && conn.probed == probe
+                && !conn.probe_answered
+                && body == format!("probe {probe}").as_bytes()
+            {
+                conn.probe_answered = true;
+                shared.probe_answered.fetch_add(1, Ordering::SeqCst);
+                let took = now.saturating_duration_since(mark_instant(origin, probe));
+                shared
+                    .probe_last_ms
+                    .fetch_max(took.as_millis() as u64, Ordering::SeqCst);
+            }
+        }
         OP_TEXT if matches!(conn.role, Role::Control { .. }) => {
             let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
             if value["type"] == "ping" {
@@ -781,6 +857,16 @@ fn handle_frame(
                     stream.flowing_since = Some(mark);
                     shared.count_since(mark, true);
                 }
+            }
+            let probe = shared.probe_ms.load(Ordering::SeqCst);
+            let probed_at = (probe > 0).then(|| mark_instant(origin, probe));
+            if let Some(at) = probed_at.filter(|at| stream.probed != probe && now >= *at) {
+                stream.probed = probe;
+                shared.probe_streams.fetch_add(1, Ordering::SeqCst);
+                shared.probe_last_ms.fetch_max(
+                    now.saturating_duration_since(at).as_millis() as u64,
+                    Ordering::SeqCst,
+                );
             }
             stream.last_arrival = Some(now);
         }

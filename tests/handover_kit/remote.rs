@@ -98,6 +98,11 @@ impl RemoteLoad {
         self.ask("mark", Duration::from_secs(30));
     }
 
+    /// [`Load::probe`](super::load::Load::probe).
+    pub fn probe(&mut self) {
+        self.ask("probe", Duration::from_secs(30));
+    }
+
     pub fn pause_desktop(&mut self, pair: usize) {
         self.ask(&format!("pause {pair}"), Duration::from_secs(30));
     }
@@ -157,6 +162,10 @@ pub fn helper_main() {
         match (words.next(), words.next()) {
             (Some("mark"), _) => {
                 current.mark();
+                say("ok");
+            }
+            (Some("probe"), _) => {
+                current.probe();
                 say("ok");
             }
             (Some("pause"), Some(pair)) => {
