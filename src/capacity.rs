@@ -155,6 +155,17 @@ pub struct Limits {
     pub memory_bytes: Option<u64>,
 }
 
+impl Limits {
+    /// The limits as they would read without `tasks` of another process counted: the running
+    /// process a live handover takes over from shares the machine's and the cgroup's task
+    /// counts until it exits, and the next one plans as a fresh start does.
+    pub fn without_tasks(mut self, tasks: u64) -> Limits {
+        self.tasks_on_machine = self.tasks_on_machine.saturating_sub(tasks);
+        self.cgroup_pids_current = self.cgroup_pids_current.saturating_sub(tasks);
+        self
+    }
+}
+
 /// What the process keeps for itself, beyond what it uses at the time of the reading: HTTP
 /// connections and workers, the database pool, rejection threads, role threads started later,
 /// malloc arenas, the glibc stack cache.
@@ -514,6 +525,17 @@ fn read_number(path: &Path) -> io::Result<Option<u64>> {
         "max" => Ok(None),
         value => value.parse().map(Some).map_err(|_| invalid(path, &text)),
     }
+}
+
+/// The tasks (threads) of process `pid` (`/proc/<pid>/status`).
+pub fn process_tasks(pid: u32) -> io::Result<u64> {
+    let path = PathBuf::from(format!("/proc/{pid}/status"));
+    let status = read_bounded(&path, SMALL_FILE_BYTES)?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|value| value.trim().parse().ok())
+        .ok_or_else(|| invalid(&path, &status))
 }
 
 /// `getrlimit`'s soft limit; `None` for `RLIM_INFINITY`.

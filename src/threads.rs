@@ -49,6 +49,72 @@ where
         .spawn(f)
 }
 
+/// A job for a spare thread.
+pub type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads started ahead of need, each waiting for one job: a handover's next process starts
+/// a relay thread for every connection it will take before anything pauses, so that none is
+/// started (a `clone`, a stack mapped) while the connections wait. A spare not given a job ends
+/// when the `Spares` are dropped.
+pub struct Spares {
+    waiting: std::sync::Mutex<Vec<std::sync::mpsc::Sender<(String, Job)>>>,
+}
+
+impl Spares {
+    /// Starts up to `count` spare threads of `stack_bytes` (fewer if a spawn fails: a job then
+    /// gets a thread of its own, or fails to as it would have).
+    pub fn start(count: usize, stack_bytes: usize) -> Spares {
+        let mut waiting = Vec::with_capacity(count);
+        for _ in 0..count {
+            let (give, take) = std::sync::mpsc::channel::<(String, Job)>();
+            let spawned = spawn_with_stack("relay-spare", stack_bytes, move || {
+                if let Ok((name, job)) = take.recv() {
+                    name_this_thread(&name);
+                    job();
+                }
+            });
+            if spawned.is_err() {
+                break;
+            }
+            waiting.push(give);
+        }
+        Spares {
+            waiting: std::sync::Mutex::new(waiting),
+        }
+    }
+
+    /// How many are still waiting for a job.
+    pub fn left(&self) -> usize {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Runs `job` on a waiting spare (named `name` from then on); gives the job back when none
+    /// is left.
+    pub fn run(&self, name: String, job: Job) -> Result<(), Job> {
+        let mut job = job;
+        loop {
+            let spare = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let Some(spare) = spare else {
+                return Err(job);
+            };
+            match spare.send((name.clone(), job)) {
+                Ok(()) => return Ok(()),
+                // That spare is gone (it never waits for anything else): the next one.
+                Err(std::sync::mpsc::SendError((_, back))) => job = back,
+            }
+        }
+    }
+}
+
+/// Names the calling thread as the kernel shows it (`top -H`, `/proc/<pid>/task/*/comm`; at
+/// most 15 bytes).
+fn name_this_thread(name: &str) {
+    let mut bytes: Vec<u8> = name.bytes().filter(|b| *b != 0).take(15).collect();
+    bytes.push(0);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, bytes.as_ptr() as libc::c_ulong, 0, 0, 0) };
+}
+
 /// A thread whose end can be waited for with a deadline ([`Watched::join_within`]): for threads
 /// that may be inside a database call when the process stops (the readiness prober, the feed
 /// lister), whose exit must not wait on a database that stopped answering.

@@ -34,6 +34,10 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let verifier = super::process::verifier(&config, &clock)?;
     let store = super::process::open_store(&config)?;
     let (migrated, migrator) = super::process::migrate_in_background(&store, || Ok(()))?;
+    // Everything that needs no connection first: a next process says `ready` only once it is
+    // built (the running process serves untouched meanwhile).
+    let giver = take_over.as_ref().and_then(super::handover::giver_pid);
+    let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
     let mut taker = match &take_over {
         Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
         None => None,
@@ -87,6 +91,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         resume: taker
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
+        parts,
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,

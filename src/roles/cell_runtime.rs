@@ -81,6 +81,22 @@ pub struct CellSetup<'a> {
     /// A live handover's record of the cell, for the next process: the cell is built from it
     /// and starts no thread until [`CellRuntime::resume_threads`].
     pub resume: Option<(CellRecord, Carry)>,
+    /// What was built before the connections were known ([`CellRuntime::prepare`]).
+    pub parts: CellParts,
+}
+
+/// What a cell builds before it knows its connections: the reaper, the splice workers, its
+/// capacity, the quiesce. A received handover's next process builds it before its `ready`
+/// (the running process serves untouched meanwhile), and plans its capacity as a fresh start
+/// does: before it holds any carried descriptor, the running process's tasks not counted as
+/// its own.
+pub struct CellParts {
+    reaper: Reaper,
+    reaper_handle: JoinHandle<()>,
+    splice: Arc<SplicePlane>,
+    connection_cap: u32,
+    relay_threads: usize,
+    quiesce: Arc<Quiesce>,
 }
 
 /// The cell-wide threads' state when they are stopped for a live handover: what they go on
@@ -223,13 +239,14 @@ impl CellRuntime {
     /// [`CellRuntime::serve`] is called (after the startup handshake). With
     /// [`CellSetup::resume`], the cell is rebuilt from a live handover's record and nothing is
     /// started until [`CellRuntime::resume_threads`].
-    pub fn start(setup: CellSetup<'_>) -> Result<CellRuntime, RunError> {
-        let config = setup.config;
-        let clock = setup.clock.clone();
-        let ws_addr = setup
-            .ws_listener
-            .local_addr()
-            .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
+    /// Builds what needs no connection ([`CellParts`]): `besides` is the pid of a running
+    /// process this one is about to take over from (its tasks are not counted as this one's).
+    pub fn prepare(
+        config: &Config,
+        clock: &SharedClock,
+        registry: &Registry,
+        besides: Option<u32>,
+    ) -> Result<CellParts, RunError> {
         let (reaper, reaper_handle) = Reaper::start()
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
@@ -240,12 +257,37 @@ impl CellRuntime {
                 config.splice_idle_ms,
             ),
             clock.clone(),
-            RelayMetrics::new(&setup.registry),
+            RelayMetrics::new(registry),
         )
         .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
-        let (connection_cap, relay_threads) = plan_capacity(config, &setup.registry);
+        let (connection_cap, relay_threads) = plan_capacity(config, registry, besides);
         let quiesce = Quiesce::new()
             .map_err(|e| RunError(format!("cannot create the handover's eventfd: {e}")))?;
+        Ok(CellParts {
+            reaper,
+            reaper_handle,
+            splice,
+            connection_cap,
+            relay_threads,
+            quiesce,
+        })
+    }
+
+    pub fn start(setup: CellSetup<'_>) -> Result<CellRuntime, RunError> {
+        let config = setup.config;
+        let clock = setup.clock.clone();
+        let ws_addr = setup
+            .ws_listener
+            .local_addr()
+            .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
+        let CellParts {
+            reaper,
+            reaper_handle,
+            splice,
+            connection_cap,
+            relay_threads,
+            quiesce,
+        } = setup.parts;
         let context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
@@ -835,10 +877,13 @@ impl CellRuntime {
 /// The process's capacity at start (`capacity.rs`): logged as one line, the configured
 /// connection cap lowered to the ceiling with one WARN naming the limit, gauges for
 /// `/metrics`. Returns the cap in force and the relay-thread permits.
-fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
+fn plan_capacity(config: &Config, registry: &Registry, besides: Option<u32>) -> (u32, usize) {
     let configured = config.connection_cap;
+    // The running process a handover takes over from shares the machine's and the cgroup's
+    // task counts with this one until it exits: its tasks are not this process's to count.
+    let others = besides.map_or(0, |pid| crate::capacity::process_tasks(pid).unwrap_or(0));
     let plan = match crate::capacity::read_limits() {
-        Ok(limits) => crate::capacity::plan(&limits, capacity_needs(config)),
+        Ok(limits) => crate::capacity::plan(&limits.without_tasks(others), capacity_needs(config)),
         Err(e) => {
             // Without the figures, the configuration is trusted: a relay thread for every
             // admitted or pending connection.

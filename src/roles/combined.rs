@@ -85,6 +85,10 @@ pub fn run(
     let service_token = super::process::service_tokens(&config);
     let verifier = verifier(&config, &clock)?;
     let store = open_store(&config)?;
+    // Everything that needs no connection first: a next process says `ready` only once it is
+    // built (the running process serves untouched meanwhile).
+    let giver = take_over.as_ref().and_then(super::handover::giver_pid);
+    let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
     let mut taker = match &take_over {
         Some(take_over) => Some(Taker::receive(
             take_over,
@@ -158,6 +162,7 @@ pub fn run(
         resume: taker
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
+        parts,
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,

@@ -82,8 +82,21 @@ pub fn hand_over(
     extra: &[(&str, &str)],
     args: &[&str],
 ) -> Handover {
+    hand_over_with(relay, binary, extra, args, |_| {})
+}
+
+/// As [`hand_over`], `configure` applied to the command first (a `pre_exec`: the next process
+/// inherits what it sets, such as a descriptor limit).
+pub fn hand_over_with(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &str)],
+    args: &[&str],
+    configure: impl FnOnce(&mut Command),
+) -> Handover {
     let binary = binary.unwrap_or(Path::new(env!("CARGO_BIN_EXE_orca-relay")));
     let mut command = Command::new(binary);
+    configure(&mut command);
     command.arg("handover").args(args).env_clear();
     for (name, value) in &relay.env {
         command.env(name, value);
