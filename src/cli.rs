@@ -469,6 +469,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                             plan.memory_figure(),
                             crate::capacity::Resource::Memory.how_to_raise()
                         );
+                        let _ = writeln!(out, "  {}", plan.handover_figure());
                     }
                     Err(e) => {
                         let _ = writeln!(out, "effective capacity: unknown ({e})");

@@ -52,23 +52,50 @@ where
 /// A job for a spare thread.
 pub type Job = Box<dyn FnOnce() + Send>;
 
-/// Threads started ahead of need, each waiting for one job: a handover's next process starts
-/// a relay thread for every connection it will take before anything pauses, so that none is
-/// started (a `clone`, a stack mapped) while the connections wait. A spare not given a job ends
-/// when the `Spares` are dropped.
+/// Threads started ahead of need, each to run one job once they are released: a handover's
+/// next process starts a relay thread for every connection it will take before anything
+/// pauses, queues each connection's job without waking anyone while the connections wait, and
+/// releases them all at the commit. A spare without a job ends then (or when the `Spares` are
+/// dropped).
 pub struct Spares {
-    waiting: std::sync::Mutex<Vec<std::sync::mpsc::Sender<(String, Job)>>>,
+    shared: std::sync::Arc<SparesShared>,
+    count: usize,
+}
+
+struct SparesShared {
+    state: std::sync::Mutex<SparesState>,
+    released: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct SparesState {
+    jobs: std::collections::VecDeque<(String, Job)>,
+    released: bool,
 }
 
 impl Spares {
     /// Starts up to `count` spare threads of `stack_bytes` (fewer if a spawn fails: a job then
     /// gets a thread of its own, or fails to as it would have).
     pub fn start(count: usize, stack_bytes: usize) -> Spares {
-        let mut waiting = Vec::with_capacity(count);
+        let shared = std::sync::Arc::new(SparesShared {
+            state: std::sync::Mutex::new(SparesState::default()),
+            released: std::sync::Condvar::new(),
+        });
+        let mut started = 0;
         for _ in 0..count {
-            let (give, take) = std::sync::mpsc::channel::<(String, Job)>();
+            let shared = shared.clone();
             let spawned = spawn_with_stack("relay-spare", stack_bytes, move || {
-                if let Ok((name, job)) = take.recv() {
+                let job = {
+                    let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+                    while !state.released {
+                        state = shared
+                            .released
+                            .wait(state)
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                    state.jobs.pop_front()
+                };
+                if let Some((name, job)) = job {
                     name_this_thread(&name);
                     job();
                 }
@@ -76,33 +103,39 @@ impl Spares {
             if spawned.is_err() {
                 break;
             }
-            waiting.push(give);
+            started += 1;
         }
         Spares {
-            waiting: std::sync::Mutex::new(waiting),
+            shared,
+            count: started,
         }
     }
 
-    /// How many are still waiting for a job.
-    pub fn left(&self) -> usize {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).len()
+    /// Queues `job` for a spare (named `name` from then on), to run once released; gives the
+    /// job back when every spare has one already.
+    pub fn queue(&self, name: String, job: Job) -> Result<(), Job> {
+        let mut state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.jobs.len() >= self.count || state.released {
+            return Err(job);
+        }
+        state.jobs.push_back((name, job));
+        Ok(())
     }
 
-    /// Runs `job` on a waiting spare (named `name` from then on); gives the job back when none
-    /// is left.
-    pub fn run(&self, name: String, job: Job) -> Result<(), Job> {
-        let mut job = job;
-        loop {
-            let spare = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            let Some(spare) = spare else {
-                return Err(job);
-            };
-            match spare.send((name.clone(), job)) {
-                Ok(()) => return Ok(()),
-                // That spare is gone (it never waits for anything else): the next one.
-                Err(std::sync::mpsc::SendError((_, back))) => job = back,
-            }
-        }
+    /// Every spare takes its job (or ends without one).
+    pub fn release(&self) {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .released = true;
+        self.shared.released.notify_all();
+    }
+}
+
+impl Drop for Spares {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 

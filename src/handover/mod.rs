@@ -161,6 +161,11 @@ pub struct Ready {
 pub struct Prepare {
     /// Connections on relay threads (controls, phones waiting for their data leg).
     pub threads: usize,
+    /// Database connections the running process has open: the next one opens as many before
+    /// it takes over, so that its first admissions do not wait for connects (and are not shed
+    /// under pool pressure for it).
+    #[serde(default)]
+    pub pool_open: u32,
 }
 
 /// A next process's sign of life: when, on the machine's monotonic clock

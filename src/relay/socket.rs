@@ -843,6 +843,68 @@ mod tests {
         (Socket::new_control(1, ours), peer)
     }
 
+    /// A write to a peer that reads nothing, and a sender waiting for the writer behind it,
+    /// both return as soon as the interrupt (a handover's quiesce) is set: the rest of the
+    /// first frame and the whole second one are owed, a send during the interrupt is owed
+    /// whole, and once the peer reads they arrive first, whole and in order.
+    #[test]
+    fn an_interrupted_write_owes_the_rest_of_its_frame_and_it_goes_first() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let interrupt = Wake::new().unwrap();
+        let socket = Socket::interruptible(1, ours, interrupt.clone());
+        socket.set_send_timeout(Duration::from_secs(60));
+        let big = vec![7u8; 8 << 20];
+        let send = |message: Message| {
+            let socket = socket.clone();
+            crate::threads::spawn("test-sender", move || socket.send(message)).unwrap()
+        };
+        let first = send(Message::binary(big.clone()));
+        // The second sender waits for the writer the first one holds, writing a frame the
+        // peer's buffers cannot take.
+        while socket.writer.try_lock().is_ok() {
+            std::thread::yield_now();
+        }
+        let senders = [first, send(Message::text("second"))];
+        let set_at = clock::instant();
+        interrupt.set();
+        for sender in senders {
+            assert_eq!(sender.join().unwrap(), Ok(()));
+        }
+        assert!(
+            set_at.elapsed() < Duration::from_secs(5),
+            "the senders waited {:?} on a peer that reads nothing",
+            set_at.elapsed()
+        );
+        assert_eq!(socket.send(Message::text("third")), Ok(()));
+        assert!(socket.owed_age_ms(clock::instant()) < 60_000);
+        // Back to serving: what is owed goes first, then the next frame.
+        interrupt.clear();
+        let reader = crate::threads::spawn("test-peer", move || {
+            peer.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            let mut bytes = Vec::new();
+            let _ = (&mut peer).take((8 << 20) + 64).read_to_end(&mut bytes);
+            bytes
+        })
+        .unwrap();
+        socket.flush_owed().unwrap();
+        socket.send(Message::text("fourth")).unwrap();
+        socket.shutdown();
+        let bytes = reader.join().unwrap();
+        let mut expected = Vec::new();
+        let mut head = [0u8; 10];
+        let n = crate::relay::frames::server_header(0x82, big.len(), &mut head);
+        expected.extend_from_slice(&head[..n]);
+        expected.extend_from_slice(&big);
+        for text in ["second", "third", "fourth"] {
+            expected.extend_from_slice(&server_frame(0x81, text.as_bytes()));
+        }
+        assert_eq!(bytes.len(), expected.len());
+        assert!(bytes == expected, "the frames whole and in order");
+    }
+
     #[test]
     fn a_frame_for_a_busy_writer_stays_owed_until_the_writer_is_free() {
         let (socket, mut peer) = socket_pair();

@@ -272,7 +272,8 @@ fn run_stage(
 
 /// Resumes a deposited connection on a new relay thread: in this process after a failed
 /// handover, or in the next one (which holds each thread at `gate` until the handover has
-/// committed, on a thread of `spares` it started before anything paused, while there is one).
+/// committed; while there is one, the thread is one of `spares`, started before anything
+/// paused and released at the commit).
 /// A resumed connection always gets its thread: the permit is taken even past the bound, since
 /// the connection exists already. `Err` when no thread could be started.
 pub fn resume(
@@ -322,7 +323,7 @@ pub fn resume(
     };
     let name = format!("relay-{id}");
     let job: crate::threads::Job = match spares {
-        Some(spares) => match spares.run(name.clone(), Box::new(body)) {
+        Some(spares) => match spares.queue(name.clone(), Box::new(body)) {
             Ok(()) => return Ok(()),
             Err(job) => job,
         },

@@ -39,7 +39,12 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let giver = take_over.as_ref().and_then(super::handover::giver_pid);
     let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?),
+        Some(take_over) => Some(Taker::receive(
+            take_over,
+            ("cell", &config.cell_id),
+            &store,
+            &clock,
+        )?),
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(

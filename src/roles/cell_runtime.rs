@@ -702,14 +702,16 @@ impl CellRuntime {
     }
 
     /// Opens the WebSocket listener for business (after the startup handshake) and starts
-    /// the heartbeat.
+    /// the heartbeat. Serving first: the heartbeat's first sample is taken at its start, and a
+    /// handover's next process whose first beat said not ready would be left out of placement
+    /// until its next one (`relay_capacity_exhausted` right after a commit: issue 31).
     pub fn serve(&self) -> Result<(), RunError> {
+        self.context.phase.set(Phase::SERVING);
+        self.readiness.set_phase(readiness::Phase::Serving);
         if let Some(start_heartbeat) = lock(&self.heartbeat).take() {
             let heartbeat = start_heartbeat()?;
             lock(&self.threads).push(heartbeat);
         }
-        self.context.phase.set(Phase::SERVING);
-        self.readiness.set_phase(readiness::Phase::Serving);
         Ok(())
     }
 

@@ -92,8 +92,8 @@ pub fn run(
     let mut taker = match &take_over {
         Some(take_over) => Some(Taker::receive(
             take_over,
-            "combined",
-            &config.cell_id,
+            ("combined", &config.cell_id),
+            &store,
             &clock,
         )?),
         None => None,

@@ -245,6 +245,8 @@ struct Quiesced {
     connections: usize,
     /// Milestones for the log line: deposits done, threads stopped, workers parked, sent.
     phases: Vec<(&'static str, Instant)>,
+    /// Each part's document and the bytes beside it, for the log line.
+    sizes: Vec<(usize, usize)>,
 }
 
 struct InFlight<'a> {
@@ -312,8 +314,10 @@ impl InFlight<'_> {
     /// `ready` is abandoned here, before anything has paused.
     fn prepare_next(&mut self) -> Result<(), String> {
         let (next, _) = self.next.as_ref().ok_or("no new process")?;
+        let context = &self.parts.cell.context;
         let prepare = Prepare {
-            threads: self.parts.cell.context.thread_permits.used(),
+            threads: context.thread_permits.used(),
+            pool_open: context.store.pool_stats().open,
         };
         send(next, Kind::Prepare, &prepare, self.step_deadline())
             .map_err(|e| format!("the new process did not take its preparation: {e}"))?;
@@ -542,6 +546,9 @@ impl InFlight<'_> {
         self.last_alive_ms = machine_ms();
         if let Some(quiesced) = self.quiesced.as_mut() {
             quiesced.phases.push((milestone, clock::instant()));
+            quiesced
+                .sizes
+                .push((bytes.len(), header.raw.iter().sum::<usize>()));
         }
         Ok(())
     }
@@ -683,8 +690,16 @@ impl InFlight<'_> {
         });
         let outcome = self.outcome(true, None);
         let phases = self.phases();
+        let sizes = self.quiesced.as_ref().map_or_else(String::new, |quiesced| {
+            quiesced
+                .sizes
+                .iter()
+                .map(|(document, raw)| format!("{document}+{raw}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        });
         log::info!(
-            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases}",
+            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases} bytes={sizes}",
             outcome.new_pid.unwrap_or(0),
             outcome.new_version.as_deref().unwrap_or("-"),
             outcome.connections,
@@ -945,8 +960,8 @@ impl Taker {
     /// (already told to the running process when it can hear it).
     pub fn receive(
         take_over: &TakeOver,
-        role: &str,
-        cell_id: &str,
+        (role, cell_id): (&str, &str),
+        store: &crate::store::Store,
         clock: &SharedClock,
     ) -> Result<Taker, RunError> {
         let deadline = clock::instant() + TAKER_WAIT;
@@ -985,6 +1000,7 @@ impl Taker {
                         prepare.threads,
                         threads::RELAY_STACK_BYTES,
                     ));
+                    store.warm_pool(prepare.pool_open);
                     send(&channel, Kind::Prepared, &serde_json::json!({}), deadline).map_err(
                         |e| RunError(format!("the running relay did not hear prepared: {e}")),
                     )?;
@@ -1354,8 +1370,10 @@ impl Taker {
             }
         }
         self.gate.open();
-        // Spares no connection took end now.
-        self.spares = None;
+        // The spare threads take their connections; those without one end.
+        if let Some(spares) = self.spares.take() {
+            spares.release();
+        }
         Ok((count, self.header.fds))
     }
 }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod client;
+pub mod edges;
 pub mod fixture;
 pub mod load;
 pub mod remote;
