@@ -17,6 +17,7 @@
 //! - `--slowloris N` (2000), `--burst N` (500): the attack's size.
 //! - `--withheld N` (2000): connections that withhold their bodies; `--legs N` (2000):
 //!   unauthenticated WebSocket legs (half phones, half data legs).
+//! - `--flood-rate N` (2500): bare connects a second in the bare-connect row.
 //! - `--keepalive-connections N` (1000), `--keepalive-requests N` (10), `--gap-max-ms N`
 //!   (29000): the keep-alive run (connections × requests, gaps uniform in 0..=gap-max).
 //! - `--skip-attack`, `--skip-keepalive`: leave a part out.
@@ -41,11 +42,17 @@
 //!    - *phone legs* (default caps: connection cap 1,000, 256 pending): 2,000 WebSocket upgrades
 //!      on `/v1/connect/*` and `/v1/host/data/*` that ping, trickle their first frame or declare
 //!      an 8 MiB one, each reconnecting when closed; besides the probes, a desktop connects
-//!      (assign, upgrade, hello) every 250 ms and its admission time is reported.
+//!      (assign, upgrade, hello) every 250 ms and its admission time is reported;
+//!    - *bare connects* (default caps, issue 30): 2,500 TCP connects a second that send nothing,
+//!      from this one load thread (the rate it reached is printed), while 12 desktops pair phones
+//!      300 ms away one after another (each phone waits 300 ms after its 101 before its first
+//!      frame, as over a mobile network); reported: phones paired of those tried, and the time
+//!      from a phone's first frame to its answer (`relay-hello`).
 //!
 //!    Reported: probes, failures, p50/p99/max per path; the bursts' answered count and p99 (or
-//!    the desktops' for the phone-leg attack); the relay's shed and refused counters. Target:
-//!    p99 under attack ≤ 50 ms (PASS/FAIL).
+//!    the desktops' for the phone-leg attack, the phones' first-frame answers for the bare
+//!    connects); the relay's shed and refused counters (for the bare connects: pending
+//!    connections shed, and newcomers dropped). Target: p99 under attack ≤ 50 ms (PASS/FAIL).
 //! 2. **Keep-alive.** N connections each send M requests with idle gaps drawn uniformly from
 //!    0 to 29 s (default idle close 30 s): every request must be answered on its connection.
 //!    Reported: answered, unanswered (no answer within 5 s), closed by the server, latency.
@@ -63,8 +70,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use harness::flood::{self, Load};
 use harness::raw_http::{Conn, ReadError};
-use harness::{Relay, TempDir};
+use harness::{Desktop, Relay, TempDir};
 use orca_relay::clock;
 
 const TARGET_P99: Duration = Duration::from_millis(50);
@@ -79,6 +87,7 @@ struct Options {
     burst: usize,
     withheld: usize,
     legs: usize,
+    flood_rate: u32,
     keepalive_connections: usize,
     keepalive_requests: usize,
     gap_max_ms: u64,
@@ -94,6 +103,7 @@ impl Options {
             burst: 500,
             withheld: 2000,
             legs: 2000,
+            flood_rate: 2500,
             keepalive_connections: 1000,
             keepalive_requests: 10,
             gap_max_ms: 29_000,
@@ -116,6 +126,9 @@ impl Options {
                 "--burst" => options.burst = number(&value("--burst")?, "--burst")?,
                 "--withheld" => options.withheld = number(&value("--withheld")?, "--withheld")?,
                 "--legs" => options.legs = number(&value("--legs")?, "--legs")?,
+                "--flood-rate" => {
+                    options.flood_rate = number(&value("--flood-rate")?, "--flood-rate")?
+                }
                 "--keepalive-connections" => {
                     options.keepalive_connections = number(
                         &value("--keepalive-connections")?,
@@ -630,6 +643,106 @@ enum Attack {
     Slowloris,
     Withheld,
     Legs,
+    BareFlood,
+}
+
+/// Desktops pairing phones 300 ms away beside the bare-connect flood.
+const SLOW_PHONE_DESKTOPS: usize = 12;
+/// The phones' round trip: each waits this long after its 101 before its first frame.
+const PHONE_RTT: Duration = Duration::from_millis(300);
+
+/// `desktops` desktops, each pairing one phone after another until `stop`: every phone waits
+/// [`PHONE_RTT`] after its 101, then sends its first frame; the time from that frame to its
+/// answer (`relay-hello`) of each phone that paired, and how many phones were tried.
+fn slow_phones(relay: &Relay, desktops: usize, stop: &AtomicBool) -> (Vec<Duration>, usize) {
+    let mut answers = Vec::new();
+    let mut tried = 0;
+    // A phone that is shed ends in a caught panic of the harness's client; counted, not printed.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..desktops)
+            .map(|_| {
+                scope.spawn(|| {
+                    let (mut answers, mut tried) = (Vec::new(), 0);
+                    let mut desktop = None;
+                    while !stop.load(Ordering::Acquire) {
+                        if desktop.is_none() {
+                            desktop =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    Desktop::connect(relay)
+                                }))
+                                .ok();
+                            if desktop.is_none() {
+                                // Not admitted: counted as a phone that could not pair.
+                                tried += 1;
+                                clock::sleep(Duration::from_millis(250));
+                                continue;
+                            }
+                        }
+                        let Some(host) = desktop.as_mut() else {
+                            continue;
+                        };
+                        tried += 1;
+                        let answered =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                pair_slow_phone(relay, host)
+                            }));
+                        match answered {
+                            Ok(Some(took)) => answers.push(took),
+                            // A phone that was shed leaves its desktop waiting: start afresh.
+                            _ => desktop = None,
+                        }
+                    }
+                    (answers, tried)
+                })
+            })
+            .collect();
+        for thread in threads {
+            let (some, n) = thread.join().unwrap_or_default();
+            answers.extend(some);
+            tried += n;
+        }
+    });
+    std::panic::set_hook(hook);
+    answers.sort();
+    (answers, tried)
+}
+
+/// One phone 300 ms away paired with `desktop`: the time from its first frame to its answer.
+fn pair_slow_phone(relay: &Relay, desktop: &mut Desktop) -> Option<Duration> {
+    let invite = desktop.invite();
+    let mut phone = harness::ws_connect(
+        &relay.ws_url(&format!("/v1/connect/{}", desktop.relay_host_id)),
+        None,
+    )
+    .ok()?;
+    clock::sleep(PHONE_RTT);
+    let sent = clock::instant();
+    harness::send_json(
+        &mut phone,
+        serde_json::json!({"type":"relay-auth","v":1,"credential":invite}),
+    );
+    harness::set_read_timeout(&desktop.control, Some(ANSWER_TIMEOUT));
+    let (conn_id, ticket) = desktop.conn_open();
+    let _leg = desktop.data_leg(relay, &conn_id, &ticket);
+    harness::set_read_timeout(&phone, Some(ANSWER_TIMEOUT));
+    let hello = harness::read_json(&mut phone);
+    (hello["type"] == "relay-hello").then(|| sent.elapsed())
+}
+
+/// The sum of every series of a metric family (both builds: the shed counter gained a label).
+fn scrape_family(relay: &Relay, family: &str) -> u64 {
+    let Some(body) = fresh_get_body(&relay.http, "/metrics") else {
+        return 0;
+    };
+    body.lines()
+        .filter(|line| {
+            line.strip_prefix(family)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
@@ -662,12 +775,13 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
         "refused"
     );
     // (name, HTTP connections max, attack)
-    let scenarios: [(&str, Option<&str>, Attack); 5] = [
+    let scenarios: [(&str, Option<&str>, Attack); 6] = [
         ("idle", None, Attack::None),
         ("attack, cap 1024 (def.)", None, Attack::Slowloris),
         ("attack, cap 4096", Some("4096"), Attack::Slowloris),
         ("withheld bodies (def.)", None, Attack::Withheld),
         ("phone legs (def.)", None, Attack::Legs),
+        ("bare connects (def.)", None, Attack::BareFlood),
     ];
     for (name, binary) in systems {
         for (scenario, cap, kind) in scenarios {
@@ -690,12 +804,33 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
                 _ => None,
             };
             let desktops = (kind == Attack::Legs).then(|| start_desktops(&relay));
-            let results = probe(&relay.http, options.seconds);
+            let flood = (kind == Attack::BareFlood)
+                .then(|| flood::start(&relay.ws, Load::Bare, options.flood_rate, options.seconds));
+            let phones_stop = AtomicBool::new(false);
+            let (results, phones) = std::thread::scope(|scope| {
+                let phones = (kind == Attack::BareFlood).then(|| {
+                    scope.spawn(|| slow_phones(&relay, SLOW_PHONE_DESKTOPS, &phones_stop))
+                });
+                let results = probe(&relay.http, options.seconds);
+                phones_stop.store(true, Ordering::Release);
+                (
+                    results,
+                    phones.map(|phones| phones.join().unwrap_or_default()),
+                )
+            });
+            let flood = flood.map(flood::Flood::finish);
             let burst = bursts.map(|bursts| {
                 bursts.stop.store(true, Ordering::Release);
                 let mut stats = bursts.thread.join().unwrap_or_default();
                 stats.latencies.sort();
                 stats
+            });
+            let burst = burst.or_else(|| {
+                phones.map(|(latencies, tried)| BurstStats {
+                    clients: tried,
+                    answered: latencies.len(),
+                    latencies,
+                })
             });
             let burst = burst.or_else(|| {
                 desktops.map(|(stop, thread)| {
@@ -714,9 +849,14 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
                     slowloris.thread.join().unwrap_or((0, 0))
                 })
                 .or_else(|| attacker.map(Attacker::finish));
-            let (shed, refused) = if kind == Attack::Legs {
+            let (shed, refused) = if kind == Attack::BareFlood {
                 (
-                    scrape(&relay, "orca_relay_ws_pending_upgrades_shed_total"),
+                    scrape_family(&relay, "orca_relay_ws_pending_upgrades_shed_total"),
+                    scrape_family(&relay, "orca_relay_ws_connections_dropped_total"),
+                )
+            } else if kind == Attack::Legs {
+                (
+                    scrape_family(&relay, "orca_relay_ws_pending_upgrades_shed_total"),
                     scrape(
                         &relay,
                         "orca_relay_upgrades_refused_total{status=\"503\",reason=\"connection_cap\"}",
@@ -773,6 +913,21 @@ fn latency_section(options: &Options, systems: &[(String, PathBuf)]) {
                 println!(
                     "{:<11} {:<24} {what} open at the end: {open}, reconnects: {reconnects}",
                     "", ""
+                );
+            }
+            if let (Some(report), Some(stats)) = (flood, &burst) {
+                println!(
+                    "{:<11} {:<24} bare connects {:.0}/s reached ({} in {:.1} s, {} failed); phones paired {}/{}, first frame to relay-hello p50 {} ms, p99 {} ms (the burst columns above; shed = pending connections shed, refused = newcomers dropped)",
+                    "",
+                    "",
+                    report.rate(),
+                    report.opened,
+                    report.seconds,
+                    report.failed,
+                    stats.answered,
+                    stats.clients,
+                    ms(percentile(&stats.latencies, 50.0)),
+                    ms(percentile(&stats.latencies, 99.0))
                 );
             }
             if kind == Attack::Legs {

@@ -362,6 +362,8 @@ pub struct Plan {
     pub ceiling: u64,
     /// The connection cap in force: the configured one, lowered to the ceiling.
     pub cap: u64,
+    /// The descriptors kept off the connections, by what they are for.
+    pub descriptors_reserved: DescriptorReserve,
     /// The resource the cap was lowered for, when it was.
     pub lowered_by: Option<Resource>,
     /// Relay threads at most at once (controls, pending upgrades, legs not yet spliced): the
@@ -388,11 +390,47 @@ pub struct Needs {
     /// Sockets before admission (`ORCA_RELAY_PENDING_UPGRADES_MAX`): a descriptor each, and a
     /// relay thread each (they are in the permits, not the reserve).
     pub pending_upgrades_max: u64,
+    /// Refused and closing connections lingering in the reaper
+    /// (`ORCA_RELAY_CLOSING_CONNECTIONS_MAX`): a descriptor each, no thread.
+    pub closing_connections_max: u64,
     /// HTTP connections (`ORCA_RELAY_HTTP_CONNECTIONS_MAX`): a thread each (all reserved) and a
     /// descriptor each (at most [`HTTP_DESCRIPTORS_RESERVED`] reserved).
     pub http_connections_max: u64,
     pub configured_cap: u64,
     pub memory: MemoryBounds,
+}
+
+/// The descriptors the plan keeps for the process beyond its admitted connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DescriptorReserve {
+    /// The process's own (256) and its database pool.
+    pub process: u64,
+    /// Pending WebSocket connections (`ORCA_RELAY_PENDING_UPGRADES_MAX`).
+    pub pending: u64,
+    /// Refused and closing connections lingering (`ORCA_RELAY_CLOSING_CONNECTIONS_MAX`).
+    pub closing: u64,
+    /// HTTP connections (at most [`HTTP_DESCRIPTORS_RESERVED`]).
+    pub http: u64,
+}
+
+impl DescriptorReserve {
+    pub fn total(&self) -> u64 {
+        self.process + self.pending + self.closing + self.http
+    }
+}
+
+impl fmt::Display for DescriptorReserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "descriptors reserved: {} = {} process and database pool + {} pending + {} closing + {} HTTP",
+            self.total(),
+            self.process,
+            self.pending,
+            self.closing,
+            self.http
+        )
+    }
 }
 
 /// What one connection can hold at most and what the process holds besides, in bytes.
@@ -422,17 +460,23 @@ impl MemoryBounds {
 /// aborts, so every HTTP connection's thread is in the thread reserve.
 pub const HTTP_DESCRIPTORS_RESERVED: u64 = 128;
 
-/// The plan for `limits` and `needs`: the relay reserve plus the pending upgrades' descriptors,
-/// some descriptors for HTTP, and every HTTP connection's thread, so `/health` and the upgrade
-/// path still have what they need when the WebSocket side is full.
+/// The plan for `limits` and `needs`: the relay reserve plus the descriptors of pending
+/// upgrades and of refused or closing connections lingering in the reaper, some descriptors for
+/// HTTP, and every HTTP connection's thread, so `/health` and the upgrade path still have what
+/// they need when the WebSocket side is full and refusals arrive at any rate.
 pub fn plan(limits: &Limits, needs: Needs) -> Plan {
     let mut reserve = Reserve::for_relay(
         needs.cpus,
         needs.database_pool_max,
         crate::threads::RELAY_STACK_BYTES as u64,
     );
-    reserve.descriptors +=
-        needs.pending_upgrades_max + needs.http_connections_max.min(HTTP_DESCRIPTORS_RESERVED);
+    let descriptors_reserved = DescriptorReserve {
+        process: reserve.descriptors,
+        pending: needs.pending_upgrades_max,
+        closing: needs.closing_connections_max,
+        http: needs.http_connections_max.min(HTTP_DESCRIPTORS_RESERVED),
+    };
+    reserve.descriptors = descriptors_reserved.total();
     reserve.threads += needs.http_connections_max;
     reserve.maps += needs.http_connections_max * MAPS_PER_THREAD;
     let capacity = compute(limits, reserve, MAPS_PER_THREAD);
@@ -458,6 +502,7 @@ pub fn plan(limits: &Limits, needs: Needs) -> Plan {
         capacity,
         ceiling,
         cap,
+        descriptors_reserved,
         lowered_by,
         rss_at_cap: needs.memory.rss_at(cap),
         memory_bytes: limits.memory_bytes,
@@ -1017,6 +1062,7 @@ mod tests {
             cpus: 2,
             database_pool_max: 10,
             pending_upgrades_max: 256,
+            closing_connections_max: 256,
             http_connections_max: 1024,
             configured_cap: cap,
             memory: MemoryBounds {
@@ -1036,8 +1082,8 @@ mod tests {
         );
         assert!(plan.rss_at_cap <= 24 * GIB);
         assert_eq!(plan.rss_at_cap, 512 * MIB + 12_032 * 2 * MIB);
-        // Descriptors first, then memory: 19,330 by descriptors, fewer by memory.
-        assert_eq!(plan.ceiling, 19_330);
+        // Descriptors first, then memory: 19,074 by descriptors, fewer by memory.
+        assert_eq!(plan.ceiling, 19_074);
         // Enough memory: the cap stands, and the RSS at it is stated.
         let kept = plan_with_memory(Some(64 * GIB), 15_000);
         assert_eq!((kept.cap, kept.lowered_by), (15_000, None));
@@ -1115,9 +1161,13 @@ mod tests {
     #[test]
     fn the_plan_lowers_a_cap_above_the_descriptor_ceiling_and_bounds_relay_threads() {
         let plan = plan(&machine(), needs(20_000));
-        // 20,000 - 20 in use - (256 + 10 + 256 pending + 128 HTTP) = 19,330.
-        assert_eq!(plan.ceiling, 19_330);
-        assert_eq!(plan.cap, 19_330);
+        // 20,000 - 20 in use - (256 + 10 + 256 pending + 256 closing + 128 HTTP) = 19,074.
+        assert_eq!(plan.ceiling, 19_074);
+        assert_eq!(plan.cap, 19_074);
+        assert_eq!(
+            plan.descriptors_reserved.to_string(),
+            "descriptors reserved: 906 = 266 process and database pool + 256 pending + 256 closing + 128 HTTP"
+        );
         assert_eq!(plan.lowered_by, Some(Resource::Descriptors));
         // Maps bind one process's threads: (65,530 - 200 - reserve) / 4, the reserve holding
         // the HTTP threads' maps too.
@@ -1138,6 +1188,6 @@ mod tests {
         assert_eq!((kept.cap, kept.lowered_by), (1_000, None));
         assert!(kept
             .summary()
-            .contains("connections=19330 limited_by=RLIMIT_NOFILE cap=1000"));
+            .contains("connections=19074 limited_by=RLIMIT_NOFILE cap=1000"));
     }
 }

@@ -156,13 +156,19 @@ reads its configuration and opens its store; only then does the running one paus
 its listeners, every connection and its state, and exit once the next one has confirmed.
 Streams pause for well under a second. If anything fails before that (a configuration the
 next process refuses, a crash, a state it cannot read, 10 s without a confirmation), the
-running process keeps every connection and serves on.
+running process keeps every connection and serves on. A stop (SIGTERM) of the running
+process before the commit rolls the handover back and that process drains.
+
+Only a handover socket of this user is spoken to: a data directory another user owns or can
+write to, or a socket whose listening process runs as another user, is refused.
 
   --binary PATH   start this binary instead of the one this command runs from
 
 Exit 0 with one line (pids, version, connections and pairs moved, the pause) once the next
-process owns everything; exit 1 with the cause otherwise. The listening addresses and the
-role cannot change this way: restart for those.
+process owns everything; exit 1 with one line saying what happened otherwise (rolled back and
+the running relay keeps serving, with the cause; nothing asked; or the running relay died during
+the handover). The listening addresses, the role and the cell id cannot change this way (the
+next process refuses them before anything pauses): restart for those.
 ";
 
 const CLIENT_PHONE_HELP: &str = "\
@@ -260,12 +266,18 @@ pub fn parse(args: &[String]) -> Result<Command, String> {
     }
 }
 
-/// `--take-over SOCKET --token TOKEN [--test-fault FAULT]`: how `handover` starts the next
-/// process (not for operators).
+/// `--take-over SOCKET --handover-fd FD [--test-fault FAULT] [--running JSON]`: how `handover`
+/// starts the next process (not for operators). The token comes on descriptor FD, never on the
+/// command line; `--running` says what the running process serves (no secret).
 fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, String> {
     let flags = parse_flags(args)?;
     let socket = flag(&flags, "take-over").ok_or("usage: orca-relay run")?;
-    let token = flag(&flags, "token").ok_or("--take-over needs --token")?;
+    let line = flag(&flags, "handover-fd")
+        .ok_or("--take-over needs --handover-fd")?
+        .parse::<i32>()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or("--handover-fd needs a descriptor number above 2")?;
     let fault = match flag(&flags, "test-fault") {
         Some(name) => Some(
             crate::roles::handover::Fault::parse(name)
@@ -273,16 +285,23 @@ fn parse_take_over(args: &[String]) -> Result<crate::roles::handover::TakeOver, 
         ),
         None => None,
     };
-    if let Some((name, _)) = flags
-        .iter()
-        .find(|(name, _)| !matches!(name.as_str(), "take-over" | "token" | "test-fault"))
-    {
+    let running = flag(&flags, "running")
+        .map(crate::handover::Running::from_arg)
+        .transpose()?;
+    if let Some((name, _)) = flags.iter().find(|(name, _)| {
+        !matches!(
+            name.as_str(),
+            "take-over" | "handover-fd" | "test-fault" | "running"
+        )
+    }) {
         return Err(format!("unexpected argument --{name}"));
     }
     Ok(crate::roles::handover::TakeOver {
         socket: socket.into(),
-        token: token.to_string(),
+        line,
+        token: String::new(),
         fault,
+        running,
     })
 }
 
@@ -325,7 +344,7 @@ pub fn execute(command: Command) -> i32 {
             0
         }
         Command::CheckConfig => {
-            let lookup = |name: &str| std::env::var(name).ok();
+            let lookup = |name: &str| std::env::var_os(name);
             let (code, out, err) = check_config(&lookup);
             print!("{out}");
             eprint!("{err}");
@@ -333,10 +352,18 @@ pub fn execute(command: Command) -> i32 {
         }
         Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
         Command::Handover(options) => crate::handover_command::run(&options),
-        Command::TakeOver(take_over) => {
+        Command::TakeOver(mut take_over) => {
             if take_over.fault == Some(crate::roles::handover::Fault::ExitAtStart) {
                 // A test's fault: a binary that exits at start.
                 return 3;
+            }
+            // The token first: it comes once the command has made this process an orphan.
+            match crate::roles::handover::read_token(take_over.line) {
+                Ok(token) => take_over.token = token,
+                Err(e) => {
+                    eprintln!("orca-relay: {e}");
+                    return 1;
+                }
             }
             let config = match Config::from_env() {
                 Ok(config) => config,
@@ -430,11 +457,12 @@ pub fn execute(command: Command) -> i32 {
 
 /// `check-config` over `lookup`: (exit code, stdout, stderr). Valid: every variable with its
 /// effective value (secrets masked), then `config ok: role=… (N variables set)`. Not valid:
-/// every problem, one line each, then `N problems`.
-pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, String) {
+/// every problem, one line each, then `N problems` (a value that is not valid UTF-8 among
+/// them, SPEC §13).
+pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32, String, String) {
     use std::fmt::Write as _;
     let (mut out, mut err) = (String::new(), String::new());
-    match Config::from_lookup_all(lookup) {
+    match Config::from_os_lookup_all(lookup) {
         Ok(config) => {
             // The CA file is read as a start would read it, before anything is printed.
             let database_tls = match &config.database_tls {
@@ -459,6 +487,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                         let needs = crate::roles::cell_runtime::capacity_needs(&config);
                         let plan = crate::capacity::plan(&limits, needs);
                         let _ = writeln!(out, "effective capacity: {}", plan.summary());
+                        let _ = writeln!(out, "  {}", plan.descriptors_reserved);
                         for figure in &plan.capacity.figures {
                             let raise = figure.resource.how_to_raise();
                             let _ = writeln!(out, "  {figure} (raise: {raise})");
@@ -480,7 +509,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<String>) -> (i32, String, St
                 out,
                 "config ok: role={} ({} variables set)",
                 config.role.as_str(),
-                Config::variables_set(lookup)
+                Config::variables_set(&|name| Config::text_lookup(lookup, name))
             );
             (0, out, err)
         }

@@ -56,6 +56,10 @@ pub enum Problem {
     Missing,
     /// The variable is set to a value outside what is accepted.
     Invalid,
+    /// The variable's value is not valid UTF-8 (SPEC §13 "Environment"): refused like any
+    /// invalid value, never read as unset. `value` says where the first bad byte is (empty for
+    /// a secret), never the bytes.
+    NotUtf8,
 }
 
 /// A configuration error: one line naming the variable, the value and what is accepted.
@@ -78,6 +82,16 @@ impl fmt::Display for ConfigError {
             Problem::Invalid => write!(
                 f,
                 "invalid {}={:?}: expected {}",
+                self.variable, self.value, self.expected
+            ),
+            Problem::NotUtf8 if self.value.is_empty() => write!(
+                f,
+                "invalid {}: the value is not valid UTF-8: expected {}",
+                self.variable, self.expected
+            ),
+            Problem::NotUtf8 => write!(
+                f,
+                "invalid {}: the value is not valid UTF-8 ({}): expected {}",
                 self.variable, self.value, self.expected
             ),
         }
@@ -204,6 +218,12 @@ pub struct Config {
     /// Pre-authentication sockets on the WebSocket port at most, apart from the connection cap
     /// (SPEC §11).
     pub pending_upgrades_max: u32,
+    /// Of those, at most this many from one source address (an IPv6 /64): one host that
+    /// floods connects sheds its own (issue 30).
+    pub pending_per_source_max: u32,
+    /// Descriptors held at most by refused and closing connections waiting out their linger in
+    /// the reaper; past it (or once the peer has gone) a socket is closed at once (issue 30).
+    pub closing_connections_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
     /// A spliced leg from which nothing arrived for half of this is pinged by the relay; for
@@ -256,6 +276,8 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_SWITCH_FILE",
     "ORCA_RELAY_CONNECTION_CAP",
     "ORCA_RELAY_PENDING_UPGRADES_MAX",
+    "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
+    "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
     "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
@@ -311,6 +333,24 @@ fn error(name: &str, value: &str, expected: impl Into<String>) -> ConfigError {
         value: value.to_string(),
         expected: expected.into(),
         problem: Problem::Invalid,
+    }
+}
+
+/// A value that is not valid UTF-8: where its first bad byte is (not for a secret), never the
+/// bytes themselves.
+fn not_utf8(name: &str, raw: &[u8]) -> ConfigError {
+    let at = match std::str::from_utf8(raw) {
+        Err(e) if !SECRET_VARIABLES.contains(&name) => {
+            let offset = e.valid_up_to();
+            format!("byte 0x{:02x} at offset {offset}", raw[offset])
+        }
+        _ => String::new(),
+    };
+    ConfigError {
+        variable: name.to_string(),
+        value: at,
+        expected: "text (set it again in UTF-8, or unset it)".to_string(),
+        problem: Problem::NotUtf8,
     }
 }
 
@@ -547,7 +587,53 @@ fn parse_database_tls(
 impl Config {
     /// Reads the configuration from the process environment: every problem, or the config.
     pub fn from_env() -> Result<Config, ConfigErrors> {
-        Config::from_lookup_all(&|name| std::env::var(name).ok())
+        Config::from_os_lookup_all(&|name| std::env::var_os(name))
+    }
+
+    /// Reads the configuration through `lookup` of raw values (the environment's bytes),
+    /// collecting every problem. A value that is not valid UTF-8 is a problem of its own
+    /// ([`Problem::NotUtf8`], SPEC §13), never read as unset (it once was: a stray byte in
+    /// `ORCA_RELAY_CONNECTION_CAP=10000` made the cap the default 1,000).
+    pub fn from_os_lookup_all(
+        lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+    ) -> Result<Config, ConfigErrors> {
+        let refused: std::cell::RefCell<Vec<ConfigError>> = Default::default();
+        let text = |name: &str| match lookup(name)?.into_string() {
+            Ok(text) => Some(text),
+            Err(raw) => {
+                use std::os::unix::ffi::OsStrExt;
+                let mut refused = refused.borrow_mut();
+                if !refused.iter().any(|e| e.variable == name) {
+                    refused.push(not_utf8(name, raw.as_bytes()));
+                }
+                None
+            }
+        };
+        let read = Config::from_lookup_all(&text);
+        let mut problems = refused.into_inner();
+        if problems.is_empty() {
+            return read;
+        }
+        if let Err(ConfigErrors(others)) = read {
+            // The refused variable was read as unset meanwhile: a `missing` line for it would
+            // be a second, wrong, line about the same variable.
+            let others: Vec<ConfigError> = others
+                .into_iter()
+                .filter(|other| !problems.iter().any(|p| p.variable == other.variable))
+                .collect();
+            problems.extend(others);
+        }
+        Err(ConfigErrors(problems))
+    }
+
+    /// `lookup` over raw values, as text: a value that is not valid UTF-8 reads as unset. For
+    /// counting what is set ([`Config::variables_set`]) once [`Config::from_os_lookup_all`] has
+    /// refused any such value.
+    pub fn text_lookup(
+        lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+        name: &str,
+    ) -> Option<String> {
+        lookup(name).and_then(|raw| raw.into_string().ok())
     }
 
     /// Reads the configuration through `lookup` (pure; tests pass a map); the first problem
@@ -730,6 +816,12 @@ impl Config {
             .unwrap_or_else(|| data_dir.join("switch.json"));
         let connection_cap = r.int("ORCA_RELAY_CONNECTION_CAP", 1000, 1, 100_000) as u32;
         let pending_upgrades_max = r.int("ORCA_RELAY_PENDING_UPGRADES_MAX", 256, 1, 100_000) as u32;
+        // A quarter of the default table: a phone holds its place about one round trip, so one
+        // address (a carrier NAT) still starts about 200 phones a second at 300 ms.
+        let pending_per_source_max =
+            r.int("ORCA_RELAY_PENDING_PER_SOURCE_MAX", 64, 1, 100_000) as u32;
+        let closing_connections_max =
+            r.int("ORCA_RELAY_CLOSING_CONNECTIONS_MAX", 256, 0, 100_000) as u32;
         let splice_workers = r.int(
             "ORCA_RELAY_SPLICE_WORKERS",
             default_splice_workers(),
@@ -860,6 +952,8 @@ impl Config {
             switch_file,
             connection_cap,
             pending_upgrades_max,
+            pending_per_source_max,
+            closing_connections_max,
             splice_workers,
             splice_idle_ms,
             http_idle_ms,
@@ -938,6 +1032,14 @@ impl Config {
         out.insert(
             "ORCA_RELAY_PENDING_UPGRADES_MAX",
             self.pending_upgrades_max.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
+            self.pending_per_source_max.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
+            self.closing_connections_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
         out.insert("ORCA_RELAY_SPLICE_IDLE_MS", self.splice_idle_ms.to_string());
@@ -1060,6 +1162,8 @@ mod tests {
         assert_eq!(config.switch_file, PathBuf::from("./data/switch.json"));
         assert_eq!(config.timings, Timings::default());
         assert_eq!(config.pending_upgrades_max, 256);
+        assert_eq!(config.pending_per_source_max, 64);
+        assert_eq!(config.closing_connections_max, 256);
         assert_eq!(config.http_idle_ms, 30_000);
         assert_eq!(config.http_connections_max, 1024);
         assert_eq!(config.cell_retire_ms, 600_000);
@@ -1111,6 +1215,43 @@ mod tests {
         let err = parse(&[("ORCA_RELAY_CELL_RETIRE_MS", "999")]).unwrap_err();
         assert_eq!(err.variable, "ORCA_RELAY_CELL_RETIRE_MS");
         assert!(err.to_string().contains("from 1000 to 604800000"), "{err}");
+    }
+
+    /// SPEC §13: bytes that are not UTF-8 are a problem naming the variable, never unset; the
+    /// variable gets no second (`missing`) line; a secret's line says nothing of its bytes.
+    #[test]
+    fn a_value_that_is_not_utf8_is_refused_never_read_as_unset() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        let raw = |pairs: &[(&str, &[u8])]| {
+            let map: HashMap<String, OsString> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), OsString::from_vec(v.to_vec())))
+                .collect();
+            Config::from_os_lookup_all(&move |name| map.get(name).cloned())
+        };
+        let errors = raw(&[("ORCA_RELAY_CONNECTION_CAP", b"10000\xff")]).unwrap_err();
+        assert_eq!(errors.0.len(), 1, "{errors}");
+        assert_eq!(errors.0[0].problem, Problem::NotUtf8);
+        assert_eq!(
+            errors.0[0].to_string(),
+            "invalid ORCA_RELAY_CONNECTION_CAP: the value is not valid UTF-8 (byte 0xff at offset 5): expected text (set it again in UTF-8, or unset it)"
+        );
+        // A cell whose required token is not UTF-8: one line, not also `missing`.
+        let errors = raw(&[
+            ("ORCA_RELAY_ROLE", b"cell"),
+            ("ORCA_RELAY_SERVICE_TOKEN", b"s\xe9cret"),
+            ("ORCA_RELAY_JWKS_URL", b"https://auth/jwks.json"),
+            ("ORCA_RELAY_AUTH_ISSUER", b"https://auth"),
+            ("DATABASE_URL", b"postgres://db/relay"),
+            ("ORCA_RELAY_DIRECTOR_URLS", b"http://d:8081"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            errors.to_string(),
+            "invalid ORCA_RELAY_SERVICE_TOKEN: the value is not valid UTF-8: expected text (set it again in UTF-8, or unset it)"
+        );
+        assert!(raw(&[("ORCA_RELAY_CONNECTION_CAP", b"10000")]).is_ok());
     }
 
     #[test]
@@ -1165,6 +1306,12 @@ mod tests {
             ("ORCA_RELAY_HTTP_IDLE_MS", "99", "100 to 3600000"),
             ("ORCA_RELAY_HTTP_CONNECTIONS_MAX", "0", "1 to 100000"),
             ("ORCA_RELAY_PENDING_UPGRADES_MAX", "100001", "1 to 100000"),
+            ("ORCA_RELAY_PENDING_PER_SOURCE_MAX", "0", "1 to 100000"),
+            (
+                "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
+                "100001",
+                "0 to 100000",
+            ),
             ("ORCA_RELAY_SPLICE_WORKERS", "0", "1 to 256"),
         ];
         for (name, value, expected) in cases {

@@ -1,9 +1,9 @@
 //! orca-relay: a WebSocket relay for desktops and their paired phones.
 //!
-//! See `ARCHITECTURE.md` for the code map, the thread roles and the invariants. Modules are
-//! layered: lower floors never import higher ones.
+//! See `ARCHITECTURE.md` for the code map, the floors, the threads and the invariants. Modules
+//! are layered: lower floors never import higher ones (`tests/layering.rs` fails on a circle).
 
-// Floor 1: plain values and helpers.
+// Floor 1: plain values and helpers, and what outlives a process (`carry`).
 pub mod budget;
 pub mod capacity;
 pub mod carry;
@@ -19,7 +19,8 @@ pub mod service_token;
 pub mod threads;
 pub mod wake;
 
-// Floor 2: the only SQL, token checks, HTTP plumbing, process lifecycle.
+// Floor 2: the only SQL, token checks, HTTP plumbing, the handover's transport, process
+// lifecycle.
 pub mod auth;
 pub mod handover;
 pub mod http;
@@ -30,12 +31,12 @@ pub mod store;
 pub mod cell;
 pub mod readiness;
 
-// Floor 4: the seed's heart.
+// Floor 4: the data plane, the dead-man, the director.
 pub mod dead_man;
 pub mod director;
 pub mod relay;
 
-// Floor 5-6: role wiring and the command line.
+// Floors 5-7: role wiring (`roles`), the commands, and `cli` above them.
 pub mod cli;
 pub mod client;
 pub mod fleet_status;

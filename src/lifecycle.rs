@@ -443,7 +443,32 @@ pub enum ShutdownState {
 
 type DrainCallback = Arc<dyn Fn() + Send + Sync>;
 
+/// A live handover past its commit decision ([`Shutdown::commit_handover`]): stop signals
+/// that arrive from then on are the next process's, not this one's.
+#[derive(Debug, Clone, Copy)]
+struct Handing {
+    /// The next process.
+    to_pid: u32,
+    /// Stop signals that arrived before the next process was told `committed`.
+    stops: u32,
+    /// The next process has been sent `committed` (with the stops so far).
+    told: bool,
+}
+
+/// What one stop signal does ([`Shutdown::advance`]).
+enum Step {
+    /// The first: the drain begins (with these callbacks to run).
+    Drain(Vec<DrainCallback>),
+    /// The second: exit at once.
+    Immediate,
+    /// A handover is past its commit decision: the signal is kept for the next process
+    /// (`told` false: it goes with `committed`), or is already the next process's (`told`).
+    Handed { to_pid: u32, told: bool },
+}
+
 struct ShutdownInner {
+    /// Set from a live handover's commit decision until the process exits (or the commit fails).
+    handing: Option<Handing>,
     state: ShutdownState,
     /// Run once each when the drain begins (or at once if registered later).
     drain_callbacks: Vec<DrainCallback>,
@@ -476,6 +501,7 @@ impl Shutdown {
         Shutdown {
             shared: Arc::new((
                 Mutex::new(ShutdownInner {
+                    handing: None,
                     state: ShutdownState::Running,
                     drain_callbacks: Vec::new(),
                     signal_handle: None,
@@ -522,30 +548,120 @@ impl Shutdown {
 
     /// What one SIGTERM/SIGINT does: Running → Draining (running the drain callbacks), then
     /// Draining → Immediate. Returns the new state. Exiting on Immediate is the caller's job
-    /// (the `signals` thread), so that this stays testable.
+    /// (the `signals` thread), so that this stays testable. Past a handover's commit decision
+    /// the state does not move (the request is the next process's).
     pub fn request(&self) -> ShutdownState {
-        let (state, callbacks) = self.advance();
-        run_callbacks(&callbacks);
-        state
+        match self.advance() {
+            Step::Drain(callbacks) => {
+                run_callbacks(&callbacks);
+                ShutdownState::Draining
+            }
+            Step::Immediate => ShutdownState::Immediate,
+            Step::Handed { .. } => self.state(),
+        }
     }
 
-    /// Moves one step and returns the callbacks to run for it, without running them.
-    fn advance(&self) -> (ShutdownState, Vec<DrainCallback>) {
-        let result = {
+    /// Moves one step and returns what to do for it, without doing it.
+    fn advance(&self) -> Step {
+        let step = {
             let mut inner = self.lock();
+            if let Some(handing) = inner.handing.as_mut() {
+                if !handing.told {
+                    handing.stops += 1;
+                }
+                return Step::Handed {
+                    to_pid: handing.to_pid,
+                    told: handing.told,
+                };
+            }
             match inner.state {
                 ShutdownState::Running => {
                     inner.state = ShutdownState::Draining;
-                    (ShutdownState::Draining, inner.drain_callbacks.clone())
+                    Step::Drain(inner.drain_callbacks.clone())
                 }
                 ShutdownState::Draining | ShutdownState::Immediate => {
                     inner.state = ShutdownState::Immediate;
-                    (ShutdownState::Immediate, Vec::new())
+                    Step::Immediate
                 }
             }
         };
         self.shared.1.notify_all();
-        result
+        step
+    }
+
+    /// A live handover's commit decision, against a stop (ARCHITECTURE.md "Live handover"):
+    /// true when no stop was requested before it, and from now on a stop signal is the next
+    /// process's (`to_pid`): one that arrives before it is told `committed` goes with that
+    /// word ([`Shutdown::stops_for_commit`]); one after, it hears itself (from systemd, which
+    /// signals the whole unit; without systemd this process passes it on). False when a stop
+    /// came first: it is honoured here, the handover rolls back and this process drains.
+    pub fn commit_handover(&self, to_pid: u32) -> bool {
+        let mut inner = self.lock();
+        if inner.state != ShutdownState::Running {
+            return false;
+        }
+        inner.handing = Some(Handing {
+            to_pid,
+            stops: 0,
+            told: false,
+        });
+        true
+    }
+
+    /// The stop signals that arrived since the commit decision, for the `committed` word; any
+    /// later one is the next process's own.
+    pub fn stops_for_commit(&self) -> u32 {
+        let mut inner = self.lock();
+        match inner.handing.as_mut() {
+            Some(handing) => {
+                handing.told = true;
+                handing.stops
+            }
+            None => 0,
+        }
+    }
+
+    /// The commit failed after its decision (the next process went away): this process serves
+    /// on, and a stop that arrived meanwhile is its own again (replayed, as its signals would
+    /// have been).
+    pub fn abandon_handover(&self) {
+        let stops = self.lock().handing.take().map_or(0, |h| h.stops);
+        for _ in 0..stops.min(2) {
+            match self.advance() {
+                Step::Drain(callbacks) => {
+                    log::info!("orca_relay_shutdown_draining signal=SIGTERM after=handover_failed");
+                    notify_stopping();
+                    run_callbacks(&callbacks);
+                }
+                Step::Immediate => {
+                    log::warn!(
+                        "orca_relay_shutdown_immediate signal=SIGTERM after=handover_failed"
+                    );
+                    log::logger().flush();
+                    std::process::exit(0);
+                }
+                Step::Handed { .. } => {}
+            }
+        }
+    }
+
+    /// Begins the drain as a first SIGTERM would (the log line, `STOPPING=1`, the callbacks),
+    /// for a stop this process inherited from the one it took over from. False when it had
+    /// begun already.
+    pub fn drain_inherited(&self) -> bool {
+        let callbacks = {
+            let mut inner = self.lock();
+            if inner.state != ShutdownState::Running {
+                return false;
+            }
+            inner.state = ShutdownState::Draining;
+            inner.drain_callbacks.clone()
+        };
+        self.shared.1.notify_all();
+        log::info!("orca_relay_shutdown_draining signal=SIGTERM inherited=handover");
+        notify_stopping();
+        run_callbacks(&callbacks);
+        true
     }
 
     /// Registers something to run when the drain begins, typically unblocking a server so
@@ -659,17 +775,36 @@ pub fn install_signal_handlers(shutdown: &Shutdown) -> io::Result<JoinHandle<()>
                 );
                 continue;
             }
-            let (state, callbacks) = shutdown.advance();
-            match state {
-                ShutdownState::Draining => {
+            match shutdown.advance() {
+                Step::Drain(callbacks) => {
                     log::info!("orca_relay_shutdown_draining signal={name}");
                     notify_stopping();
                     run_callbacks(&callbacks);
                 }
-                ShutdownState::Immediate | ShutdownState::Running => {
+                Step::Immediate => {
                     log::warn!("orca_relay_shutdown_immediate signal={name}");
                     log::logger().flush();
                     std::process::exit(0);
+                }
+                // Past a handover's commit decision: the next process's stop. Before it is
+                // told `committed`, the word carries it; after, systemd signals the whole unit
+                // (the next process too), and without systemd it is passed on.
+                Step::Handed { to_pid, told } => {
+                    let forward = told && notify_socket().is_none();
+                    log::info!(
+                        "orca_relay_shutdown_handed signal={name} to_pid={to_pid} passed_on={}",
+                        if !told {
+                            "with_commit"
+                        } else if forward {
+                            "signal"
+                        } else {
+                            "by_systemd"
+                        }
+                    );
+                    if forward {
+                        // SAFETY: kill(2) on the process this one handed over to.
+                        unsafe { libc::kill(to_pid as libc::pid_t, signal) };
+                    }
                 }
             }
         }
@@ -817,6 +952,37 @@ mod tests {
         assert!(shutdown.is_draining());
         assert!(shutdown.is_immediate());
         assert_eq!(shutdown.request(), ShutdownState::Immediate);
+    }
+
+    /// A live handover's commit decision against a stop (issue 31): a stop first refuses the
+    /// commit (the handover rolls back, this process drains); a stop after the decision does
+    /// not move this process (it goes with `committed`, counted until the word is sent); a
+    /// commit that then fails gives the stop back to this process.
+    #[test]
+    fn a_stop_before_the_commit_decision_refuses_it_and_one_after_goes_with_it() {
+        let stopped_first = Shutdown::new();
+        assert_eq!(stopped_first.request(), ShutdownState::Draining);
+        assert!(!stopped_first.commit_handover(42));
+
+        let shutdown = Shutdown::new();
+        assert!(shutdown.commit_handover(42));
+        assert_eq!(shutdown.request(), ShutdownState::Running);
+        assert!(!shutdown.is_draining(), "the stop is the next process's");
+        assert_eq!(shutdown.stops_for_commit(), 1);
+        // After the word: not counted any more (systemd, or this process, signals the next).
+        assert_eq!(shutdown.request(), ShutdownState::Running);
+        assert_eq!(shutdown.stops_for_commit(), 1);
+
+        let failed = Shutdown::new();
+        assert!(failed.commit_handover(42));
+        failed.request();
+        assert!(!failed.is_draining());
+        failed.abandon_handover();
+        assert_eq!(
+            failed.state(),
+            ShutdownState::Draining,
+            "the stop is honoured here"
+        );
     }
 
     #[test]

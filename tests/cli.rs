@@ -434,3 +434,64 @@ fn check_config_prints_the_effective_config_and_a_summary_line() {
         "{stdout}"
     );
 }
+
+/// SPEC §13 "Environment": a value that is not valid UTF-8 is refused like any invalid value,
+/// by `check-config` and at every start, in one line naming the variable (the raw bytes are not
+/// printed: a secret's neither). Before: it was read as unset, so `CONNECTION_CAP=10000` with a
+/// stray byte became the default 1,000 and `check-config` said `config ok`.
+#[test]
+fn a_value_that_is_not_utf8_is_refused_by_check_config_and_at_start() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = TempDir::new("not-utf8");
+    // A `run` that does not refuse serves until killed: it is given 10 s to exit.
+    let run = |name: &str, bytes: &[u8], args: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_orca-relay"))
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("ORCA_RELAY_DATA_DIR", &dir.0)
+            .env("ORCA_RELAY_SELF_HOSTED_KEY", TEST_KEY)
+            .env("ORCA_RELAY_WS_ADDR", "127.0.0.1:0")
+            .env("ORCA_RELAY_HTTP_ADDR", "127.0.0.1:0")
+            .env(name, OsStr::from_bytes(bytes))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run orca-relay");
+        let exited = wait_until(Duration::from_secs(10), || {
+            child.try_wait().ok().flatten().is_some()
+        });
+        if !exited {
+            let _ = child.kill();
+        }
+        child.wait_with_output().expect("the output")
+    };
+    for (name, bytes) in [
+        ("ORCA_RELAY_CONNECTION_CAP", &b"10000\xff"[..]),
+        ("DATABASE_URL", &b"postgres://relay:s\xe9cret@db/relay"[..]),
+    ] {
+        for args in [&["check-config"][..], &["run"][..]] {
+            let out = run(name, bytes, args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{name} {args:?}: {stderr}");
+            let line = format!("orca-relay: invalid {name}: the value is not valid UTF-8");
+            assert!(
+                stderr.lines().any(|l| l.starts_with(&line)),
+                "{name} {args:?}: {stderr}"
+            );
+            assert!(
+                !out.stderr
+                    .windows(2)
+                    .any(|w| w == b"\xff\n" || w[0] == 0xe9)
+                    && !stderr.contains("cret"),
+                "no raw bytes, no secret: {stderr}"
+            );
+            assert!(
+                !String::from_utf8_lossy(&out.stdout).contains("config ok"),
+                "{name} {args:?}"
+            );
+        }
+    }
+}

@@ -22,6 +22,11 @@ const DOCUMENTS: &[&str] = &[
 /// Detail belongs in docs/ (issue 20 cut it from 665 lines).
 const README_MAX_LINES: usize = 250;
 
+/// ARCHITECTURE.md is the map a newcomer reads in half an hour (issue 29 cut it from 1,045
+/// lines): figures and history belong in docs/BENCHMARKS.md, a module's rationale in its own
+/// `//!` comment, tests' machinery in docs/DEVELOPMENT.md.
+const ARCHITECTURE_MAX_LINES: usize = 600;
+
 /// Read by `env_logger`, not by `Config`, and documented with the rest.
 const LOG_VARIABLE: &str = "RUST_LOG";
 
@@ -125,6 +130,70 @@ fn readme_stays_short_enough_to_scan() {
     assert!(
         lines <= README_MAX_LINES,
         "README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    );
+}
+
+#[test]
+fn architecture_stays_a_map_read_in_half_an_hour() {
+    let lines = read("ARCHITECTURE.md").lines().count();
+    assert!(
+        lines <= ARCHITECTURE_MAX_LINES,
+        "ARCHITECTURE.md has {lines} lines (at most {ARCHITECTURE_MAX_LINES}): move figures to \
+         docs/BENCHMARKS.md and a module's rationale into its own `//!` comment"
+    );
+}
+
+/// Every folder under `src/`, as a path from the repository's root with a trailing slash:
+/// `src/relay/`, `src/relay/splice/`.
+fn source_folders(folder: &Path, shown: &str, found: &mut Vec<String>) {
+    let entries = std::fs::read_dir(folder).unwrap_or_else(|e| panic!("{shown}: {e}"));
+    for entry in entries {
+        let entry = entry.unwrap_or_else(|e| panic!("{shown}: {e}"));
+        if entry.file_type().map(|kind| kind.is_dir()).unwrap_or(false) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = format!("{shown}{name}/");
+            source_folders(&entry.path(), &path, found);
+            found.push(path);
+        }
+    }
+}
+
+/// The map names every room: each folder of `src/` in backticks as its path from the
+/// repository's root (`src/relay/splice/`), each file at the top of `src/` as `name.rs` or
+/// `src/name.rs`. A folder or file added without its line in the map fails here.
+#[test]
+fn architecture_names_every_folder_and_top_level_file_of_src() {
+    let text = read("ARCHITECTURE.md");
+    let spans: BTreeSet<&str> = text.split('`').skip(1).step_by(2).collect();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut folders = Vec::new();
+    source_folders(&src, "src/", &mut folders);
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&src).expect("src/") {
+        let entry = entry.expect("src/");
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".rs") && entry.file_type().map(|k| k.is_file()).unwrap_or(false) {
+            files.push(name);
+        }
+    }
+    assert!(
+        folders.len() >= 10 && files.len() >= 15,
+        "only {} folders and {} files found under src/: the scan is broken",
+        folders.len(),
+        files.len()
+    );
+    let mut unnamed: Vec<String> = folders
+        .into_iter()
+        .filter(|folder| !spans.contains(folder.as_str()))
+        .collect();
+    unnamed.extend(files.into_iter().filter(|file| {
+        !spans.contains(file.as_str()) && !spans.contains(format!("src/{file}").as_str())
+    }));
+    unnamed.sort();
+    assert!(
+        unnamed.is_empty(),
+        "ARCHITECTURE.md does not name {unnamed:?}: give each folder of src/ a line as \
+         `src/<folder>/` and each top-level file as `<file>.rs`, with what it owns"
     );
 }
 

@@ -232,9 +232,12 @@ fn pending_phone_and_data_legs_never_keep_a_desktop_out() {
     const FIRST_FRAME_MS: u64 = 3000;
     // This process holds the two thousand attacking sockets.
     let _ = orca_relay::lifecycle::raise_fd_limit();
+    // The attackers stand for two thousand hosts: this process is one source address, so the
+    // per-source bound is lifted to the table's.
     let relay = Relay::combined(&[
         ("ORCA_RELAY_CONNECTION_CAP", "20"),
         ("ORCA_RELAY_PENDING_UPGRADES_MAX", "4096"),
+        ("ORCA_RELAY_PENDING_PER_SOURCE_MAX", "4096"),
         ("ORCA_RELAY_FIRST_FRAME_MS", "3000"),
     ]);
     let warm = Desktop::connect(&relay);

@@ -628,7 +628,7 @@ fn a_failed_handover_leaves_every_connection_with_the_running_process() {
             "a new binary that exits at start",
             vec![],
             vec!["--test-fault", "exit-at-start"],
-            "exited with status 3 before confirming",
+            "exited before confirming",
         ),
         (
             "a new process killed after half the connections",
@@ -1302,11 +1302,24 @@ fn a_state_written_by_the_previous_format_is_taken_over() {
     let socket = data_dir.0.join("giver.sock");
     let mut giver = Giver::listen(&socket, log.try_clone().unwrap().into());
     let token = "fixture-token";
+    // The token on a line of its own, as the handover command passes it (never on argv).
+    let (mut line, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let theirs_fd = std::os::fd::AsRawFd::as_raw_fd(&theirs);
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_orca-relay"));
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: fcntl only, in the child before exec: its end of the line is kept.
+        unsafe {
+            command.pre_exec(move || {
+                libc::fcntl(theirs_fd, libc::F_SETFD, 0);
+                Ok(())
+            });
+        }
+    }
     command
         .args(["run", "--take-over"])
         .arg(&socket)
-        .args(["--token", token])
+        .args(["--handover-fd", &theirs_fd.to_string()])
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("RUST_LOG", "info")
@@ -1322,6 +1335,9 @@ fn a_state_written_by_the_previous_format_is_taken_over() {
         command.env(setting[0].as_str().unwrap(), setting[1].as_str().unwrap());
     }
     let next = command.spawn().expect("start the next process");
+    drop(theirs);
+    std::io::Write::write_all(&mut line, token.as_bytes()).unwrap();
+    line.shutdown(std::net::Shutdown::Write).unwrap();
     // Killed and reaped when the test ends (`Serving`), as a process that took over.
     let _serving = Serving { pid: next.id() };
     drop(next);

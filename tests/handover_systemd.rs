@@ -1,13 +1,23 @@
-//! Live handover under a real systemd (issue 23): the shipped `orca-relay-cell.service`,
-//! unchanged, its `/usr/bin/orca-relay` the binary under test (a link inside the namespace, so
-//! that an "upgrade" is pointing it at the next build), runs the combined role on SQLite in a
-//! private namespace whose PID 1 is systemd 252 (`tests/systemd_harness`).
+//! Live handover under a real systemd (issues 23 and 31): the shipped `orca-relay-cell.service`,
+//! unchanged, runs the combined role on SQLite in a private namespace whose PID 1 is systemd
+//! 252 (`tests/systemd_harness`).
 //!
-//! `systemctl start` reaches active through `READY=1`; under the issue's load, `systemctl
-//! reload` runs `orca-relay handover` (`ExecReload=`): nothing closed or lost, no stream paused
-//! a second, `/ready` and `/health` always 200, `MainPID` becomes the next process and its
-//! watchdog pings are the ones systemd hears; `kill -9` of the main process is restarted by
-//! `Restart=`; `systemctl stop` drains with 4503.
+//! The load tests install the binary under test as the package does: a copy at
+//! `/usr/bin/orca-relay` inside the namespace (replaced by rename, as dpkg does, for an
+//! "upgrade" to the next build). Never a link into the build tree: the unit's `PrivateTmp=yes`
+//! hides `/tmp`, so a link into a clone under `/tmp` pointed at nothing and the unit could not
+//! start. `systemctl start` reaches active through `READY=1`; under the issue's load,
+//! `systemctl reload` runs `orca-relay handover` (`ExecReload=`): nothing closed or lost, no
+//! stream paused a second, `/ready` and `/health` always 200, `MainPID` becomes the next process
+//! and its watchdog pings are the ones systemd hears; `kill -9` of the main process is restarted
+//! by `Restart=`; `systemctl stop` drains with 4503.
+//!
+//! The stop tests install the package as built (`systemd_harness::deb`, dpkg and its
+//! maintainer scripts): after a reload, after three, after an upgrade by `dpkg -i` of a second
+//! build (whose postinst reloads), `systemctl stop` and `restart` drain every desktop (`drain`,
+//! then 4503) and the unit ends inactive, not failed. Before issue 31 the next process was the
+//! `handover` command's child, systemd logged "Supervising process N which is not our child"
+//! and on stop sent SIGKILL within a millisecond of SIGTERM: no drain, `Result: signal`.
 
 mod handover_kit;
 mod harness;
@@ -20,7 +30,7 @@ use handover_kit::client::{self, Blocking, OP_CLOSE};
 use handover_kit::load::{Identity, Spec};
 use handover_kit::remote::RemoteLoad;
 use handover_kit::{build_with_note, in_netns, Poller};
-use harness::{host_id, token, TEST_KEY};
+use harness::{host_id, token, TempDir, TEST_KEY};
 use serde_json::json;
 use systemd_harness::Namespace;
 
@@ -32,11 +42,18 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const WS: &str = "127.0.0.1:8080";
 const HTTP: &str = "127.0.0.1:8081";
 
-/// The binary under test as `/usr/bin/orca-relay` (a link in the namespace's `/usr` overlay).
+/// The binary under test installed as `/usr/bin/orca-relay` inside the namespace, as the
+/// package installs it: a copy (written beside it, then renamed over it, as dpkg does), never a
+/// link into the build tree, which the unit's `PrivateTmp=` hides when the tree is under `/tmp`.
 fn point_binary_at(ns: &Namespace, binary: &Path) {
-    let link = ns.path("/usr/bin/orca-relay");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(binary, &link).expect("link /usr/bin/orca-relay");
+    let installed = ns.path("/usr/bin/orca-relay");
+    let unpacked = ns.path("/usr/bin/orca-relay.dpkg-new");
+    std::fs::copy(binary, &unpacked).expect("copy the binary into the namespace");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&unpacked, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::rename(&unpacked, &installed).expect("install /usr/bin/orca-relay");
 }
 
 /// The user, the binary, the env file (the shipped one, with what an operator of a combined
@@ -49,6 +66,24 @@ fn install(ns: &Namespace) {
     );
     ns.run_ok(&["systemd-sysusers"]);
     point_binary_at(ns, Path::new(env!("CARGO_BIN_EXE_orca-relay")));
+    configure(ns);
+    ns.add_unit(
+        UNIT,
+        &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
+    );
+}
+
+/// The package as built (dpkg, its maintainer scripts included), the cell unit linked where an
+/// operator's units live, and the operator's env file.
+fn install_package(ns: &Namespace, deb: &Path) {
+    ns.install_deb(deb);
+    ns.link_unit(&format!("/lib/systemd/system/{UNIT}"));
+    configure(ns);
+}
+
+/// The env file: the shipped one, with what an operator of a combined relay fills in.
+fn configure(ns: &Namespace) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
     let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
     let operator = format!(
@@ -60,10 +95,6 @@ fn install(ns: &Namespace) {
          ORCA_RELAY_DRAIN_GRACE_MS=2000\nORCA_RELAY_SPLICE_WORKERS=2\n"
     );
     ns.write("/etc/orca-relay/cell.env", &operator);
-    ns.add_unit(
-        UNIT,
-        &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
-    );
 }
 
 fn netns(ns: &Namespace) -> PathBuf {
@@ -364,6 +395,218 @@ fn the_socket_units_hold_the_listeners_through_restarts_and_reloads() {
         .send_json(json!({"type":"invite-create","reqId":"after"}))
         .unwrap();
     assert_eq!(control.json().unwrap()["type"], "invite-created");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stop and restart after reloads (issue 31): the package as built.
+
+/// `count` desktops with their controls open (placed, upgraded, hello acknowledged).
+fn desktops(ns: &Namespace, count: usize) -> Vec<Blocking> {
+    let placed = place(ns, count);
+    in_netns(Some(&netns(ns)), move || {
+        placed
+            .into_iter()
+            .map(|desktop| {
+                let (stream, rest) =
+                    client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                let mut control = Blocking::new(stream, rest);
+                control
+                    .send_json(json!({"type":"host-hello","v":1,
+                        "relayHostId":desktop.relay_host_id,"assignmentEpoch":desktop.epoch}))
+                    .unwrap();
+                assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
+                control
+            })
+            .collect()
+    })
+}
+
+/// What each desktop heard until its control closed: a `drain`, then which close code (`None`:
+/// the connection ended without a close frame).
+fn heard(controls: Vec<Blocking>) -> Vec<(bool, Option<u16>)> {
+    controls
+        .into_iter()
+        .map(|mut control| {
+            let mut saw_drain = false;
+            loop {
+                match control.frame() {
+                    Ok((_, OP_CLOSE, payload)) if payload.len() >= 2 => {
+                        break (
+                            saw_drain,
+                            Some(u16::from_be_bytes([payload[0], payload[1]])),
+                        )
+                    }
+                    Ok((_, OP_CLOSE, _)) => break (saw_drain, None),
+                    Ok((_, _, payload)) => {
+                        saw_drain |= String::from_utf8_lossy(&payload).contains("\"drain\"");
+                    }
+                    Err(_) => break (saw_drain, None),
+                }
+            }
+        })
+        .collect()
+}
+
+/// How many times systemd said it supervises a process that is not its child.
+fn aliens(ns: &Namespace) -> usize {
+    ns.journal_text(UNIT).matches("not our child").count()
+}
+
+/// Reloads `times` times, each moving the main process (the reload succeeds, MainPID changes).
+fn reload(ns: &Namespace, times: usize) {
+    for round in 1..=times {
+        let before = ns.main_pid(UNIT);
+        let reload = ns.systemctl(&["reload", UNIT]);
+        assert!(
+            reload.status.success(),
+            "reload {round}: {reload:?}\n{}",
+            ns.journal_text(UNIT)
+        );
+        assert_ne!(
+            ns.main_pid(UNIT),
+            before,
+            "reload {round} moved the main process"
+        );
+        ns.wait_for_state(UNIT, "active/running", Duration::from_secs(10));
+    }
+}
+
+/// The problems of one stop or restart: a desktop that did not hear `drain` then 4503, a unit
+/// that ended failed (or, after a restart, not running again), systemd supervising a process
+/// that is not its child.
+fn judge(
+    ns: &Namespace,
+    what: &str,
+    heard: &[(bool, Option<u16>)],
+    restarted: bool,
+    aliens_before: usize,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let drained = heard
+        .iter()
+        .filter(|(drain, close)| *drain && *close == Some(4503))
+        .count();
+    if drained != heard.len() {
+        problems.push(format!(
+            "{what}: {drained} of {} desktops heard drain then 4503: {heard:?}",
+            heard.len()
+        ));
+    }
+    if restarted {
+        ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
+    } else {
+        let state = format!(
+            "{}/{}",
+            ns.show(UNIT, "ActiveState"),
+            ns.show(UNIT, "SubState")
+        );
+        if state != "inactive/dead" {
+            problems.push(format!("{what}: the unit ended {state}"));
+        }
+    }
+    let result = ns.show(UNIT, "Result");
+    if result != "success" {
+        problems.push(format!("{what}: Result={result}"));
+    }
+    if aliens(ns) > aliens_before {
+        problems.push(format!(
+            "{what}: systemd supervised a process that is not its child"
+        ));
+    }
+    problems
+}
+
+/// After one reload, after three, `systemctl stop` drains every desktop and the unit ends
+/// inactive (not failed); after a reload, `systemctl restart` drains them too and the unit
+/// runs again. Before: SIGKILL within a millisecond of the SIGTERM, no `drain`, no 4503, the
+/// unit `failed (Result: signal)`.
+#[test]
+fn stop_and_restart_after_reloads_drain_every_desktop() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ns = Namespace::boot("handover-stop");
+    install_package(&ns, &systemd_harness::deb::deb());
+    let mut problems = Vec::new();
+    for (what, reloads, restart) in [
+        ("stop after a reload", 1, false),
+        ("stop after three reloads", 3, false),
+        ("restart after a reload", 1, true),
+    ] {
+        ns.systemctl_ok(&["start", UNIT]);
+        ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
+        let controls = desktops(&ns, 5);
+        let aliens_before = aliens(&ns);
+        reload(&ns, reloads);
+        let before = ns.main_pid(UNIT);
+        let stop = ns.systemctl(&[if restart { "restart" } else { "stop" }, UNIT]);
+        if !stop.status.success() {
+            problems.push(format!("{what}: {stop:?}"));
+        }
+        problems.extend(judge(&ns, what, &heard(controls), restart, aliens_before));
+        if restart {
+            assert_ne!(ns.main_pid(UNIT), before);
+            ns.systemctl_ok(&["stop", UNIT]);
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{}\n{}",
+        problems.join("\n"),
+        ns.journal_text(UNIT)
+    );
+}
+
+/// An upgrade by `dpkg -i` of a second build of the package (the postinst reloads: a live
+/// handover to the new binary), then `systemctl stop`: every desktop drains, the unit ends
+/// inactive. Before: as after any reload, SIGKILL and `failed (Result: signal)`, after every
+/// upgrade.
+#[test]
+fn stop_after_an_upgrade_by_dpkg_drains_every_desktop() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let deb = systemd_harness::deb::deb();
+    let ns = Namespace::boot("handover-upgrade");
+    install_package(&ns, &deb);
+    ns.systemctl_ok(&["start", UNIT]);
+    ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
+    let version = version_in(&ns).expect("the served version");
+    let controls = desktops(&ns, 5);
+    let before = ns.main_pid(UNIT);
+    let aliens_before = aliens(&ns);
+    let builds = TempDir::new("debs");
+    let upgrade = systemd_harness::deb::upgraded(&deb, "upgrade", &builds.0);
+    let dpkg = ns.install_deb(&upgrade);
+    assert_ne!(
+        ns.main_pid(UNIT),
+        before,
+        "the postinst's reload moved the main process:\n{dpkg}\n{}",
+        ns.journal_text(UNIT)
+    );
+    assert_eq!(
+        version_in(&ns),
+        Some(format!("{version}+upgrade")),
+        "the new build serves"
+    );
+    ns.wait_for_state(UNIT, "active/running", Duration::from_secs(10));
+    let stop = ns.systemctl(&["stop", UNIT]);
+    let mut problems = Vec::new();
+    if !stop.status.success() {
+        problems.push(format!("stop after the upgrade: {stop:?}"));
+    }
+    problems.extend(judge(
+        &ns,
+        "stop after the upgrade",
+        &heard(controls),
+        false,
+        aliens_before,
+    ));
+    assert!(
+        problems.is_empty(),
+        "{}\n{}",
+        problems.join("\n"),
+        ns.journal_text(UNIT)
+    );
 }
 
 /// The load's own process (`handover_kit::remote`): nothing unless started as one.

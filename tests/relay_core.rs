@@ -264,7 +264,12 @@ fn phone_refusals_invite_offline_and_ninth_phone() {
 #[test]
 fn pending_phone_legs_against_a_live_host_take_no_place_permit_or_unit() {
     const PENDING: usize = 64;
-    let relay = Relay::combined(&[("ORCA_RELAY_FIRST_FRAME_MS", "5000")]);
+    // Every leg and phone comes from this one address: the per-source bound (64 by default)
+    // would shed the oldest pending leg for each real phone's upgrade.
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_FIRST_FRAME_MS", "5000"),
+        ("ORCA_RELAY_PENDING_PER_SOURCE_MAX", "256"),
+    ]);
     let mut desktop = Desktop::connect(&relay);
     let threads = r#"orca_relay_relay_threads{state="running"}"#;
     let (threads_before, units_before) = (

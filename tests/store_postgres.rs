@@ -81,6 +81,8 @@ scenarios!(
     admit_modes_and_effective_rows,
     every_statement_is_counted,
     deregistration_removes_only_that_incarnation,
+    a_heartbeat_carries_what_the_cell_advertises,
+    the_write_probe_leaves_nothing_behind,
     silent_cells_are_forgotten_but_their_operators_admit_mode_stays,
     expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
@@ -472,4 +474,22 @@ fn the_probe_fails_on_a_read_only_server_and_failures_carry_the_sqlstate() {
     assert!(refused.is_unavailable(), "{refused}");
     assert_eq!(refused.code(), Some("25006"), "{refused}");
     assert_eq!(refused.reason_code(), "sql_read_only");
+}
+
+/// A handover's next process whose database has no schema yet (its migrations come after the
+/// commit) proves it by the readiness question alone, and creates nothing.
+#[test]
+fn the_write_probe_of_a_database_without_the_schema_creates_nothing() {
+    let url = pg::fresh_database("write_probe_empty");
+    let store = Store::open(&config(&url, "orca-relay:test:store")).expect("open");
+    store.write_probe("c1").expect("the probe");
+    let mut admin = pg::connect(&url);
+    let tables: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 0, "nothing created");
 }

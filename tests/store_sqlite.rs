@@ -52,6 +52,8 @@ scenarios!(
     admit_modes_and_effective_rows,
     every_statement_is_counted,
     deregistration_removes_only_that_incarnation,
+    a_heartbeat_carries_what_the_cell_advertises,
+    the_write_probe_leaves_nothing_behind,
     silent_cells_are_forgotten_but_their_operators_admit_mode_stays,
     expired_leases_are_swept_after_a_margin,
     a_live_holder_keeps_its_slot,
@@ -169,4 +171,14 @@ fn the_stale_edge_is_exact_on_the_database_clock() {
         (NOW + STALE_MS + 1, 0),
         "the claim stamped its row with the database's clock"
     );
+}
+
+/// A handover's next process whose SQLite file does not exist yet (its migrations come after
+/// the commit) proves the directory can take it, and creates nothing.
+#[test]
+fn the_write_probe_of_a_missing_file_creates_nothing() {
+    let path = fresh_path("write_probe_missing");
+    let store = Store::open(&config(path.clone())).expect("open");
+    store.write_probe("c1").expect("the probe");
+    assert!(!path.exists(), "no database file before the commit");
 }

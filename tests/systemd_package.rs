@@ -24,9 +24,9 @@
 mod harness;
 mod systemd_harness;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use harness::{
     es256_token, jwks_body, read_close, read_json, send_json, set_read_timeout, token, ws_client,
@@ -68,75 +68,6 @@ const RESTART_WAIT: Duration = Duration::from_secs(60);
 // ---------------------------------------------------------------------------------------------
 // The package
 
-/// The `.deb` under test (see the module header); panics in one line when there is none.
-fn deb() -> PathBuf {
-    if let Ok(path) = std::env::var("ORCA_RELAY_TEST_DEB") {
-        if !path.trim().is_empty() {
-            let path = PathBuf::from(path);
-            assert!(path.is_file(), "ORCA_RELAY_TEST_DEB={path:?} is not a file");
-            return path;
-        }
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let newest_deb = std::fs::read_dir(root.join("target/debian"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path())
-        .filter(|path| {
-            path.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("orca-relay_"))
-                && path.extension().is_some_and(|e| e == "deb")
-        })
-        .max_by_key(|path| modified(path));
-    let Some(deb) = newest_deb else {
-        panic!(
-            "systemd tests need the package: run packaging/build-deb.sh first (scripts/test \
-             builds it before the tests)"
-        );
-    };
-    let built = modified(&deb);
-    let sources = [
-        "src",
-        "sql",
-        "systemd",
-        "packaging",
-        "docs",
-        "Cargo.toml",
-        "Cargo.lock",
-    ];
-    if let Some(newer) = sources
-        .iter()
-        .flat_map(|source| files_under(&root.join(source)))
-        .find(|file| modified(file) > built)
-    {
-        panic!(
-            "systemd tests need a package built from this tree: {} is newer than {}; run \
-             packaging/build-deb.sh (scripts/test builds it before the tests)",
-            newer.display(),
-            deb.display()
-        );
-    }
-    deb
-}
-
-fn modified(path: &Path) -> SystemTime {
-    std::fs::metadata(path)
-        .and_then(|m| m.modified())
-        .unwrap_or(SystemTime::UNIX_EPOCH)
-}
-
-fn files_under(path: &Path) -> Vec<PathBuf> {
-    match std::fs::read_dir(path) {
-        Ok(entries) => entries
-            .flatten()
-            .flat_map(|entry| files_under(&entry.path()))
-            .collect(),
-        Err(_) if path.is_file() => vec![path.to_path_buf()],
-        Err(_) => Vec::new(),
-    }
-}
-
 /// What installing the package would leave on a machine: whether each is there, for the host
 /// (before and after) and inside the namespace.
 fn traces(root: &dyn Fn(&str) -> PathBuf) -> Vec<(String, bool)> {
@@ -166,7 +97,7 @@ fn host_traces() -> Vec<(String, bool)> {
 fn installed(label: &str) -> Namespace {
     // The machine first (root, util-linux, systemd), then the package: each fails in one line.
     let ns = Namespace::boot(label);
-    let dpkg = ns.install_deb(&deb());
+    let dpkg = ns.install_deb(&systemd_harness::deb::deb());
     // Everything the package puts on a machine is there, the postinst's user included.
     for (what, present) in traces(&|path| ns.path(path)) {
         if what != "/var/lib/orca-relay" {

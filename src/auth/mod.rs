@@ -338,68 +338,103 @@ pub fn read_self_hosted_key(path: &Path) -> Result<String, LocalFileError> {
 /// `InvalidData` error naming the path; it is never overwritten.
 pub fn load_or_create_self_hosted_key(data_dir: &Path) -> io::Result<(String, PathBuf, bool)> {
     let path = data_dir.join(SELF_HOSTED_KEY_FILE);
-    let with_path = |error: io::Error, action: &str| {
-        io::Error::new(
-            error.kind(),
-            format!("{action} self-hosted key {}: {error}", path.display()),
-        )
-    };
     fs::create_dir_all(data_dir).map_err(|e| {
         io::Error::new(
             e.kind(),
             format!("create data directory {}: {e}", data_dir.display()),
         )
     })?;
+    let secret = generate_self_hosted_key()?;
+    if save_self_hosted_key(&path, &secret)? {
+        return Ok((secret, path, true));
+    }
+    let existing = read_existing_self_hosted_key(&path)?;
+    Ok((existing, path, false))
+}
 
+/// The self-hosted key of a live handover's next process, which writes nothing before the
+/// commit: the file's when it exists (read as [`load_or_create_self_hosted_key`] reads it),
+/// otherwise a new one held in memory only. Returns the secret, the file's path, and whether
+/// the key is new (then [`save_self_hosted_key`] writes it once the handover has committed).
+pub fn load_or_generate_self_hosted_key(data_dir: &Path) -> io::Result<(String, PathBuf, bool)> {
+    let path = data_dir.join(SELF_HOSTED_KEY_FILE);
+    match fs::symlink_metadata(&path) {
+        Ok(_) => read_existing_self_hosted_key(&path).map(|existing| (existing, path, false)),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            Ok((generate_self_hosted_key()?, path, true))
+        }
+        Err(error) => Err(io::Error::new(
+            error.kind(),
+            format!("read self-hosted key {}: {error}", path.display()),
+        )),
+    }
+}
+
+/// 48 random bytes, base64url.
+fn generate_self_hosted_key() -> io::Result<String> {
     let mut random = [0u8; SELF_HOSTED_KEY_BYTES];
     getrandom::fill(&mut random)
         .map_err(|e| io::Error::other(format!("read OS randomness for self-hosted key: {e}")))?;
-    let secret = URL_SAFE_NO_PAD.encode(random);
+    Ok(URL_SAFE_NO_PAD.encode(random))
+}
 
+/// Writes `secret` as a new key file at `path` (mode 0600); `false` when a file is there
+/// already (it is never overwritten).
+pub fn save_self_hosted_key(path: &Path, secret: &str) -> io::Result<bool> {
     // create_new + mode 0600: the file is never visible with wider permissions, and two
     // processes starting at once cannot both write a key (the loser reads the winner's).
     let created = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .open(&path);
+        .open(path);
+    let with_path = |error: io::Error, action: &str| {
+        io::Error::new(
+            error.kind(),
+            format!("{action} self-hosted key {}: {error}", path.display()),
+        )
+    };
     match created {
         Ok(mut file) => {
             file.write_all(format!("{secret}\n").as_bytes())
                 .and_then(|()| file.sync_all())
                 .map_err(|e| with_path(e, "write"))?;
-            Ok((secret, path, true))
+            Ok(true)
         }
-        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
-            let existing = read_self_hosted_key(&path).map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("read self-hosted key {}: {e}", path.display()),
-                )
-            })?;
-            let chars = existing.chars().count();
-            if !(SELF_HOSTED_KEY_MIN_CHARS..=SELF_HOSTED_KEY_MAX_CHARS).contains(&chars) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "self-hosted key {} holds {chars} characters, expected {SELF_HOSTED_KEY_MIN_CHARS}-{SELF_HOSTED_KEY_MAX_CHARS}",
-                        path.display()
-                    ),
-                ));
-            }
-            if let Ok(metadata) = fs::metadata(&path) {
-                let mode = metadata.permissions().mode() & 0o777;
-                if mode & 0o077 != 0 {
-                    log::warn!(
-                        "orca_relay_self_hosted_key_permissive path={} mode={mode:o}",
-                        path.display()
-                    );
-                }
-            }
-            Ok((existing, path, false))
-        }
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         Err(error) => Err(with_path(error, "create")),
     }
+}
+
+/// An existing key file's secret: 32–256 characters, else an `InvalidData` error naming the
+/// path; a file others may read is logged.
+fn read_existing_self_hosted_key(path: &Path) -> io::Result<String> {
+    let existing = read_self_hosted_key(path).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("read self-hosted key {}: {e}", path.display()),
+        )
+    })?;
+    let chars = existing.chars().count();
+    if !(SELF_HOSTED_KEY_MIN_CHARS..=SELF_HOSTED_KEY_MAX_CHARS).contains(&chars) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "self-hosted key {} holds {chars} characters, expected {SELF_HOSTED_KEY_MIN_CHARS}-{SELF_HOSTED_KEY_MAX_CHARS}",
+                path.display()
+            ),
+        ));
+    }
+    if let Ok(metadata) = fs::metadata(path) {
+        let mode = metadata.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            log::warn!(
+                "orca_relay_self_hosted_key_permissive path={} mode={mode:o}",
+                path.display()
+            );
+        }
+    }
+    Ok(existing)
 }
 
 #[derive(serde::Serialize)]
@@ -654,6 +689,25 @@ mod tests {
         assert_eq!(again, secret);
         assert_eq!(path_again, path);
         let _ = fs::remove_dir_all(dir.parent().expect("parent"));
+    }
+
+    /// A live handover's next process writes nothing before the commit: with no key file it
+    /// holds a new key in memory, written only by `save_self_hosted_key` (never over a file).
+    #[test]
+    fn a_next_process_generates_a_missing_key_without_writing_it() {
+        let dir = temp_dir("generate");
+        fs::create_dir_all(&dir).expect("dir");
+        let (secret, path, generated) = load_or_generate_self_hosted_key(&dir).expect("generates");
+        assert!(generated);
+        assert!(!path.exists(), "nothing written before the commit");
+        assert!(save_self_hosted_key(&path, &secret).expect("saves"));
+        let mode = fs::metadata(&path).expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(!save_self_hosted_key(&path, "another").expect("kept"));
+        let (read, _, generated) = load_or_generate_self_hosted_key(&dir).expect("reads");
+        assert!(!generated);
+        assert_eq!(read, secret);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -153,13 +153,21 @@ fn deliver(
 /// forgotten) is registered again from the beat and recorded.
 fn record_in_store(store: &Store, beat: &Heartbeat) -> Result<(), String> {
     let record = || {
-        store.heartbeat(
-            &beat.cell_id,
-            beat.incarnation,
-            beat.started_at,
-            beat.ready,
-            beat.connections,
-        )
+        let advertised = crate::store::Advertised {
+            cell_url: &beat.cell_url,
+            region: &beat.region,
+            internal_url: beat.internal_url.as_deref(),
+        };
+        store
+            .heartbeat_advertised(
+                &beat.cell_id,
+                beat.incarnation,
+                beat.started_at,
+                beat.ready,
+                beat.connections,
+                advertised,
+            )
+            .map(|(outcome, _)| outcome)
     };
     let outcome = record().and_then(|outcome| match outcome {
         HeartbeatOutcome::Unregistered => {

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::carry::cell::ModeRecord;
 use crate::cell::switch::Switch;
 
-/// The dead-man's state as the cell reports it (`dead_man::DeadManState` mirrors it).
+/// The dead-man's state as the cell reports it (`dead_man::window::DeadManState` mirrors it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadManView {
     Off = 0,

@@ -104,7 +104,7 @@ pub struct StatusReport {
     pub ready: bool,
 }
 
-/// Builds the cell's report now; provided by the role wiring (`roles::cell`).
+/// Builds the cell's report now; provided by the role wiring (`roles::cell_runtime`).
 pub type ReportFn = Arc<dyn Fn() -> StatusReport + Send + Sync>;
 
 /// The window left at `now_ms` (see [`StatusReport::window_left_ms`]). `silence_started_ms` is

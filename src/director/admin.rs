@@ -28,6 +28,10 @@
 //!   re-register after startup, so a 404 would keep a live cell unplaceable until it restarts.
 //!   The heartbeat carries `internalUrl`, so a cell registered this way (or again, after it
 //!   was forgotten) is booked and polled like any other.
+//! - A heartbeat of the registered incarnation also makes the registration say what the cell
+//!   advertises now (`cellUrl`, `region`, `internalUrl`; written only when they differ,
+//!   `orca_relay_director_cell_advertised`): a live handover applies a changed URL without
+//!   registering again (SPEC §13), and placement must hand out what the cell serves.
 
 use std::collections::HashMap;
 
@@ -417,14 +421,34 @@ impl AdminContext {
         if body.connections < 0 {
             return bad_request("connections must not be negative");
         }
+        // The beat also carries what the cell advertises (its URL, region, internal URL): a
+        // live handover applies a changed one without registering again, and the registration
+        // follows it here, so placement hands out what the cell serves.
+        let advertised = crate::store::Advertised {
+            cell_url: &body.cell_url,
+            region: &body.region,
+            internal_url: body.internal_url.as_deref(),
+        };
         let record = || {
-            self.store.heartbeat(
+            let (outcome, changed) = self.store.heartbeat_advertised(
                 &body.cell_id,
                 body.incarnation,
                 body.started_at,
                 body.ready,
                 body.connections,
-            )
+                advertised,
+            )?;
+            if changed {
+                log::info!(
+                    "orca_relay_director_cell_advertised cell_id={} incarnation={} cell_url={} internal_url={} region={}",
+                    body.cell_id,
+                    body.incarnation,
+                    body.cell_url,
+                    body.internal_url.as_deref().unwrap_or("-"),
+                    body.region
+                );
+            }
+            Ok(outcome)
         };
         let outcome = record().and_then(|outcome| match outcome {
             HeartbeatOutcome::Unregistered => {

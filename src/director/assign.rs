@@ -262,7 +262,7 @@ impl Fleet {
     /// Whether a new desktop could be placed on `cell_id` now: rule 2 of [`placement`] counts
     /// it a candidate, judged from `cells` (the store's rows) and this director's feed board as
     /// a placement would judge them. The combined role's `/ready` waits for this at start
-    /// (`roles::ServeGate`), so its first 200 is never followed by a 503
+    /// (`roles::process::ServeGate`), so its first 200 is never followed by a 503
     /// `relay_capacity_exhausted` for want of a heartbeat or a feed answer not yet recorded.
     pub fn places_on(
         &self,

@@ -37,6 +37,11 @@ pub const BEAT: Duration = Duration::from_millis(250);
 /// The file name of the running process's handover socket in `ORCA_RELAY_DATA_DIR`.
 pub const SOCKET_NAME: &str = "handover.sock";
 
+/// What the next process writes on the `handover` command's line once it has been committed
+/// (the line is an inherited unix socket; its end without this word means the next process
+/// ended without taking over).
+pub const COMMITTED_WORD: &[u8] = b"committed\n";
+
 /// Where a process whose data directory is `data_dir` listens for handovers.
 pub fn socket_path(data_dir: &Path) -> PathBuf {
     data_dir.join(SOCKET_NAME)
@@ -116,6 +121,51 @@ pub struct Accepted {
     pub token: String,
     pub pid: u32,
     pub version: String,
+    /// What the running process is and listens on (absent from a build before issue 31): the
+    /// command passes it to the next process (`--running`), which refuses, before it says
+    /// `ready`, a configuration for another cell or a configured address the listeners are not
+    /// bound to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<Running>,
+}
+
+/// The running process as the next one must match it: its role, its cell and its listeners.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Running {
+    pub role: String,
+    pub cell_id: String,
+    pub listening: Listening,
+    /// Its pid: until it exits its tasks share the machine's and the cgroup's counts with the
+    /// next process, which plans its capacity without them (a fresh start's plan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+}
+
+impl Running {
+    /// The form `--running` takes on the next process's command line.
+    pub fn to_arg(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_arg(arg: &str) -> Result<Running, String> {
+        serde_json::from_str(arg).map_err(|e| format!("a malformed --running: {e}"))
+    }
+}
+
+/// The listeners a handover carries, as the running process holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Listening {
+    pub ws: std::net::SocketAddr,
+    pub http: std::net::SocketAddr,
+    /// Held by systemd (the socket units' `ListenStream=`, passed at a start and carried by
+    /// every handover since): the unit decides that address, not `ORCA_RELAY_WS_ADDR`, as at
+    /// any start.
+    #[serde(default)]
+    pub ws_from_systemd: bool,
+    #[serde(default)]
+    pub http_from_systemd: bool,
 }
 
 /// A cause: why a step was refused or failed.
@@ -141,6 +191,16 @@ pub struct Outcome {
     pub paused_ms: u64,
     /// From the begin to the commit (or the rollback).
     pub took_ms: u64,
+}
+
+/// running → next: the commit point's word.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Committed {
+    /// A stop (SIGTERM) reached the running process after its commit decision: the next
+    /// process begins its drain as soon as it serves. (Absent from an older build: false.)
+    #[serde(default)]
+    pub stop: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -44,6 +44,9 @@ pub enum WireError {
     Closed,
     /// A message that breaks the framing (empty, truncated, too many descriptors).
     Malformed(&'static str),
+    /// The socket, or the directory it is in, belongs to another user (see
+    /// [`Channel::connect_trusted`]): nothing was sent.
+    Untrusted(String),
     Io(io::Error),
 }
 
@@ -53,6 +56,7 @@ impl std::fmt::Display for WireError {
             WireError::TimedOut => f.write_str("timed out"),
             WireError::Closed => f.write_str("closed by the other process"),
             WireError::Malformed(what) => write!(f, "malformed message: {what}"),
+            WireError::Untrusted(why) => f.write_str(why),
             WireError::Io(e) => write!(f, "{e}"),
         }
     }
@@ -198,26 +202,32 @@ impl Listener {
     /// Waits for a connection until `deadline`, or until `stop` (an eventfd or pipe) becomes
     /// readable: `Ok(None)`.
     pub fn accept(&self, stop: RawFd, deadline: Instant) -> Result<Option<Channel>, WireError> {
+        self.accept_until(&[stop], deadline)
+    }
+
+    /// [`Listener::accept`] with several descriptors that stop the wait (`Ok(None)` when any
+    /// of them becomes readable and no connection is waiting).
+    pub fn accept_until(
+        &self,
+        stops: &[RawFd],
+        deadline: Instant,
+    ) -> Result<Option<Channel>, WireError> {
         loop {
             let left = deadline.saturating_duration_since(clock::instant());
             if left.is_zero() {
                 return Err(WireError::TimedOut);
             }
-            let mut fds = [
-                libc::pollfd {
-                    fd: self.fd.as_raw_fd(),
+            let mut fds: Vec<libc::pollfd> = std::iter::once(self.fd.as_raw_fd())
+                .chain(stops.iter().copied())
+                .map(|fd| libc::pollfd {
+                    fd,
                     events: libc::POLLIN,
                     revents: 0,
-                },
-                libc::pollfd {
-                    fd: stop,
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
+                })
+                .collect();
             let timeout = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-            // SAFETY: two valid pollfds for the duration of the call.
-            let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+            // SAFETY: valid pollfds for the duration of the call.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if ready < 0 {
                 let error = io::Error::last_os_error();
                 if error.kind() == io::ErrorKind::Interrupted {
@@ -225,10 +235,13 @@ impl Listener {
                 }
                 return Err(WireError::Io(error));
             }
-            if fds[1].revents != 0 {
-                return Ok(None);
-            }
+            // A connection that is already waiting is taken before a stop: a next process that
+            // failed connects to say why before it exits, and its command then says only that it
+            // exited; the cause it gave must win.
             if fds[0].revents == 0 {
+                if fds[1..].iter().any(|fd| fd.revents != 0) {
+                    return Ok(None);
+                }
                 continue;
             }
             // SAFETY: accept4(2) on our listening socket; no address wanted.
@@ -286,7 +299,43 @@ impl Listener {
     }
 }
 
-/// The connecting process's credentials, as the kernel recorded them at `connect(2)`.
+/// Whether `directory` is controlled by this user alone: owned by this user or by root, not
+/// writable by others, and writable by its group only when that group is this process's own
+/// (a user-private group). `Err` says why not (and how to fix it).
+pub fn check_directory(directory: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(directory).map_err(|e| {
+        format!(
+            "cannot read the data directory {}: {e}",
+            directory.display()
+        )
+    })?;
+    // SAFETY: geteuid(2) cannot fail.
+    let ours = unsafe { libc::geteuid() };
+    if metadata.uid() != ours && metadata.uid() != 0 {
+        return Err(format!(
+            "the data directory {} belongs to uid {}, not to this user (uid {ours}) or root: refused",
+            directory.display(),
+            metadata.uid()
+        ));
+    }
+    // SAFETY: getegid(2) cannot fail.
+    let our_group = unsafe { libc::getegid() };
+    let others_write = metadata.mode() & 0o002 != 0;
+    let group_writes = metadata.mode() & 0o020 != 0 && metadata.gid() != our_group;
+    if others_write || group_writes {
+        return Err(format!(
+            "the data directory {} is writable by other users (mode {:o}, gid {}): refused (chmod go-w)",
+            directory.display(),
+            metadata.mode() & 0o7777,
+            metadata.gid()
+        ));
+    }
+    Ok(())
+}
+
+/// The other process's credentials, as the kernel recorded them: a connecting peer's at its
+/// `connect(2)`, a listener's at its `listen(2)`.
 fn peer_credentials(fd: RawFd) -> io::Result<libc::ucred> {
     let mut credentials = libc::ucred {
         pid: 0,
@@ -362,6 +411,37 @@ impl Channel {
                 }
                 _ => return Err(WireError::Io(error)),
             }
+        }
+    }
+
+    /// Connects to the listener at `path` as [`Channel::connect`] does, but only to one this
+    /// user controls: the directory that holds the socket must be this user's (or root's) and
+    /// writable by nobody else, and the process listening must run as this user
+    /// (`SO_PEERCRED` of the listener, recorded by the kernel at its `listen(2)`). A handover
+    /// request carries the next process's token and leads to every connection being handed
+    /// to whoever answers, so another user's socket (in a shared data directory, or left where
+    /// the relay's would be) is refused before a byte is sent.
+    pub fn connect_trusted(path: &Path, deadline: Instant) -> Result<Channel, WireError> {
+        let directory = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        check_directory(directory).map_err(WireError::Untrusted)?;
+        let channel = Channel::connect(path, deadline)?;
+        // SAFETY: geteuid(2) cannot fail.
+        let ours = unsafe { libc::geteuid() };
+        match peer_credentials(channel.as_raw_fd()) {
+            Ok(peer) if peer.uid == ours => Ok(channel),
+            Ok(peer) => Err(WireError::Untrusted(format!(
+                "the process listening on {} (pid {}) runs as uid {}, not as this user (uid {ours}): refused",
+                path.display(),
+                peer.pid,
+                peer.uid
+            ))),
+            Err(e) => Err(WireError::Untrusted(format!(
+                "cannot tell who listens on {}: {e}",
+                path.display()
+            ))),
         }
     }
 

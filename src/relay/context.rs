@@ -57,10 +57,12 @@ pub struct RelayContext {
     pub bookings: Arc<Bookings>,
     pub seats: Arc<SeatLog>,
     pub mode: Arc<CellMode>,
-    /// Sockets between accept and their credential (or refusal), now, and at most
-    /// (`ORCA_RELAY_PENDING_UPGRADES_MAX`): the acceptor's table (`pending.rs`).
+    /// Sockets between accept and their credential (or refusal), now, at most
+    /// (`ORCA_RELAY_PENDING_UPGRADES_MAX`), and at most from one source address
+    /// (`ORCA_RELAY_PENDING_PER_SOURCE_MAX`): the acceptor's table (`pending.rs`).
     pub pending_now: Arc<AtomicUsize>,
     pub pending_upgrades_max: usize,
+    pub pending_per_source_max: usize,
     /// The event-loop workers attached pairs are handed to.
     pub splice: Arc<splice::SplicePlane>,
     /// Relay threads at most at once: the process's threaded capacity.
@@ -80,6 +82,7 @@ impl RelayContext {
         timings: Timings,
         connection_cap: u32,
         pending_upgrades_max: u32,
+        pending_per_source_max: u32,
         verifier: Verifier,
         store: Store,
         clock: SharedClock,
@@ -91,7 +94,12 @@ impl RelayContext {
         quiesce: Arc<Quiesce>,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
-        for reason in ["pending_upgrades_full", "thread_spawn", "descriptors"] {
+        for reason in [
+            "pending_upgrades_full",
+            "pending_source_full",
+            "thread_spawn",
+            "descriptors",
+        ] {
             registry.counter(
                 "orca_relay_ws_connections_dropped_total",
                 "WebSocket connections closed at accept without an answer, by reason.",
@@ -146,11 +154,6 @@ impl RelayContext {
                 },
             );
         }
-        registry.counter(
-            "orca_relay_ws_pending_upgrades_shed_total",
-            "Pending connections (no credential checked yet) closed to admit a newer one.",
-            &[],
-        );
         let pending_now = Arc::new(AtomicUsize::new(0));
         {
             let pending = pending_now.clone();
@@ -186,6 +189,7 @@ impl RelayContext {
             metrics: RelayMetrics::new(registry),
             pending_now,
             pending_upgrades_max: pending_upgrades_max as usize,
+            pending_per_source_max: pending_per_source_max as usize,
             splice,
             thread_permits,
             admission_failures: Arc::default(),

@@ -28,6 +28,9 @@ use crate::protocol::{
 };
 use crate::store::LeaseOutcome;
 
+/// The reason of a control's 4408 for silence (docs/PROTOCOL.md §3).
+const SILENT_REASON: &str = "silent: nothing heard (answer pings)";
+
 /// Where a control's first frame stands: not read yet (`text: None`, by `deadline`), or read
 /// and not yet acted on (a handover carried it).
 pub struct First {
@@ -49,7 +52,17 @@ pub fn serve(
         None => match read_first_text(&mut reader, first.deadline) {
             FirstText::Text(text) => text,
             FirstText::Refused(code) => {
-                context.close(&socket, code, "first frame");
+                match code {
+                    CloseCode::TooBig => {
+                        context.close(&socket, code, "message_too_large");
+                        reader.drain_after_close();
+                    }
+                    CloseCode::ProtocolError => context.close(&socket, code, "protocol error"),
+                    _ => {
+                        context.close(&socket, code, "first frame");
+                        reader.await_close_answer();
+                    }
+                }
                 return Served::Ended;
             }
             FirstText::Quiesce => {
@@ -71,6 +84,7 @@ pub fn serve(
         }) if relay_host_id == claims.relay_host_id && assignment_epoch >= 0 => assignment_epoch,
         _ => {
             context.close(&socket, CloseCode::BadOuterCredential, "bad hello");
+            reader.await_close_answer();
             return Served::Ended;
         }
     };
@@ -125,6 +139,7 @@ pub fn serve(
                     context.metrics.admission("database", "wrong_cell");
                     context.cell.demote(&claims.relay_host_id);
                     context.close(&socket, CloseCode::WrongCell, "wrong cell");
+                    reader.await_close_answer();
                     return Served::Ended;
                 }
                 Err(e) => {
@@ -139,6 +154,7 @@ pub fn serve(
                         );
                     }
                     context.close(&socket, CloseCode::LimitExceeded, "try again");
+                    reader.await_close_answer();
                     return Served::Ended;
                 }
             }
@@ -241,11 +257,14 @@ fn run(
             }
             ReadEvent::Message(_) => {}
             ReadEvent::TimedOut => {
-                context.close(socket, CloseCode::PeerDropped, "silent");
+                // 4408 like a replaced control's, with a reason of its own: a desktop that
+                // forgot to answer pings can tell.
+                context.close(socket, CloseCode::PeerDropped, SILENT_REASON);
+                reader.await_close_answer();
                 break;
             }
             ReadEvent::TooBig => {
-                context.close(socket, CloseCode::TooBig, "frame too large");
+                context.close(socket, CloseCode::TooBig, "message_too_large");
                 reader.drain_after_close();
                 break;
             }
@@ -278,6 +297,8 @@ fn run(
             }
         }
         if socket.is_closing() {
+            // Another thread closed it (a newer control, the drain, a moved lease).
+            reader.await_close_answer();
             break;
         }
     }

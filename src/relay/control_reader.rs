@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use tungstenite::protocol::frame::coding::Data;
 use tungstenite::Message;
 
-use super::frames::{FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
+use super::frames::{CloseAnswer, FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
 use super::park::{wait_readable, Quiesce, Waited};
-use super::socket::{drain_for_linger, Socket};
+use super::socket::{drain_for_linger, Socket, CLOSE_LINGER};
 use crate::carry::connection::ReaderRecord;
 use crate::clock;
 use crate::protocol::CONTROL_MAX_FRAME_BYTES;
@@ -38,8 +38,8 @@ pub enum ControlEvent {
     /// A ping to answer with this payload.
     Ping(Vec<u8>),
     Pong,
-    /// The peer's close frame.
-    Close,
+    /// The peer's close frame, with its code if it carried one.
+    Close(Option<u16>),
     /// A frame or message over the limit: 1009.
     TooBig,
     /// A rule of RFC 6455 broken, or text that is not UTF-8: 1002.
@@ -112,7 +112,7 @@ impl ControlFrames {
                             return Ok(ControlEvent::Ping(self.buf[from..to].to_vec()))
                         }
                         FrameKind::Pong => return Ok(ControlEvent::Pong),
-                        FrameKind::Close { .. } => return Ok(ControlEvent::Close),
+                        FrameKind::Close { code } => return Ok(ControlEvent::Close(code)),
                         FrameKind::Data(data) => {
                             self.message.extend_from_slice(&self.buf[from..to]);
                             if !frame.fin {
@@ -259,8 +259,12 @@ impl Reader {
                     continue;
                 }
                 Ok(ControlEvent::Pong) => continue,
-                Ok(ControlEvent::Close) => {
-                    self.socket.acknowledge_close();
+                Ok(ControlEvent::Close(code)) => {
+                    // Our answer echoes its code; or it was the answer to our own close. Either
+                    // way the closing handshake is complete: the connection ends now (the
+                    // server closes TCP first, RFC 6455 §7.1.1).
+                    self.socket.acknowledge_close(code);
+                    self.socket.shutdown();
                     return ReadEvent::Gone;
                 }
                 Ok(ControlEvent::TooBig) => return ReadEvent::TooBig,
@@ -296,9 +300,23 @@ impl Reader {
 
     /// After closing on an oversized frame, discards what the peer is still sending (for at
     /// most the close linger) so that it can finish its write and read our close frame instead
-    /// of seeing its connection reset.
+    /// of seeing its connection reset; the connection ends as soon as its answer to the close
+    /// has arrived (the unread bytes start with the oversized frame's header).
     pub fn drain_after_close(&mut self) {
-        drain_for_linger(self.socket.stream());
+        let frames = &self.frames;
+        let mut answer = CloseAnswer::after(&frames.buf[frames.start..frames.end]);
+        drain_for_linger(self.socket.stream(), &mut answer);
+        self.socket.shutdown();
+    }
+
+    /// After the relay closed this control (from this thread or another): reads what the
+    /// desktop still sends, ignoring it, until its answer to the close (its close frame), its
+    /// end of stream or the close linger; then the connection ends. A library reports the
+    /// close when the connection ends, so it does at once rather than a linger later.
+    pub fn await_close_answer(&mut self) {
+        let until = clock::instant() + CLOSE_LINGER;
+        while let ReadEvent::Message(_) = self.read(Deadline::At(until)) {}
+        self.socket.shutdown();
     }
 }
 
@@ -416,7 +434,7 @@ mod tests {
                     ControlEvent::Text("{\"type\":1}".into()),
                     ControlEvent::Binary(vec![0, 1]),
                     ControlEvent::Pong,
-                    ControlEvent::Close,
+                    ControlEvent::Close(Some(1000)),
                 ],
                 "step {step}"
             );

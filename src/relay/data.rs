@@ -9,6 +9,7 @@
 
 use super::attach::Attach;
 use super::context::RelayContext;
+use super::frames::CloseAnswer;
 use super::hold::ConnectionHold;
 use super::refuse::{close_pending, close_pending_socket};
 use super::socket::Socket;
@@ -30,6 +31,7 @@ pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text
             return close_pending(
                 context,
                 stream,
+                reader.close_answer(),
                 CloseCode::BadOuterCredential,
                 "bad host-data-auth",
             )
@@ -37,7 +39,13 @@ pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text
     };
     // The unit first, so a full cap refuses the leg without using up the phone's entry.
     let Some(unit) = context.slots.try_take() else {
-        return close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
+        return close_pending(
+            context,
+            stream,
+            reader.close_answer(),
+            CloseCode::LimitExceeded,
+            "connection cap",
+        );
     };
     let pending = match context.cell.take_pending(conn_id, &ticket, generation) {
         Ok(Some(pending)) => pending,
@@ -45,12 +53,21 @@ pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text
             return close_pending(
                 context,
                 stream,
+                reader.close_answer(),
                 CloseCode::BadOuterCredential,
                 "unknown connection",
             )
         }
         // Attaches freeze only while the acceptor is parked: not met here.
-        Err(_) => return close_pending(context, stream, CloseCode::LimitExceeded, "try again"),
+        Err(_) => {
+            return close_pending(
+                context,
+                stream,
+                reader.close_answer(),
+                CloseCode::LimitExceeded,
+                "try again",
+            )
+        }
     };
     let (buffered, parser) = reader.into_parts();
     let hold = ConnectionHold::new(unit, context.metrics.connections("data"));
@@ -68,6 +85,7 @@ pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text
             close_pending_socket(
                 context,
                 leg.socket.clone(),
+                CloseAnswer::after(&leg.buffered),
                 CloseCode::PeerDropped,
                 "phone left",
             );

@@ -516,6 +516,127 @@ pub fn violation_close_code(violation: Violation) -> CloseCode {
     }
 }
 
+/// Watches what a client still sends after the relay's close frame for its answer, a close
+/// frame of its own (RFC 6455 §5.5.1), so that the TCP connection is dropped as soon as the
+/// closing handshake is complete rather than a fixed linger later. Whole frames are skipped by
+/// their headers: nothing is kept but the few bytes of one header, whatever a frame declares,
+/// and nothing is checked (the connection is closing; the worst a wrong guess does is drop it
+/// early). The answer counts once its last byte has arrived, so that no unread byte turns the
+/// relay's close of the socket into a reset.
+#[derive(Debug, Clone)]
+pub struct CloseAnswer {
+    /// Payload bytes of the current frame still to come.
+    skip: u64,
+    /// The header being read, and how many of its bytes have arrived.
+    head: [u8; MAX_HEADER_BYTES],
+    have: usize,
+    /// The frame whose payload is being skipped is the client's close.
+    closing: bool,
+    answered: bool,
+    /// Not known to be at a frame boundary: only the end of stream (or the linger) ends it.
+    unsynced: bool,
+}
+
+impl CloseAnswer {
+    /// Bytes that start at a frame boundary: `unread` (already read past the last whole
+    /// frame), then what the socket brings.
+    pub fn after(unread: &[u8]) -> CloseAnswer {
+        let mut answer = CloseAnswer::skipping(0);
+        answer.feed(unread);
+        answer
+    }
+
+    /// Bytes that start `left` bytes before the end of a frame's payload (a frame in the
+    /// middle of arriving), then go on at a frame boundary.
+    pub fn skipping(left: u64) -> CloseAnswer {
+        CloseAnswer {
+            skip: left,
+            head: [0; MAX_HEADER_BYTES],
+            have: 0,
+            closing: false,
+            answered: false,
+            unsynced: false,
+        }
+    }
+
+    /// Bytes whose frame boundaries are not known (after a frame the relay could not parse):
+    /// never answered; the connection ends with its end of stream or the linger.
+    pub fn unsynced() -> CloseAnswer {
+        CloseAnswer {
+            unsynced: true,
+            ..CloseAnswer::skipping(0)
+        }
+    }
+
+    /// Whether the client's close frame has arrived whole.
+    pub fn answered(&self) -> bool {
+        self.answered
+    }
+
+    /// Takes the next bytes the client sent; true once its close frame has arrived whole.
+    pub fn feed(&mut self, mut bytes: &[u8]) -> bool {
+        if self.unsynced {
+            return false;
+        }
+        loop {
+            if self.answered {
+                return true;
+            }
+            if self.skip > 0 {
+                let n = bytes
+                    .len()
+                    .min(usize::try_from(self.skip).unwrap_or(usize::MAX));
+                self.skip -= n as u64;
+                bytes = &bytes[n..];
+                if self.skip > 0 {
+                    return false;
+                }
+            }
+            if self.closing {
+                self.answered = true;
+                continue;
+            }
+            if bytes.is_empty() {
+                return false;
+            }
+            // The header: two bytes, then the extended length and the mask they announce.
+            let take = 2usize.saturating_sub(self.have).min(bytes.len());
+            self.head[self.have..self.have + take].copy_from_slice(&bytes[..take]);
+            self.have += take;
+            bytes = &bytes[take..];
+            if self.have < 2 {
+                return false;
+            }
+            let extended = match self.head[1] & 0x7f {
+                126 => 2,
+                127 => 8,
+                _ => 0,
+            };
+            let mask = if self.head[1] & 0x80 != 0 { 4 } else { 0 };
+            let need = 2 + extended + mask;
+            let take = (need - self.have).min(bytes.len());
+            self.head[self.have..self.have + take].copy_from_slice(&bytes[..take]);
+            self.have += take;
+            bytes = &bytes[take..];
+            if self.have < need {
+                return false;
+            }
+            let length = match self.head[1] & 0x7f {
+                126 => u64::from(u16::from_be_bytes([self.head[2], self.head[3]])),
+                127 => {
+                    let mut wide = [0u8; 8];
+                    wide.copy_from_slice(&self.head[2..10]);
+                    u64::from_be_bytes(wide)
+                }
+                short => u64::from(short),
+            };
+            self.closing = self.head[0] & 0x0f == 0x8;
+            self.skip = length;
+            self.have = 0;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,6 +663,49 @@ mod tests {
         let long = close_frame(Some(1000), &"é".repeat(100));
         assert!(long[1] as usize <= 125);
         assert!(std::str::from_utf8(&long[4..]).is_ok());
+    }
+
+    #[test]
+    fn a_close_answer_is_found_after_whole_frames_however_the_bytes_are_split() {
+        let mut stream = Vec::new();
+        encode_client_frame(0x82, &[7; 70_000], [1, 2, 3, 4], &mut stream);
+        encode_client_frame(0x89, b"ping", [5, 6, 7, 8], &mut stream);
+        encode_client_frame(0x01, &[1; 300], [1, 1, 1, 1], &mut stream);
+        let before_close = stream.len();
+        encode_client_frame(0x88, &[0x03, 0xe8, b'o', b'k'], [9, 9, 9, 9], &mut stream);
+        for step in [1, 3, 13, 4096, usize::MAX] {
+            let mut answer = CloseAnswer::after(&[]);
+            let mut fed = 0;
+            for chunk in stream.chunks(step.min(stream.len())) {
+                fed += chunk.len();
+                let done = answer.feed(chunk);
+                assert_eq!(done, fed == stream.len(), "step {step} after {fed} bytes");
+            }
+            assert!(answer.answered());
+        }
+        // Unread bytes first (a frame boundary), the rest from the socket.
+        let mut answer = CloseAnswer::after(&stream[..before_close + 1]);
+        assert!(!answer.answered());
+        assert!(answer.feed(&stream[before_close + 1..]));
+        // An empty close frame, and one with an unmasked (rule-breaking) header before it.
+        let mut answer = CloseAnswer::after(&[0x81, 0x02, b'h', b'i']);
+        assert!(answer.feed(&[0x88, 0x80, 0, 0, 0, 0]));
+        // A 64-bit length is skipped by its count, not kept.
+        let mut answer = CloseAnswer::after(&[0x82, 0xff, 0, 0, 0, 1, 0, 0, 0, 0, 1, 2, 3, 4]);
+        assert!(!answer.feed(&[0; 4096]));
+        assert_eq!(answer.skip, (1 << 32) - 4096);
+    }
+
+    #[test]
+    fn a_close_answer_after_the_rest_of_a_frame_or_without_a_boundary() {
+        let mut close = Vec::new();
+        encode_client_frame(0x88, &[0x0f, 0xa0], [1, 2, 3, 4], &mut close);
+        let mut answer = CloseAnswer::skipping(5);
+        assert!(!answer.feed(&[0x88; 5]), "the rest of a frame is payload");
+        assert!(answer.feed(&close));
+        let mut answer = CloseAnswer::unsynced();
+        assert!(!answer.feed(&close));
+        assert!(!answer.answered());
     }
 
     const MAX: usize = 1000;

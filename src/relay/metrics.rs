@@ -1,8 +1,12 @@
 //! The data plane's counters and gauges (SPEC §5.6): bytes and frames spliced, closes by code,
 //! admissions by path and outcome, refusals and sheds of the pending plane.
 
+use super::shedding::Progress;
 use crate::metrics::{Counter, Gauge, Registry};
 use crate::protocol::CloseCode;
+
+const SHED_HELP: &str = "Pending connections (no credential checked yet) shed to bound the table or their source, by how far they had got.";
+const SOURCE_FULL_HELP: &str = "Pending connections closed because their source held ORCA_RELAY_PENDING_PER_SOURCE_MAX: that source's least progressed, or the newcomer.";
 
 /// Counters of the data plane (SPEC §5.6).
 #[derive(Clone)]
@@ -58,6 +62,19 @@ impl RelayMetrics {
                 &[("path", path), ("outcome", outcome)],
             );
         }
+        // Every stage a pending connection can be shed at, from the start.
+        for stage in Progress::ALL {
+            registry.counter(
+                "orca_relay_ws_pending_upgrades_shed_total",
+                SHED_HELP,
+                &[("stage", stage.label())],
+            );
+        }
+        registry.counter(
+            "orca_relay_ws_pending_source_full_total",
+            SOURCE_FULL_HELP,
+            &[],
+        );
         for kind in ["control", "phone", "data"] {
             registry.gauge(
                 "orca_relay_connections",
@@ -92,12 +109,24 @@ impl RelayMetrics {
         )
     }
 
-    /// A pending upgrade shed to admit a newer one, or a connection dropped at accept.
-    pub fn pending_shed(&self) {
+    /// A pending connection shed at `stage` (a `shedding::Progress` label) to bound the table or
+    /// its source.
+    pub fn pending_shed(&self, stage: &str) {
         self.registry
             .counter(
                 "orca_relay_ws_pending_upgrades_shed_total",
-                "Pending upgrades (head not yet complete) closed to admit a newer connection.",
+                SHED_HELP,
+                &[("stage", stage)],
+            )
+            .inc();
+    }
+
+    /// A pending connection closed because its source held its bound.
+    pub fn pending_source_full(&self) {
+        self.registry
+            .counter(
+                "orca_relay_ws_pending_source_full_total",
+                SOURCE_FULL_HELP,
                 &[],
             )
             .inc();

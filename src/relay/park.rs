@@ -5,9 +5,9 @@
 //! relay thread that reaches its next wait (the point where it has acted on every whole frame
 //! it read, and would block for more) deposits its connection as a [`Parked`] (the socket, what
 //! its reader holds, where it is in its life, the deadline it waits for, and the unit, place or
-//! pending entry it holds) and ends. Nothing is lost and nothing is released: a deposit is
-//! resumed by a new thread, in this process (the handover failed) or the next (it succeeded),
-//! through the same [`super::resume`].
+//! pending entry it holds) and waits for the handover's end ([`Quiesce::hold`]). Nothing is lost
+//! and nothing is released: a deposit is resumed by a new thread, in this process (the handover
+//! failed) or the next (it succeeded), through the same [`super::thread::resume`].
 //!
 //! Runs on: the relay threads (wait, deposit) and the handover's thread (begin, take, end).
 //! Never: holds its lock across I/O; loses a deposit (a deposit is only taken by the handover,

@@ -2,6 +2,12 @@
 //! checked, on the `acceptor` thread, whatever its path (SPEC §12 "Unauthenticated means
 //! pending").
 //!
+//! Why: a connection without a credential must not hold anything a desktop needs. Before this
+//! plane, every routed upgrade took a unit of the connection cap and a relay thread, and a phone
+//! or data leg proved itself only with its first frame, read with a per-read timeout that every
+//! byte and every answered ping restarted: four sockets on `/v1/connect/<any id>` that pinged
+//! kept a desktop with a valid token out of a cap of 4 for as long as they liked.
+//!
 //! One `mio` loop (epoll, edge-triggered) owns the listener and every pending socket. A pending
 //! socket holds no unit of the connection cap, no relay thread and no phone place: only an
 //! entry here (a few hundred bytes plus what it has sent, bounded) and its descriptor. It goes
@@ -27,11 +33,23 @@
 //! (a min-heap); bytes, pings and answered pongs never move one. A head that was partly sent
 //! gets 408, a first frame that is late 4401.
 //!
-//! **The bound.** At most `ORCA_RELAY_PENDING_UPGRADES_MAX` sockets. When full, the oldest
-//! (the one closest to its deadline, so the one whose shedding costs least) is shed, counted,
-//! to make room: clients that never finish cannot lock out a desktop that sends its head at
-//! once. Only a socket whose token is on the verifier thread is not sheddable; if every entry is
-//! (a table of one), the newcomer is dropped, counted.
+//! **The bound.** At most `ORCA_RELAY_PENDING_UPGRADES_MAX` sockets, and at most
+//! `ORCA_RELAY_PENDING_PER_SOURCE_MAX` from one source address. A newcomer is taken in and what
+//! arrived with it is read at once; then, if the table or the newcomer's source is over its
+//! bound, the least progressed entry goes (`relay/shedding.rs`: nothing received, then a partial
+//! head, then a control waiting for the verifier, then a leg waiting for its first frame, then
+//! one whose first frame is arriving; the oldest first within a class; the newcomer's source's
+//! own entries first when it is the source that is over). So a phone that got its 101 and waits
+//! one round trip for its first frame is never shed for a connect that has sent nothing, one host
+//! flooding connects cycles only its own share of the table, and clients that never finish
+//! cannot lock out a desktop that sends its head at once. When the least progressed is the
+//! newcomer, it is first held beyond the bound for [`NEWCOMER_GRACE`] (at most
+//! [`NEWCOMERS_HELD_MAX`] at once, the one held longest giving up its place to a new one), since
+//! its first read can race the head its client sent right behind the handshake; judged again
+//! once it has got further or its grace is over, it is dropped if it is still the least
+//! progressed. Sheds are counted by stage, drops by bound, and
+//! logged through a failure throttle. Only a socket whose token is on the verifier thread is not
+//! sheddable.
 //!
 //! Never: blocks on a socket (every write here is non-blocking and small: a 101, a refusal, a
 //! pong, a close frame fit a fresh socket's send buffer; one that does not fit ends the
@@ -45,9 +63,9 @@
 //! carried as its head and verified again.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{self, Read};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -58,16 +76,19 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::context::{Phase, RelayContext};
+use super::frames::CloseAnswer;
 use super::park::{self, Parked, ParkedConn, Wake};
 use super::refuse::{
     close_later, close_pending, refuse, refuse_at_accept, server_frame, write_now,
 };
+use super::shedding::{self, Bound, Hold, Progress, ShedOrder};
 use super::splice_reader::{FirstFrame, FirstFrameReader, PendingLeg};
 use super::upgrade::{self, Refusal, Route, Upgrade};
 use super::{data, phone, thread};
 use crate::auth::{AuthError, HostClaims};
 use crate::clock;
 use crate::http::head::{self, HeadError};
+use crate::logging::FailureThrottle;
 use crate::protocol::CloseCode;
 
 const LISTENER: Token = Token(usize::MAX - 1);
@@ -85,6 +106,13 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// backlog behind the others, so it never holds the loop (accepts, other legs, deadlines).
 const FIRST_FRAME_READS_PER_TURN: usize = 4;
 const PINGS_PER_TURN: usize = 16;
+/// A newcomer that would be dropped (every other entry has got further) is first held this
+/// long, beyond the bound, for the rest of what its client sent with the connect: the accept
+/// races the client's first segment, which arrives right behind the handshake's last ACK.
+const NEWCOMER_GRACE: Duration = Duration::from_millis(50);
+/// Newcomers held in their grace at most at once (beyond the table's bound: the capacity plan
+/// reserves their descriptors with the table's); past it the one held longest is dropped.
+pub const NEWCOMERS_HELD_MAX: usize = 64;
 
 /// The `acceptor` thread body: the pending plane, starting with the pending connections a
 /// handover carried (`carried`), until `stop` is set. Then the listener and every pending
@@ -127,8 +155,9 @@ pub fn close_parked(context: &RelayContext, parked: Vec<Parked>) {
         let ParkedConn::Pending(stream) = parked.conn else {
             continue;
         };
-        if let park::Stage::FirstFrame { .. } = parked.stage {
-            close_pending(context, stream, CloseCode::Draining, "draining");
+        if let park::Stage::FirstFrame { reader, .. } = parked.stage {
+            let answer = CloseAnswer::after(&reader.buffered);
+            close_pending(context, stream, answer, CloseCode::Draining, "draining");
         }
     }
 }
@@ -145,7 +174,7 @@ fn route_path(route: &Route) -> String {
 struct Entry {
     stream: TcpStream,
     id: u64,
-    /// Accept order: the shedding order.
+    /// Accept order: the shedding order within a stage.
     seq: u64,
     deadline: Instant,
     stage: Stage,
@@ -183,11 +212,14 @@ struct Plane {
     free: Vec<usize>,
     /// Entries in the table.
     live: usize,
-    /// Sheddable entries by accept order: seq → slot.
-    order: BTreeMap<u64, usize>,
+    /// Who is shed when the table or a source is full (every entry by seq), and each seq's
+    /// slot.
+    shed: ShedOrder<IpAddr>,
+    slot_of: HashMap<u64, usize>,
+    /// Sheds and drops are logged once, then at most once a minute with a count.
+    shed_log: FailureThrottle,
     deadlines: BinaryHeap<Reverse<(Instant, usize, u64)>>,
     next_seq: u64,
-    bound: usize,
     /// One descriptor kept in reserve: when the process is out of descriptors (EMFILE,
     /// ENFILE) it is given up for a moment so that the waiting connection can be accepted,
     /// answered 503 and closed, instead of staying in the backlog until the client gives up.
@@ -221,6 +253,7 @@ impl Plane {
             .register(&mut SourceFd(&stop.raw_fd()), STOP, Interest::READABLE)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let bound = context.pending_upgrades_max.max(1);
+        let per_source = context.pending_per_source_max.clamp(1, bound);
         Ok(Plane {
             poll,
             listener,
@@ -229,10 +262,11 @@ impl Plane {
             entries: Vec::new(),
             free: Vec::new(),
             live: 0,
-            order: BTreeMap::new(),
+            shed: ShedOrder::new(bound, per_source, NEWCOMERS_HELD_MAX),
+            slot_of: HashMap::new(),
+            shed_log: FailureThrottle::new(),
             deadlines: BinaryHeap::new(),
             next_seq: 0,
-            bound,
             spare: open_spare(),
             listener_ready: true,
             accept_failing: false,
@@ -249,10 +283,15 @@ impl Plane {
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
         loop {
+            let now = clock::instant();
             let next_deadline = self
                 .deadlines
                 .peek()
-                .map(|Reverse((due, _, _))| due.saturating_duration_since(clock::instant()));
+                .map(|Reverse((due, _, _))| *due)
+                .into_iter()
+                .chain(self.shed.next_release())
+                .min()
+                .map(|due| due.saturating_duration_since(now));
             let timeout = if self.listener_ready || !self.backlog.is_empty() {
                 Some(Duration::ZERO)
             } else if self.accept_failing {
@@ -290,6 +329,7 @@ impl Plane {
                 self.accept_some();
             }
             self.expire_due();
+            self.judge_held();
             self.publish();
         }
     }
@@ -303,8 +343,8 @@ impl Plane {
 
     fn accept_some(&mut self) {
         for _ in 0..ACCEPTS_PER_TURN {
-            let stream = match self.listener.accept() {
-                Ok((stream, _)) => stream,
+            let (stream, peer) = match self.listener.accept() {
+                Ok(accepted) => accepted,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.listener_ready = false;
                     return;
@@ -330,7 +370,7 @@ impl Plane {
             if self.spare.is_none() {
                 self.spare = open_spare();
             }
-            self.admit(stream);
+            self.admit(stream, peer);
         }
         // More may be waiting: the next turn polls without waiting.
         self.listener_ready = true;
@@ -343,20 +383,10 @@ impl Plane {
         }
     }
 
-    /// Takes a new connection into the table, shedding the oldest pending one when full.
-    fn admit(&mut self, stream: TcpStream) {
-        if self.live >= self.bound {
-            let Some((_, oldest)) = self.order.pop_first() else {
-                self.context
-                    .metrics
-                    .dropped_at_accept("pending_upgrades_full");
-                return;
-            };
-            if let Some(entry) = self.take(oldest) {
-                let _ = entry.stream.shutdown(std::net::Shutdown::Both);
-            }
-            self.context.metrics.pending_shed();
-        }
+    /// Takes a new connection into the table and reads what arrived with it; then, if the
+    /// table or the connection's source is over its bound, sheds the least progressed entry
+    /// (the newcomer itself when it is that one).
+    fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
         let _ = stream.set_nodelay(true);
         let id = self.context.next_connection_id();
         let deadline = clock::instant() + upgrade::UPGRADE_DEADLINE;
@@ -364,10 +394,95 @@ impl Plane {
             buf: Vec::new(),
             scanned: 0,
         };
-        // What arrived with the connection is read at once.
-        if let Some(slot) = self.insert(stream, id, deadline, head) {
-            self.progress(slot);
+        let source = shedding::source_of(&peer);
+        let Some(slot) = self.insert(stream, id, deadline, head, source) else {
+            return;
+        };
+        let seq = self.next_seq - 1;
+        // What arrived with the connection is read at once: a client that sent its head with
+        // its connect competes as what it is (upgraded, refused, admitted), not as a bare one.
+        self.progress(slot);
+        self.shed_over_bound(source, seq, true);
+    }
+
+    /// Judges again the newcomers whose grace is over or who have got further meanwhile.
+    fn judge_held(&mut self) {
+        for (seq, source) in self.shed.release_due(clock::instant()) {
+            self.shed_over_bound(source, seq, false);
         }
+    }
+
+    /// Sheds the entries the order names until the table and `source` are within their
+    /// bounds; `newcomer` (the seq of the connection just admitted, or judged again after its
+    /// grace) is dropped, not shed, when it is the one, unless it `may_wait` for its grace.
+    fn shed_over_bound(&mut self, source: IpAddr, newcomer: u64, may_wait: bool) {
+        while let Some(victim) = self.shed.victim(&source) {
+            let is_newcomer = victim.seq == newcomer;
+            if is_newcomer && may_wait {
+                let until = clock::instant() + NEWCOMER_GRACE;
+                match self.shed.hold(newcomer, until, victim.bound) {
+                    Hold::Held => return,
+                    Hold::Replaced { seq, bound } => {
+                        // The newcomer held longest gives up its place: dropped as a newcomer.
+                        self.close_for_bound(seq, Progress::NoBytes, bound, true);
+                        return;
+                    }
+                    Hold::Refused => {}
+                }
+            }
+            if !self.close_for_bound(victim.seq, victim.progress, victim.bound, is_newcomer) {
+                // Not expected: the order and the table disagree. Forget the entry rather than
+                // loop.
+                self.shed.remove(victim.seq);
+            }
+            if is_newcomer {
+                return;
+            }
+        }
+    }
+
+    /// Closes entry `seq` for `bound`: shed (counted by its `progress`), or dropped as a
+    /// `newcomer`; logged through the throttle. False when it is not in the table.
+    fn close_for_bound(
+        &mut self,
+        seq: u64,
+        progress: Progress,
+        bound: Bound,
+        newcomer: bool,
+    ) -> bool {
+        let Some(entry) = self
+            .slot_of
+            .get(&seq)
+            .copied()
+            .and_then(|slot| self.take(slot))
+        else {
+            return false;
+        };
+        let _ = entry.stream.shutdown(std::net::Shutdown::Both);
+        let metrics = &self.context.metrics;
+        if newcomer {
+            metrics.dropped_at_accept(match bound {
+                Bound::Table => "pending_upgrades_full",
+                Bound::Source => "pending_source_full",
+            });
+        } else {
+            metrics.pending_shed(progress.label());
+        }
+        if bound == Bound::Source {
+            metrics.pending_source_full();
+        }
+        if let Some(note) = self.shed_log.failure(self.context.clock.now_ms()) {
+            log::warn!(
+                "orca_relay_ws_pending_shed stage={} bound={} newcomer={newcomer} pending={}{note}",
+                progress.label(),
+                match bound {
+                    Bound::Table => "table",
+                    Bound::Source => "source",
+                },
+                self.live
+            );
+        }
+        true
     }
 
     /// Puts a connection in the table and the poll, last in the shedding order; `None` (the
@@ -378,6 +493,7 @@ impl Plane {
         id: u64,
         deadline: Instant,
         stage: Stage,
+        source: IpAddr,
     ) -> Option<usize> {
         stream.set_nonblocking(true).ok()?;
         let slot = self.free.pop().unwrap_or_else(|| {
@@ -400,6 +516,8 @@ impl Plane {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.live += 1;
+        self.shed.insert(seq, source, progress_of(&stage));
+        self.slot_of.insert(seq, slot);
         self.entries[slot] = Some(Entry {
             stream,
             id,
@@ -408,7 +526,6 @@ impl Plane {
             stage,
             backlogged: false,
         });
-        self.order.insert(seq, slot);
         self.deadlines.push(Reverse((deadline, slot, seq)));
         Some(slot)
     }
@@ -417,7 +534,8 @@ impl Plane {
     fn take(&mut self, slot: usize) -> Option<Entry> {
         let entry = self.entries.get_mut(slot)?.take()?;
         self.live -= 1;
-        self.order.remove(&entry.seq);
+        self.shed.remove(entry.seq);
+        self.slot_of.remove(&entry.seq);
         let _ = self
             .poll
             .registry()
@@ -433,15 +551,23 @@ impl Plane {
     // -----------------------------------------------------------------------------------------
     // Reading.
 
+    /// Reads what the connection has sent and acts on it; then its place in the shedding order
+    /// is what it has got to now.
     fn progress(&mut self, slot: usize) {
         let Some(entry) = self.entry(slot) else {
             return;
         };
+        let seq = entry.seq;
         match entry.stage {
             Stage::Head { .. } => self.read_head(slot),
             Stage::FirstFrame { .. } => self.read_first_frame(slot),
             // Nothing is read while the token is being checked; the bytes wait in the kernel.
             Stage::Verifying { .. } => {}
+        }
+        if let Some(entry) = self.entries.get(slot).and_then(Option::as_ref) {
+            if entry.seq == seq {
+                self.shed.set_progress(seq, progress_of(&entry.stage));
+            }
         }
     }
 
@@ -561,7 +687,7 @@ impl Plane {
             match spawned {
                 Ok(_) => {
                     // In flight: not sheddable (the thread answers for it).
-                    self.order.remove(&seq);
+                    self.shed.pin(seq);
                     self.verifying = Some((slot, seq));
                 }
                 Err(_) => {
@@ -762,16 +888,26 @@ impl Plane {
                     }
                     continue;
                 }
-                FirstFrame::Closed => {
+                FirstFrame::Closed(code) => {
                     if let Some(entry) = self.take(slot) {
-                        let _ = write_now(&entry.stream, &server_frame(0x88, &[]));
-                        close_later(&self.context, entry.stream);
+                        // Answered with its own code (RFC 6455 §5.5.1): the handshake is
+                        // complete, so our side ends at once; the descriptor goes with the
+                        // client's end of stream (or the linger).
+                        let payload = code.map_or(Vec::new(), |code| code.to_be_bytes().to_vec());
+                        let _ = write_now(&entry.stream, &server_frame(0x88, &payload));
+                        let _ = entry.stream.shutdown(std::net::Shutdown::Write);
+                        close_later(&self.context, entry.stream, CloseAnswer::unsynced());
                     }
                     return;
                 }
                 FirstFrame::Refused(code) => {
+                    let answer = reader.close_answer();
+                    let reason = match code {
+                        CloseCode::TooBig => "first_frame_too_large",
+                        _ => "first frame",
+                    };
                     if let Some(entry) = self.take(slot) {
-                        close_pending(&self.context, entry.stream, code, "first frame");
+                        close_pending(&self.context, entry.stream, answer, code, reason);
                     }
                     return;
                 }
@@ -851,9 +987,10 @@ impl Plane {
                     None => drop(entry.stream),
                 },
                 Stage::Verifying { .. } => drop(entry.stream),
-                Stage::FirstFrame { .. } => close_pending(
+                Stage::FirstFrame { reader, .. } => close_pending(
                     &self.context,
                     entry.stream,
+                    reader.close_answer(),
                     CloseCode::BadOuterCredential,
                     "first frame late",
                 ),
@@ -946,7 +1083,13 @@ impl Plane {
             },
             _ => return,
         };
-        let Some(slot) = self.insert(stream, id, deadline, stage) else {
+        // Counted against its source like any other; a peer address that cannot be read
+        // (the connection has gone) counts against the unspecified one.
+        let source = stream
+            .peer_addr()
+            .map(|peer| shedding::source_of(&peer))
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let Some(slot) = self.insert(stream, id, deadline, stage, source) else {
             return;
         };
         match text {
@@ -955,6 +1098,17 @@ impl Plane {
             None => self.progress(slot),
         }
         self.publish();
+    }
+}
+
+/// How far a pending connection has got: its place in the shedding order.
+fn progress_of(stage: &Stage) -> Progress {
+    match stage {
+        Stage::Head { buf, .. } if buf.is_empty() => Progress::NoBytes,
+        Stage::Head { .. } => Progress::PartialHead,
+        Stage::Verifying { .. } => Progress::Verifying,
+        Stage::FirstFrame { reader, .. } if reader.buffered() == 0 => Progress::Upgraded,
+        Stage::FirstFrame { .. } => Progress::FirstFrame,
     }
 }
 
@@ -1014,7 +1168,7 @@ fn unauthorized(error: &AuthError) -> Refusal {
     Refusal {
         status: 401,
         reason: error.reason_code(),
-        answer: "bad_outer_credential",
+        answer: "unauthorized",
         retry_after_s: None,
     }
 }

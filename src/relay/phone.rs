@@ -24,11 +24,12 @@ use tungstenite::Message;
 
 use super::attach::{Attach, ATTACH_CHANNEL};
 use super::context::RelayContext;
+use super::frames::CloseAnswer;
 use super::frames::FrameParser;
 use super::hold::{ConnectionHold, PhonePlace};
 use super::park::{Served, Stage};
 use super::refuse::{close_pending, close_pending_socket};
-use super::socket::Socket;
+use super::socket::{Socket, CLOSE_LINGER};
 use super::splice::{LegHandOff, Pair, Release};
 use super::splice_reader::PendingLeg;
 use crate::carry::connection::{ReaderRecord, WaitingPhoneRecord};
@@ -77,6 +78,7 @@ pub fn authenticate(
             close_pending(
                 context,
                 stream,
+                reader.close_answer(),
                 CloseCode::BadOuterCredential,
                 "bad relay-auth",
             );
@@ -88,15 +90,33 @@ pub fn authenticate(
     // registered the phone with its host nothing can refuse it any more. At a full cap a phone
     // is therefore refused 4429 before its invite is looked at.
     let Some(unit) = context.slots.try_take() else {
-        close_pending(context, stream, CloseCode::LimitExceeded, "connection cap");
+        close_pending(
+            context,
+            stream,
+            reader.close_answer(),
+            CloseCode::LimitExceeded,
+            "connection cap",
+        );
         return None;
     };
     let Some(permit) = context.thread_permits.try_take() else {
-        close_pending(context, stream, CloseCode::LimitExceeded, "no thread");
+        close_pending(
+            context,
+            stream,
+            reader.close_answer(),
+            CloseCode::LimitExceeded,
+            "no thread",
+        );
         return None;
     };
     let Ok(ticket) = random_token() else {
-        close_pending(context, stream, CloseCode::LimitExceeded, "try again");
+        close_pending(
+            context,
+            stream,
+            reader.close_answer(),
+            CloseCode::LimitExceeded,
+            "try again",
+        );
         return None;
     };
     // Its relay thread writes it (relay-hello) until the pair is spliced: a quiesce
@@ -120,7 +140,13 @@ pub fn authenticate(
                 // Attaches freeze only while the acceptor is parked: not met here.
                 PhoneRefusal::TooManyPhones | PhoneRefusal::Frozen => CloseCode::LimitExceeded,
             };
-            close_pending_socket(context, socket, code, "phone refused");
+            close_pending_socket(
+                context,
+                socket,
+                reader.close_answer(),
+                code,
+                "phone refused",
+            );
             return None;
         }
     };
@@ -150,7 +176,15 @@ pub fn authenticate(
 /// phone is closed (its place, unit and permit went with the thread's closure).
 pub fn abandon(context: &RelayContext, conn_id: &str, socket: Arc<Socket>) {
     context.cell.abandon_pending(conn_id);
-    close_pending_socket(context, socket, CloseCode::LimitExceeded, "try again");
+    // What the phone sent past its first frame went with the thread's closure: its answer
+    // to the close is not looked for (its end of stream or the linger ends it).
+    close_pending_socket(
+        context,
+        socket,
+        CloseAnswer::unsynced(),
+        CloseCode::LimitExceeded,
+        "try again",
+    );
 }
 
 /// The phone's relay thread: `conn-open` to the host, the wait for its data leg (or a
@@ -185,7 +219,13 @@ pub fn serve(
         .is_err()
     {
         context.cell.abandon_pending(&conn_id);
-        context.close(&socket, CloseCode::HostOffline, "host unavailable");
+        close_phone(
+            context,
+            &socket,
+            &buffered,
+            CloseCode::HostOffline,
+            "host unavailable",
+        );
         return Served::Ended;
     }
     let waiting = WaitingPhoneRecord {
@@ -285,21 +325,39 @@ fn wait_for_leg(
                 match attach_rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(Attach::Leg(host)) => break host,
                     _ => {
-                        context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                        close_phone(
+                            context,
+                            &socket,
+                            &reader.buffered,
+                            DID_NOT_ATTACH.0,
+                            DID_NOT_ATTACH.1,
+                        );
                         return Served::Ended;
                     }
                 }
             }
             Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
                 if context.cell.abandon_pending(&conn_id) {
-                    context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                    close_phone(
+                        context,
+                        &socket,
+                        &reader.buffered,
+                        DID_NOT_ATTACH.0,
+                        DID_NOT_ATTACH.1,
+                    );
                     return Served::Ended;
                 }
                 // A data leg took the entry as the deadline passed; its hand-off is on its way.
                 match receive_leg(&attach_rx, Duration::from_secs(1)) {
                     Some(host) => break host,
                     None => {
-                        context.close(&socket, CloseCode::HostOffline, "host did not attach");
+                        close_phone(
+                            context,
+                            &socket,
+                            &reader.buffered,
+                            DID_NOT_ATTACH.0,
+                            DID_NOT_ATTACH.1,
+                        );
                         return Served::Ended;
                     }
                 }
@@ -311,7 +369,13 @@ fn wait_for_leg(
         .send(Message::text(protocol::relay_hello_json()))
         .is_err()
     {
-        context.close(&host.socket, CloseCode::PeerDropped, "phone left");
+        close_phone(
+            context,
+            &host.socket,
+            &host.buffered,
+            CloseCode::PeerDropped,
+            "phone left",
+        );
         return Served::Ended;
     }
     let mut release: Vec<Release> = vec![Box::new(place)];
@@ -351,6 +415,25 @@ fn wait_for_leg(
             Served::Ended
         }
     }
+}
+
+/// The close of a phone whose data leg did not come in time.
+const DID_NOT_ATTACH: (CloseCode, &str) = (CloseCode::HostOffline, "host did not attach");
+
+/// Closes a leg from the phone's thread, which reads it no more: the reaper reads it for the
+/// client's answer and drops the connection then (`unread`: the bytes read past its last whole
+/// frame).
+fn close_phone(
+    context: &RelayContext,
+    socket: &Arc<Socket>,
+    unread: &[u8],
+    code: CloseCode,
+    reason: &str,
+) {
+    context.close(socket, code, reason);
+    context
+        .reaper
+        .watch(socket.clone(), CloseAnswer::after(unread), CLOSE_LINGER);
 }
 
 /// The next leg on the channel within `wait` (wakes skipped).

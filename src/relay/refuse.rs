@@ -1,7 +1,9 @@
 //! How a connection that is not admitted is answered and let go, without waiting: an upgrade
 //! refused with its HTTP status, a pending leg (or one whose credential was just refused) failed
 //! with a close frame, both written without blocking (a fresh socket's send buffer takes them)
-//! and counted, the TCP connection dropped by the reaper a moment later whatever the client does.
+//! and counted, the TCP connection dropped by the reaper: a refused upgrade a moment later
+//! whatever the client does, a failed leg as soon as the client has answered the close (at the
+//! latest [`CLOSE_LINGER`] later).
 //! Also the pending plane's other small writes (a pong, an empty close): [`write_now`].
 
 use std::io::{self, Write};
@@ -9,7 +11,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 use super::context::RelayContext;
-use super::frames::close_frame;
+use super::frames::{close_frame, CloseAnswer};
 use super::socket::{Socket, CLOSE_LINGER};
 use super::upgrade::{self, Refusal};
 use crate::protocol::CloseCode;
@@ -40,31 +42,41 @@ pub fn server_frame(first: u8, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Fails a pending leg (or one whose credential was just refused) with a close frame, written
-/// without waiting, counted; the TCP connection is dropped [`CLOSE_LINGER`]
-/// later whatever the client does.
-pub fn close_pending(context: &RelayContext, stream: TcpStream, code: CloseCode, reason: &str) {
+/// without waiting, counted; the TCP connection is dropped as soon as the client has answered
+/// the close (the reaper reads it for that, `answer` saying where its frames stand), and at the
+/// latest [`CLOSE_LINGER`] later whatever the client does.
+pub fn close_pending(
+    context: &RelayContext,
+    stream: TcpStream,
+    answer: CloseAnswer,
+    code: CloseCode,
+    reason: &str,
+) {
     let _ = write_now(&stream, &close_frame(Some(code.code()), reason));
     context.metrics.close(code);
-    close_later(context, stream);
+    close_later(context, stream, answer);
 }
 
 /// [`close_pending`] for a leg already wrapped in its [`Socket`] (still non-blocking, written
-/// by nobody else yet).
+/// by nobody else yet, read by nobody else any more).
 pub fn close_pending_socket(
     context: &RelayContext,
     socket: Arc<Socket>,
+    answer: CloseAnswer,
     code: CloseCode,
     reason: &str,
 ) {
     let _ = write_now(socket.stream(), &close_frame(Some(code.code()), reason));
     context.metrics.close(code);
-    context.reaper.schedule(socket, CLOSE_LINGER);
+    context.reaper.watch(socket, answer, CLOSE_LINGER);
 }
 
-pub fn close_later(context: &RelayContext, stream: TcpStream) {
+/// Hands a closed pending connection to the reaper, which drops it once the client's answer
+/// has arrived (`answer`), at the latest [`CLOSE_LINGER`] from now.
+pub fn close_later(context: &RelayContext, stream: TcpStream, answer: CloseAnswer) {
     context
         .reaper
-        .schedule_stream(Arc::new(stream), CLOSE_LINGER);
+        .watch_stream(Arc::new(stream), answer, CLOSE_LINGER);
 }
 
 /// Refuses an upgrade: counted, answered (without waiting), our side closed, and the socket

@@ -40,19 +40,27 @@
 //! Closing: [`Socket::close`] never waits either: the close frame goes out without blocking
 //! when the writer is free and it fits, and the connection is shut down at once when another
 //! thread is writing or it does not fit; then the [`Reaper`] shuts the TCP connection down one
-//! second later if the peer never answered.
+//! second later if the peer never answered. The reader of a closing connection drops it as soon
+//! as the peer's answer (its close frame) arrives; a connection nobody reads any more after its
+//! close is read by the reaper for that answer ([`Reaper::watch`]). What lingers there is
+//! bounded (`relay/closing.rs`): a connection whose peer has gone, or one past
+//! `ORCA_RELAY_CLOSING_CONNECTIONS_MAX`, is closed at once instead.
 
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
 use tungstenite::Message;
 
+use super::closing::{self, ClosingBound, Verdict};
+use super::frames::CloseAnswer;
 use crate::clock;
 use crate::protocol::CloseCode;
 use crate::wake::Wake;
@@ -174,10 +182,12 @@ impl Socket {
         &self.stream
     }
 
-    /// The peer sent a close frame: answer it (once) and stop sending. What is owed goes
-    /// first; the answer waits at most [`CLOSE_LINGER`] for the peer (and not past a quiesce:
-    /// the connection is closing, it is not carried).
-    pub fn acknowledge_close(&self) {
+    /// The peer sent a close frame (with `code`, if it carried one): answer it (once) with the
+    /// same code, as RFC 6455 §5.5.1 says an endpoint "typically" does (a library reports the
+    /// answer's code as the close's: an empty answer reads as 1005), and stop sending. What is
+    /// owed goes first; the answer waits at most [`CLOSE_LINGER`] for the peer (and not past a
+    /// quiesce: the connection is closing, it is not carried).
+    pub fn acknowledge_close(&self, code: Option<u16>) {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -185,7 +195,7 @@ impl Socket {
         if writer.broken || self.interrupted() {
             return;
         }
-        let frame = crate::relay::frames::close_frame(None, "");
+        let frame = crate::relay::frames::close_frame(code, "");
         let owed = std::mem::take(&mut writer.owed);
         let deadline = Some(clock::instant() + CLOSE_LINGER);
         let interrupt = self.interrupt.as_deref();
@@ -502,7 +512,6 @@ fn close_frame_bytes(code: u16, reason: &str) -> Vec<u8> {
 /// `false` when it did not all fit (then part of it may be on the wire: the caller must not
 /// write anything after it) or the connection failed.
 fn send_without_waiting(stream: &TcpStream, frame: &[u8]) -> bool {
-    use std::os::fd::AsRawFd;
     let fd = stream.as_raw_fd();
     let mut sent = 0;
     while sent < frame.len() {
@@ -649,18 +658,21 @@ fn write_waiting(
 
 /// Reads and discards what the peer still sends, for at most [`CLOSE_LINGER`]: after a 1009
 /// close, a client mid-way through an oversized frame can finish its write and read the close
-/// frame instead of seeing its connection reset.
-pub fn drain_for_linger(stream: &TcpStream) {
+/// frame instead of seeing its connection reset. Returns early once `answer` has seen the
+/// client's answer to the close (the rest of the frame skipped by its header).
+pub fn drain_for_linger(stream: &TcpStream, answer: &mut CloseAnswer) {
     let started = clock::instant();
     let mut scratch = [0u8; 16 * 1024];
     let mut stream = stream;
     while let Some(left) = CLOSE_LINGER.checked_sub(started.elapsed()) {
-        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+        if answer.answered() || left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
             return;
         }
         match stream.read(&mut scratch) {
             Ok(0) => return,
-            Ok(_) => {}
+            Ok(n) => {
+                answer.feed(&scratch[..n]);
+            }
             // A stop and continue: read again until the linger is up.
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return,
@@ -669,13 +681,37 @@ pub fn drain_for_linger(stream: &TcpStream) {
 }
 
 /// Drops TCP connections whose close handshake did not finish in time, and refused upgrades
-/// once their answer has had time to arrive. One thread, `reaper`.
+/// once their answer has had time to arrive. One thread, `reaper`: a `mio` loop over the
+/// connections it watches ([`Reaper::watch`]: closed by the relay and read by nobody else),
+/// each dropped as soon as its client's answer to the close arrives.
 #[derive(Clone)]
 pub struct Reaper {
     sender: Sender<(u64, Doomed)>,
     /// Close frames handed to the reaper and not yet written or given up.
     close_frames: Arc<AtomicU64>,
+    /// Wakes the thread for each entry sent; the last handle's drop wakes it to end.
+    wake: Arc<ReaperWake>,
+    /// What may linger here (`relay/closing.rs`).
+    closing: Arc<ClosingBound>,
 }
+
+/// The reaper thread's waker: dropped with the last [`Reaper`] handle (after its sender), it
+/// wakes the thread, which then finds the channel closed and ends.
+struct ReaperWake(Waker);
+
+impl Drop for ReaperWake {
+    fn drop(&mut self) {
+        let _ = self.0.wake();
+    }
+}
+
+/// The reaper's waker token (watched connections take tokens from 0 up).
+const REAPER_WAKER: Token = Token(usize::MAX);
+/// Reads of one watched connection per loop turn: a client that is still sending fast (the
+/// rest of an oversized frame) waits behind the others instead of holding the reaper.
+const WATCH_READS_PER_TURN: usize = 4;
+/// One read of a watched connection takes at most this.
+const WATCH_READ_BYTES: usize = 16 * 1024;
 
 /// What the reaper drops.
 enum Doomed {
@@ -686,6 +722,16 @@ enum Doomed {
     /// A closing WebSocket connection whose close frame is still to be written (its writer
     /// was busy): retried every `CLOSE_RETRY` for up to `CLOSE_LINGER`, then dropped.
     CloseFrame(Arc<Socket>, Vec<u8>),
+    /// A connection (a `Socket` or a `Stream`) to read for its client's answer to our close.
+    Watched(Box<Watch>),
+    /// The end of the linger of watched connection `token`, if it is still watched then.
+    Watching(usize),
+}
+
+/// A closed connection the reaper reads: what it is, and where its client's frames stand.
+struct Watch {
+    doomed: Doomed,
+    answer: CloseAnswer,
 }
 
 impl Doomed {
@@ -696,6 +742,21 @@ impl Doomed {
                 let _ = stream.shutdown(Shutdown::Both);
             }
             Doomed::CloseFrame(socket, _) => socket.shutdown(),
+            Doomed::Watched(watch) => watch.doomed.shutdown(),
+            // The reaper's table holds the connection.
+            Doomed::Watching(_) => {}
+        }
+    }
+
+    /// The descriptor of a connection.
+    fn fd(&self) -> Option<RawFd> {
+        match self {
+            Doomed::Socket(socket) | Doomed::CloseFrame(socket, _) => {
+                Some(socket.stream().as_raw_fd())
+            }
+            Doomed::Stream(stream) => Some(stream.as_raw_fd()),
+            Doomed::Watched(watch) => watch.doomed.fd(),
+            Doomed::Watching(_) => None,
         }
     }
 
@@ -747,19 +808,53 @@ impl Ord for Due {
 }
 
 impl Reaper {
-    /// Starts the `reaper` thread; it ends when every `Reaper` handle is dropped.
+    /// Starts the `reaper` thread without a bound on what lingers (peers that have gone are
+    /// still closed at once); it ends when every `Reaper` handle is dropped.
     pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+        Reaper::start_bounded(ClosingBound::unbounded())
+    }
+
+    /// Starts the `reaper` thread with `closing` bounding the connections that linger.
+    pub fn start_bounded(
+        closing: Arc<ClosingBound>,
+    ) -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
         let (sender, receiver) = mpsc::channel();
+        let poll = Poll::new()?;
+        let waker = Waker::new(poll.registry(), REAPER_WAKER)?;
         let close_frames = Arc::new(AtomicU64::new(0));
         let owed = close_frames.clone();
-        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed))?;
+        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed, poll))?;
         Ok((
             Reaper {
                 sender,
                 close_frames,
+                wake: Arc::new(ReaperWake(waker)),
+                closing,
             },
             handle,
         ))
+    }
+
+    /// Drops `socket`, which the relay has closed and nobody else reads any more, as soon as
+    /// its client has answered the close (its close frame has arrived whole, or its end of
+    /// stream), and at the latest `after` from now. `answer` knows where the client's frames
+    /// stand.
+    pub fn watch(&self, socket: Arc<Socket>, answer: CloseAnswer, after: Duration) {
+        let watch = Watch {
+            doomed: Doomed::Socket(socket),
+            answer,
+        };
+        self.send(Doomed::Watched(Box::new(watch)), after);
+    }
+
+    /// [`Reaper::watch`] for a connection the pending plane closed (not wrapped in a
+    /// [`Socket`]).
+    pub fn watch_stream(&self, stream: Arc<TcpStream>, answer: CloseAnswer, after: Duration) {
+        let watch = Watch {
+            doomed: Doomed::Stream(stream),
+            answer,
+        };
+        self.send(Doomed::Watched(Box::new(watch)), after);
     }
 
     /// Waits (at most `limit`) until every close frame handed to the reaper is written or given
@@ -782,12 +877,69 @@ impl Reaper {
     }
 
     fn send(&self, doomed: Doomed, after: Duration) {
+        let Some(doomed) = self.linger_or_close(doomed) else {
+            return;
+        };
         let due = monotonic_ms() + after.as_millis() as u64;
-        if let Err(mpsc::SendError((_, doomed))) = self.sender.send((due, doomed)) {
-            if matches!(doomed, Doomed::CloseFrame(..)) {
-                self.close_frames.fetch_sub(1, Ordering::AcqRel);
+        match self.sender.send((due, doomed)) {
+            Ok(()) => {
+                let _ = self.wake.0.wake();
             }
-            doomed.shutdown();
+            Err(mpsc::SendError((_, doomed))) => {
+                if matches!(doomed, Doomed::CloseFrame(..)) {
+                    self.close_frames.fetch_sub(1, Ordering::AcqRel);
+                }
+                doomed.shutdown();
+            }
+        }
+    }
+}
+
+impl Reaper {
+    /// `doomed` back when it may linger here; otherwise (its peer has gone, or the closing
+    /// bound is reached) it is closed now and `None`. A close frame still owed (at most one
+    /// per authenticated connection whose writer was busy) is written first, not counted.
+    fn linger_or_close(&self, doomed: Doomed) -> Option<Doomed> {
+        let Some((fd, handle)) = doomed.lingering_handle() else {
+            return Some(doomed);
+        };
+        match self.closing.admit(fd, handle) {
+            Verdict::Linger => Some(doomed),
+            verdict => {
+                doomed.close_at_once(verdict);
+                None
+            }
+        }
+    }
+}
+
+impl Doomed {
+    /// The descriptor a lingering connection holds, and a handle that is alive while it is
+    /// open.
+    fn lingering_handle(&self) -> Option<(std::os::fd::RawFd, closing::Handle)> {
+        use std::os::fd::AsRawFd;
+        match self {
+            Doomed::Socket(socket) => {
+                let handle: std::sync::Weak<Socket> = Arc::downgrade(socket);
+                Some((socket.stream().as_raw_fd(), handle))
+            }
+            Doomed::Stream(stream) => {
+                let handle: std::sync::Weak<TcpStream> = Arc::downgrade(stream);
+                Some((stream.as_raw_fd(), handle))
+            }
+            Doomed::CloseFrame(..) => None,
+            Doomed::Watched(watch) => watch.doomed.lingering_handle(),
+            Doomed::Watching(_) => None,
+        }
+    }
+
+    /// Closes a connection that may not linger: a refused one drained and dropped (abortively
+    /// past the bound), a WebSocket (its close frame written) shut down.
+    fn close_at_once(self, verdict: Verdict) {
+        match self {
+            Doomed::Stream(stream) => closing::close_at_once(stream, verdict == Verdict::Full),
+            Doomed::Watched(watch) => watch.doomed.close_at_once(verdict),
+            doomed => doomed.shutdown(),
         }
     }
 }
@@ -797,12 +949,19 @@ fn monotonic_ms() -> u64 {
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64) {
+fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64, mut poll: Poll) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
+    let mut watched = Watched::default();
+    let mut events = Events::with_capacity(256);
     loop {
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
             if let Some(Due(_, first, doomed)) = heap.pop() {
+                if let Doomed::Watching(token) = doomed {
+                    // The linger is over: dropped whether or not the client answered.
+                    watched.end(&poll, token);
+                    continue;
+                }
                 let was_close_frame = matches!(doomed, Doomed::CloseFrame(..));
                 let next = doomed.act(now, first);
                 if was_close_frame && !matches!(next, Some((_, _, Doomed::CloseFrame(..)))) {
@@ -813,22 +972,136 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64) {
                 }
             }
         }
-        let wait = heap
-            .peek()
-            .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
-            .unwrap_or(Duration::from_secs(3600));
-        match receiver.recv_timeout(wait) {
-            Ok((due, doomed)) => heap.push(Due(due, due, doomed)),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
-                for Due(_, _, doomed) in heap.drain() {
-                    doomed.shutdown();
+        // Watched connections that had more to read than one turn takes.
+        for token in std::mem::take(&mut watched.ready) {
+            watched.read(&poll, token);
+        }
+        let wait = if watched.ready.is_empty() {
+            heap.peek()
+                .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
+                .unwrap_or(Duration::from_secs(3600))
+        } else {
+            Duration::ZERO
+        };
+        match poll.poll(&mut events, Some(wait)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                // Not expected of epoll; wait out the nearest entry rather than spin.
+                log::warn!("orca_relay_reaper_poll_failed error={e}");
+                clock::sleep(wait.min(CLOSE_RETRY));
+            }
+        }
+        for event in events.iter() {
+            if event.token() != REAPER_WAKER {
+                watched.read(&poll, event.token().0);
+            }
+        }
+        loop {
+            match receiver.try_recv() {
+                Ok((due, Doomed::Watched(watch))) => {
+                    let doomed = watched.start(&poll, *watch);
+                    heap.push(Due(due, due, doomed));
                 }
-                return;
+                Ok((due, doomed)) => heap.push(Due(due, due, doomed)),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    for Due(_, _, doomed) in heap.drain() {
+                        doomed.shutdown();
+                    }
+                    for (_, watch) in watched.table.drain() {
+                        watch.doomed.shutdown();
+                    }
+                    return;
+                }
             }
         }
     }
 }
+
+/// The connections the reaper reads for their client's answer, by token.
+#[derive(Default)]
+struct Watched {
+    table: HashMap<usize, Watch>,
+    next_token: usize,
+    /// Tokens with more to read than their last turn took.
+    ready: Vec<usize>,
+    scratch: Vec<u8>,
+}
+
+impl Watched {
+    /// Registers `watch` with the poll (the readiness of bytes already there is reported
+    /// too); returns the heap entry for its linger. A connection that cannot be registered is
+    /// simply dropped at the linger's end.
+    fn start(&mut self, poll: &Poll, watch: Watch) -> Doomed {
+        let Some(fd) = watch.doomed.fd() else {
+            return watch.doomed;
+        };
+        let token = self.next_token;
+        self.next_token = (self.next_token + 1) % REAPER_WAKER.0;
+        let registered =
+            poll.registry()
+                .register(&mut SourceFd(&fd), Token(token), Interest::READABLE);
+        if registered.is_err() {
+            return watch.doomed;
+        }
+        self.table.insert(token, watch);
+        Doomed::Watching(token)
+    }
+
+    /// Reads what `token`'s client sent (at most a few reads a turn); drops the connection once
+    /// its answer, its end of stream or an error arrives.
+    fn read(&mut self, poll: &Poll, token: usize) {
+        if self.scratch.is_empty() {
+            self.scratch = vec![0; WATCH_READ_BYTES];
+        }
+        let Some(watch) = self.table.get_mut(&token) else {
+            return;
+        };
+        let Some(fd) = watch.doomed.fd() else {
+            return self.end(poll, token);
+        };
+        for _ in 0..WATCH_READS_PER_TURN {
+            // SAFETY: recv writes at most `scratch.len()` bytes into a live buffer; the
+            // descriptor is owned by the watched connection, which the table holds.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    self.scratch.as_mut_ptr().cast(),
+                    self.scratch.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                if watch.answer.feed(&self.scratch[..n as usize]) {
+                    return self.end(poll, token);
+                }
+                continue;
+            }
+            if n < 0 {
+                match io::Error::last_os_error().kind() {
+                    io::ErrorKind::WouldBlock => return,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => {}
+                }
+            }
+            // The end of stream, or the connection failed.
+            return self.end(poll, token);
+        }
+        self.ready.push(token);
+    }
+
+    /// Drops `token`'s connection now (if it is still watched).
+    fn end(&mut self, poll: &Poll, token: usize) {
+        if let Some(watch) = self.table.remove(&token) {
+            if let Some(fd) = watch.doomed.fd() {
+                let _ = poll.registry().deregister(&mut SourceFd(&fd));
+            }
+            watch.doomed.shutdown();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

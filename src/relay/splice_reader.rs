@@ -17,7 +17,7 @@ use std::net::TcpStream;
 
 use tungstenite::protocol::frame::coding::Data;
 
-use super::frames::{violation_close_code, FrameKind, FrameParser, Parsed};
+use super::frames::{violation_close_code, CloseAnswer, FrameKind, FrameParser, Parsed};
 use crate::carry::connection::ReaderRecord;
 use crate::protocol::CloseCode;
 
@@ -43,8 +43,9 @@ pub enum FirstFrame {
     Ping(Vec<u8>),
     /// Not yet a frame: read more when the socket is readable.
     NeedMore,
-    /// The client sent a close frame: acknowledge it and end the leg.
-    Closed,
+    /// The client sent a close frame (with its code, if it carried one): answer it with the
+    /// same code and end the leg.
+    Closed(Option<u16>),
     /// The leg fails with this code: a rule of RFC 6455 broken (1002), a first frame over
     /// [`FIRST_FRAME_MAX_BYTES`] (1009), or one that is not one whole text frame (4401).
     Refused(CloseCode),
@@ -121,7 +122,7 @@ impl FirstFrameReader {
                         }
                         FrameKind::Ping => return FirstFrame::Ping(self.buf[from..to].to_vec()),
                         FrameKind::Pong => continue,
-                        FrameKind::Close { .. } => return FirstFrame::Closed,
+                        FrameKind::Close { code } => return FirstFrame::Closed(code),
                     }
                 }
                 Parsed::Violation(violation) => {
@@ -155,6 +156,13 @@ impl FirstFrameReader {
             start: 0,
             parser: FrameParser::with_state(max_message, record.parser),
         }
+    }
+
+    /// Where the client's frames stand, for the reaper that waits for its answer to a close:
+    /// the unconsumed bytes start at a frame boundary (perhaps with a frame too large to
+    /// read, whose header says how much of it is still to come).
+    pub fn close_answer(&self) -> CloseAnswer {
+        CloseAnswer::after(&self.buf[self.start..])
     }
 
     /// What a splice worker needs to carry on where this reader stopped: the bytes read past
@@ -219,7 +227,9 @@ mod tests {
             );
         }
         let mut reader = FirstFrameReader::new(frame(0x88, &[]), 8 << 20);
-        assert_eq!(reader.take_frame(), FirstFrame::Closed);
+        assert_eq!(reader.take_frame(), FirstFrame::Closed(None));
+        let mut reader = FirstFrameReader::new(frame(0x88, &[0x0f, 0xa0]), 8 << 20);
+        assert_eq!(reader.take_frame(), FirstFrame::Closed(Some(4000)));
         // An unmasked frame breaks RFC 6455: 1002.
         let mut reader = FirstFrameReader::new(vec![0x81, 0x02, b'{', b'}'], 8 << 20);
         assert_eq!(

@@ -199,9 +199,17 @@ pub fn switching_protocols(key: &str) -> String {
 }
 
 /// The bytes of a refusal: a JSON error body and `Connection: close`; a 426 names the upgrade
-/// and the version this relay speaks.
+/// and the version this relay speaks. A 401's body is the director's for the same token
+/// (`{"error":"unauthorized","reason":…}`, the reason being the token's fault).
 pub fn refusal(refusal: &Refusal) -> String {
-    let body = format!("{{\"error\":\"{}\"}}", refusal.answer);
+    let body = if refusal.status == 401 {
+        format!(
+            "{{\"error\":\"{}\",\"reason\":\"{}\"}}",
+            refusal.answer, refusal.reason
+        )
+    } else {
+        format!("{{\"error\":\"{}\"}}", refusal.answer)
+    };
     let status = refusal.status;
     let status_text = match status {
         400 => "Bad Request",

@@ -31,20 +31,33 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
-    let verifier = super::process::verifier(&config, &clock)?;
+    let (verifier, unsaved_key) =
+        super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = super::process::open_store(&config)?;
-    let (migrated, migrator) = super::process::migrate_in_background(&store, || Ok(()))?;
+    // The next process of a handover writes nothing outside its memory before the commit: its
+    // migrations run after it (`migrate_after_commit`).
+    let (migrated, mut migrator) = match &take_over {
+        Some(_) => (super::process::carried_schema(), None),
+        None => super::process::migrate_in_background(&store, || Ok(()))?,
+    };
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     // Everything that needs no connection first: a next process says `ready` only once it is
     // built (the running process serves untouched meanwhile).
     let giver = take_over.as_ref().and_then(super::handover::giver_pid);
     let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(
-            take_over,
-            ("cell", &config.cell_id),
-            &store,
-            &clock,
-        )?),
+        Some(take_over) => {
+            // Before `ready`: what this process would serve, proven (SPEC §13).
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
+            Some(Taker::receive(
+                take_over,
+                ("cell", &config.cell_id),
+                &store,
+                &clock,
+            )?)
+        }
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(
@@ -55,8 +68,14 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     );
 
     // 1. Both listeners first: /health answers while the handshake runs.
-    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let handed = taker
+        .as_mut()
+        .map(|taker| taker.listeners(&config))
+        .transpose()?;
     let listeners = super::process::listeners(&config, handed, true)?;
+    let listening = listeners
+        .listening()
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -66,7 +85,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let internal_url =
         super::process::url_for_bound(&config.internal_url, "http", config.http_addr, http_addr);
 
-    let prober = super::process::start_prober(
+    let mut prober = super::process::start_prober(
         &config,
         &registry,
         &verifier,
@@ -133,8 +152,19 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
 
     let http = match taker.as_mut() {
         Some(taker) => {
-            // Every connection behind the gate, then the commit; only then any I/O.
-            let received = taker.take_over(&cell, &registry, &clock)?;
+            // Every connection behind the gate, then the commit; only then any I/O, and the
+            // first write outside this process's memory.
+            let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
+                    &store,
+                    &migrated,
+                    || Ok(()),
+                    migrations_pending,
+                )
+            })?;
+            migrator = migrating;
             let http = start_http(http_listener)?;
             taker.log_received(received);
             http
@@ -204,12 +234,18 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         registry: registry.clone(),
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
+        shutdown: shutdown.clone(),
+        listening,
     });
     log::info!(
         "orca_relay_started role=cell cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} incarnation={incarnation} version={}",
         config.cell_id,
         crate::handover::version()
     );
+    // A stop the running process was asked for after its commit decision: drain now.
+    if taker.as_ref().is_some_and(|taker| taker.stop_requested()) {
+        shutdown.drain_inherited();
+    }
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }

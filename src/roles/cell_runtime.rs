@@ -235,10 +235,6 @@ fn spawn_returning<T: Send + 'static>(
 }
 
 impl CellRuntime {
-    /// Builds the cell and starts its threads. The acceptor answers 503 until
-    /// [`CellRuntime::serve`] is called (after the startup handshake). With
-    /// [`CellSetup::resume`], the cell is rebuilt from a live handover's record and nothing is
-    /// started until [`CellRuntime::resume_threads`].
     /// Builds what needs no connection ([`CellParts`]): `besides` is the pid of a running
     /// process this one is about to take over from (its tasks are not counted as this one's).
     pub fn prepare(
@@ -247,7 +243,11 @@ impl CellRuntime {
         registry: &Registry,
         besides: Option<u32>,
     ) -> Result<CellParts, RunError> {
-        let (reaper, reaper_handle) = Reaper::start()
+        // Refused and closing connections linger there, a descriptor each, at most
+        // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
+        let closing =
+            relay::closing::ClosingBound::new(config.closing_connections_max as usize, registry);
+        let (reaper, reaper_handle) = Reaper::start_bounded(closing)
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
@@ -273,6 +273,10 @@ impl CellRuntime {
         })
     }
 
+    /// Builds the cell and starts its threads. The acceptor answers 503 until
+    /// [`CellRuntime::serve`] is called (after the startup handshake). With
+    /// [`CellSetup::resume`], the cell is rebuilt from a live handover's record and nothing is
+    /// started until [`CellRuntime::resume_threads`].
     pub fn start(setup: CellSetup<'_>) -> Result<CellRuntime, RunError> {
         let config = setup.config;
         let clock = setup.clock.clone();
@@ -294,6 +298,7 @@ impl CellRuntime {
             config.timings.clone(),
             connection_cap,
             config.pending_upgrades_max,
+            config.pending_per_source_max,
             setup.verifier.clone(),
             setup.store.clone(),
             clock.clone(),
@@ -905,6 +910,22 @@ fn plan_capacity(config: &Config, registry: &Registry, besides: Option<u32>) -> 
         );
     }
     let ceiling = plan.ceiling;
+    let reserved = plan.descriptors_reserved;
+    registry.sampled_gauge(
+        "orca_relay_capacity_descriptors_reserved",
+        "Descriptors the capacity plan keeps off the connection cap, by what they are for.",
+        move || {
+            [
+                ("process", reserved.process),
+                ("pending", reserved.pending),
+                ("closing", reserved.closing),
+                ("http", reserved.http),
+            ]
+            .into_iter()
+            .map(|(what, n)| (vec![("for".to_string(), what.to_string())], n as f64))
+            .collect()
+        },
+    );
     let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
     registry.sampled_gauge(
         "orca_relay_capacity_rss_at_cap_bytes",
@@ -933,7 +954,10 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     crate::capacity::Needs {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         database_pool_max: config.pool_max as u64,
-        pending_upgrades_max: config.pending_upgrades_max as u64,
+        // The table, and the newcomers held beyond it in their grace.
+        pending_upgrades_max: config.pending_upgrades_max as u64
+            + relay::pending::NEWCOMERS_HELD_MAX as u64,
+        closing_connections_max: config.closing_connections_max as u64,
         http_connections_max: config.http_connections_max as u64,
         configured_cap: config.connection_cap as u64,
         memory: memory_bounds(config),

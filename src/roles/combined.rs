@@ -25,11 +25,11 @@
 //! token. Without one the listing answers 401 `service_token_not_configured`: the generated
 //! token is known to nobody outside the process.
 //!
-//! Threads: the cell's (see `roles/cell.rs`), `readiness`, `migrator` (until migrations land),
-//! `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `http-acceptor` and `http-<n>`,
-//! `signals`. The main thread waits for SIGTERM and runs the drain: the cell drains (the poller
-//! keeps polling meanwhile, so the dead-man stays armed), then the poller and `self-record` stop,
-//! then HTTP.
+//! Threads: the cell's (see `roles/cell_runtime.rs`), `readiness`, `migrator` (until migrations
+//! land), `feed-poller` and its workers, `fleet-sweeper`, `self-record`, `self-placement` (at
+//! start, until `/ready`'s gate opens), `http-acceptor` and `http-<n>`, `signals`. The main
+//! thread waits for SIGTERM and runs the drain: the cell drains (the poller keeps polling
+//! meanwhile, so the dead-man stays armed), then the poller and `self-record` stop, then HTTP.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -55,9 +55,7 @@ use crate::store::Store;
 use crate::threads;
 
 use super::cell_runtime::{CellRuntime, CellSetup};
-use super::process::{
-    migrate_in_background, open_store, start_prober, url_for_bound, verifier, RunError,
-};
+use super::process::{migrate_in_background, open_store, start_prober, url_for_bound, RunError};
 
 /// How long start-up waits for the in-process director to be able to place desktops on the
 /// cell (its ready heartbeat in the store, in reserve mode a feed answer), so that `/v1/assign`
@@ -83,19 +81,27 @@ pub fn run(
     }
     // The tokens this process sends (its own internal API accepts the whole list).
     let service_token = super::process::service_tokens(&config);
-    let verifier = verifier(&config, &clock)?;
+    let (verifier, unsaved_key) =
+        super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = open_store(&config)?;
+    // Read before the commit: whether this build's migrations are to be applied after it.
+    let mut migrations_pending = false;
     // Everything that needs no connection first: a next process says `ready` only once it is
     // built (the running process serves untouched meanwhile).
     let giver = take_over.as_ref().and_then(super::handover::giver_pid);
     let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
     let mut taker = match &take_over {
-        Some(take_over) => Some(Taker::receive(
-            take_over,
-            ("combined", &config.cell_id),
-            &store,
-            &clock,
-        )?),
+        Some(take_over) => {
+            // Before `ready`: what this process would serve, proven (SPEC §13).
+            let running = take_over.running.as_ref();
+            migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
+            Some(Taker::receive(
+                take_over,
+                ("combined", &config.cell_id),
+                &store,
+                &clock,
+            )?)
+        }
         None => None,
     };
     let incarnation = taker.as_ref().map_or_else(
@@ -106,8 +112,14 @@ pub fn run(
     );
     let director_id = format!("combined-{incarnation}");
 
-    let handed = taker.as_mut().map(|taker| taker.listeners()).transpose()?;
+    let handed = taker
+        .as_mut()
+        .map(|taker| taker.listeners(&config))
+        .transpose()?;
     let listeners = super::process::listeners(&config, handed, true)?;
+    let listening = listeners
+        .listening()
+        .ok_or_else(|| RunError("no WebSocket listener".into()))?;
     let (ws_listener, ws_addr) = listeners
         .ws
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -118,8 +130,10 @@ pub fn run(
     let internal_url = loopback_url(http_addr);
 
     // The combined role has no remote director to register with: the cell goes into the store
-    // once the schema exists (at once, or when a database that was down at boot answers).
-    let (migrated, migrator) = {
+    // once the schema exists (at once, or when a database that was down at boot answers). The
+    // next process of a handover does both only once it has committed (it writes nothing
+    // outside its memory before: a rolled-back handover leaves the store as it was).
+    let register = {
         let registrar = store.clone();
         let (cell_id, region, cell_url, internal_url) = (
             config.cell_id.clone(),
@@ -127,12 +141,14 @@ pub fn run(
             cell_url.clone(),
             internal_url.clone(),
         );
-        migrate_in_background(&store, move || {
-            registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
-        })?
+        move || registrar.register_cell(&cell_id, &cell_url, &internal_url, &region, incarnation)
+    };
+    let (migrated, mut migrator) = match &taker {
+        Some(_) => (super::process::carried_schema(), None),
+        None => migrate_in_background(&store, register.clone())?,
     };
 
-    let prober = start_prober(
+    let mut prober = start_prober(
         &config,
         &registry,
         &verifier,
@@ -249,8 +265,20 @@ pub fn run(
     };
     let http = match taker.as_mut() {
         Some(taker) => {
-            // Every connection behind the gate, then the commit; only then any I/O.
-            let received = taker.take_over(&cell, &registry, &clock)?;
+            // Every connection behind the gate, then the commit; only then any I/O, and the
+            // first write outside this process's memory (the key file, migrations, the
+            // registration with this configuration's URLs).
+            let (received, migrating) = taker.take_over(&cell, &registry, &clock, || {
+                super::process::after_commit(
+                    &mut prober,
+                    unsaved_key,
+                    &store,
+                    &migrated,
+                    register,
+                    migrations_pending,
+                )
+            })?;
+            migrator = migrating;
             let http = start_http(http_listener)?;
             taker.log_received(received);
             http
@@ -339,6 +367,8 @@ pub fn run(
         registry: registry.clone(),
         clock: clock.clone(),
         data_dir: config.data_dir.clone(),
+        shutdown: shutdown.clone(),
+        listening,
     });
     log::info!(
         "orca_relay_started role=combined cell_id={} ws={ws_addr} http={http_addr} cell_url={cell_url} internal_url={internal_url} incarnation={incarnation} version={}",
@@ -346,6 +376,10 @@ pub fn run(
         crate::handover::version()
     );
 
+    // A stop the running process was asked for after its commit decision: drain now.
+    if taker.as_ref().is_some_and(|taker| taker.stop_requested()) {
+        shutdown.drain_inherited();
+    }
     while !shutdown.is_draining() {
         shutdown.wait_timeout(Duration::from_secs(3600));
     }

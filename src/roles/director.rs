@@ -3,11 +3,11 @@
 //!
 //! Threads: `signals` (SIGTERM/SIGINT → drain), `migrator` (applies migrations, retrying in the
 //! background while the database is down), `readiness` (JWKS and SQL probes), `feed-poller`
-//! with its `feed-poll-<n>` workers, `fleet-sweeper` (forgets long-silent cells, deletes expired
-//! leases), `http-acceptor` and `http-<n>`, and `systemd-watchdog` when `WatchdogSec=` is set
-//! (`WATCHDOG=1` after its own `GET /health` answered). The main thread waits for the drain and
-//! runs the shutdown order: `/ready` says draining, the poller stops, the prober stops, HTTP
-//! stops, exit 0.
+//! with `feed-lister` and its `feed-live-<n>` and `feed-suspect-<n>` workers, `fleet-sweeper`
+//! (forgets long-silent cells, deletes expired leases), `http-acceptor` and `http-<n>`, and
+//! `systemd-watchdog` when `WatchdogSec=` is set (`WATCHDOG=1` after its own `GET /health`
+//! answered). The main thread waits for the drain and runs the shutdown order: `/ready` says
+//! draining, the poller stops, the prober stops, HTTP stops, exit 0.
 //!
 //! Never crash-loops on a dead database: the process starts, serves `/health` 200 and `/ready`
 //! 503 (`starting` until migrations are applied, then whatever the SQL probe says), and

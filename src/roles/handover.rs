@@ -36,8 +36,8 @@ use crate::carry::{
 use crate::clock::{self, SharedClock};
 use crate::handover::wire::{self, Channel};
 use crate::handover::{
-    self as protocol, body, receive, send, Accepted, Alive, Begin, Cause, Kind, Outcome, Prepare,
-    Ready, Transfer, BEAT, HANDOVER_TIMEOUT, SILENCE,
+    self as protocol, body, receive, send, Accepted, Alive, Begin, Cause, Committed, Kind, Outcome,
+    Prepare, Ready, Transfer, BEAT, HANDOVER_TIMEOUT, SILENCE,
 };
 use crate::http::HttpServer;
 use crate::metrics::Registry;
@@ -51,7 +51,8 @@ use crate::relay::thread;
 use crate::threads;
 
 use super::cell_runtime::{CellRuntime, CellThreadsState};
-use super::process::RunError;
+use super::process::{Handed, RunError};
+use crate::config::Config;
 
 /// How long the taker waits for the giver's word after confirming: the giver's own limit plus
 /// a margin (the giver commits or rolls back within its 10 s).
@@ -88,6 +89,13 @@ pub struct GiverParts {
     pub registry: Registry,
     pub clock: SharedClock,
     pub data_dir: PathBuf,
+    /// The process's stop: a stop requested before the commit rolls the handover back (this
+    /// process then drains); one after it is the next process's.
+    pub shutdown: crate::lifecycle::Shutdown,
+    /// The listeners as this process holds them: told to the command with the role and cell,
+    /// which tells the next process (it refuses another cell, or a configured address they are
+    /// not bound to).
+    pub listening: protocol::Listening,
 }
 
 /// The running `handover` thread.
@@ -113,6 +121,13 @@ impl Giver {
         };
         let stop = crate::wake::Wake::new().ok()?;
         let thread_stop = stop.clone();
+        // A stop (SIGTERM) wakes a handover's waits at once: it rolls back and the drain
+        // follows.
+        let stopping = crate::wake::Wake::new().ok()?;
+        {
+            let stopping = stopping.clone();
+            parts.shutdown.on_drain(Box::new(move || stopping.set()));
+        }
         let handle = threads::spawn("handover", move || {
             // A lasting accept failure (no descriptors left) logs once, then at the throttle's
             // interval with its count.
@@ -123,7 +138,7 @@ impl Giver {
                 match listener.accept(thread_stop.raw_fd(), far) {
                     Ok(Some(command)) => {
                         failures.success();
-                        serve_request(&parts, &listener, command)
+                        serve_request(&parts, &listener, command, &stopping)
                     }
                     Ok(None) => return,
                     Err(wire::WireError::TimedOut) => continue,
@@ -161,8 +176,17 @@ fn refuse(channel: &Channel, cause: &str) {
     );
 }
 
+/// The cause of a handover rolled back for a stop requested before its commit.
+const STOP_CAUSE: &str =
+    "a stop (SIGTERM) was requested during the handover: the running relay drains instead";
+
 /// One `orca-relay handover`, from its `begin` to its outcome.
-fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel) {
+fn serve_request(
+    parts: &GiverParts,
+    listener: &wire::Listener,
+    command: Channel,
+    stopping: &crate::wake::Wake,
+) {
     let started = clock::instant();
     let deadline = started + HANDOVER_TIMEOUT;
     let begin: Begin = match receive(&command, started + Duration::from_secs(2)) {
@@ -184,6 +208,9 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
     let Ok(_in_progress) = parts.cell.handover.try_lock() else {
         return refuse(&command, "the running relay is draining");
     };
+    if parts.shutdown.is_draining() {
+        return refuse(&command, "the running relay is draining");
+    }
     let Some(token) = protocol::token() else {
         return refuse(&command, "no randomness for the handover's token");
     };
@@ -191,6 +218,12 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
         token: token.clone(),
         pid: std::process::id(),
         version: protocol::version(),
+        running: Some(protocol::Running {
+            role: parts.role.to_string(),
+            cell_id: parts.cell.context.cell_id.to_string(),
+            listening: parts.listening,
+            pid: Some(std::process::id()),
+        }),
     };
     if send(&command, Kind::Accepted, &accepted, deadline).is_err() {
         return;
@@ -209,16 +242,21 @@ fn serve_request(parts: &GiverParts, listener: &wire::Listener, command: Channel
         quiesced: None,
         started,
         deadline,
+        stopping,
     };
     // A panic in a step rolls back like any failure: otherwise the relay threads would stay
     // held and the acceptor stopped with nobody to resume them (never half a handover).
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // A stop requested at any point before the commit ends the handover at the next
+        // step (the waits wake for it), and the commit decision itself is taken against it.
         flight
             .wait_for_next(listener, &token)
+            .and_then(|()| flight.not_stopping())
             .and_then(|()| flight.prepare_next())
             .and_then(|()| flight.quiesce())
             .and_then(|snapshot| flight.transfer_cell(snapshot))
             .and_then(|()| flight.await_next(Kind::Built))
+            .and_then(|()| flight.not_stopping())
             .and_then(|()| flight.park_workers())
             .and_then(|snapshot| flight.transfer_pairs(snapshot))
             .and_then(|()| flight.await_next(Kind::Confirm))
@@ -261,13 +299,25 @@ struct InFlight<'a> {
     quiesced: Option<Quiesced>,
     started: Instant,
     deadline: Instant,
+    /// Set when a stop is requested (the process's drain callback).
+    stopping: &'a crate::wake::Wake,
 }
 
 impl InFlight<'_> {
+    /// `Err` once a stop has been requested: the handover rolls back and the drain follows.
+    fn not_stopping(&self) -> Result<(), String> {
+        if self.parts.shutdown.is_draining() {
+            return Err(STOP_CAUSE.into());
+        }
+        Ok(())
+    }
+
     /// Waits for the next process's `ready` (or its `failed`, or the command's `abort`).
     fn wait_for_next(&mut self, listener: &wire::Listener, token: &str) -> Result<(), String> {
         loop {
-            let arrived = match listener.accept(self.command.as_raw_fd(), self.deadline) {
+            self.not_stopping()?;
+            let stops = [self.command.as_raw_fd(), self.stopping.raw_fd()];
+            let arrived = match listener.accept_until(&stops, self.deadline) {
                 Ok(arrived) => arrived,
                 Err(wire::WireError::TimedOut) => {
                     return Err("the new process was not ready within 10 s".into())
@@ -275,6 +325,7 @@ impl InFlight<'_> {
                 Err(e) => return Err(format!("the handover socket failed: {e}")),
             };
             let Some(channel) = arrived else {
+                self.not_stopping()?;
                 // The command spoke (or went away): only an abort is expected.
                 return Err(self.command_cause());
             };
@@ -562,11 +613,11 @@ impl InFlight<'_> {
             .map(|(next, _)| next.as_raw_fd())
             .ok_or("no new process")?;
         loop {
-            let watched: Vec<RawFd> = if self.command_open {
-                vec![next_fd, self.command.as_raw_fd()]
-            } else {
-                vec![next_fd]
-            };
+            self.not_stopping()?;
+            let mut watched: Vec<RawFd> = vec![next_fd, self.stopping.raw_fd()];
+            if self.command_open {
+                watched.push(self.command.as_raw_fd());
+            }
             let until = self.alive_until();
             let ready = wire::wait_readable(&watched, until).map_err(|e| match e {
                 wire::WireError::TimedOut if clock::instant() >= self.deadline => {
@@ -579,6 +630,9 @@ impl InFlight<'_> {
                 other => format!("waiting for the new process failed: {other}"),
             })?;
             if ready.get(1).copied().unwrap_or(false) {
+                continue;
+            }
+            if ready.get(2).copied().unwrap_or(false) {
                 let cause = self.command_cause();
                 if self.command_open {
                     return Err(cause);
@@ -612,9 +666,15 @@ impl InFlight<'_> {
         }
     }
 
-    /// The commit point: systemd follows the next process first, then `committed`.
+    /// The commit point: decided against a stop (one requested before rolls back: this
+    /// process drains), systemd follows the next process first, then `committed`, carrying a
+    /// stop that arrived since the decision (the next process drains at once).
     fn commit(&mut self) -> Result<(), String> {
         let (next, ready) = self.next.as_ref().ok_or("no new process")?;
+        let shutdown = &self.parts.shutdown;
+        if !shutdown.commit_handover(ready.pid) {
+            return Err(STOP_CAUSE.into());
+        }
         let under_systemd = crate::lifecycle::notify_socket().is_some();
         if under_systemd {
             crate::lifecycle::notify_main_pid(ready.pid);
@@ -622,10 +682,13 @@ impl InFlight<'_> {
                 log::warn!("orca_relay_handover_barrier_failed error={e}");
             }
         }
+        let committed = Committed {
+            stop: shutdown.stops_for_commit() > 0,
+        };
         let sent = send(
             next,
             Kind::Committed,
-            &serde_json::json!({}),
+            &committed,
             clock::instant() + Duration::from_secs(2),
         );
         if let Err(e) = sent {
@@ -633,7 +696,15 @@ impl InFlight<'_> {
                 crate::lifecycle::notify_main_pid(std::process::id());
                 let _ = crate::lifecycle::notify_barrier(Duration::from_secs(2));
             }
+            // Serving on: a stop that came meanwhile is this process's again.
+            shutdown.abandon_handover();
             return Err(format!("the new process went away before the commit: {e}"));
+        }
+        if committed.stop {
+            log::info!(
+                "orca_relay_handover_stop_passed_on to_pid={} note=the_new_process_drains",
+                ready.pid
+            );
         }
         Ok(())
     }
@@ -862,18 +933,107 @@ pub fn committed() -> bool {
     COMMITTED.load(Ordering::Acquire)
 }
 
-/// How the next process was started: `orca-relay run --take-over <socket> --token <token>`.
+/// How the next process was started: `orca-relay run --take-over <socket> --handover-fd <fd>
+/// [--running <json>]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TakeOver {
     pub socket: PathBuf,
+    /// The command's line to this process (an inherited unix socket): the token arrives on it,
+    /// and `committed` goes back on it (see [`read_token`]).
+    pub line: RawFd,
+    /// Read from the line (empty until then).
     pub token: String,
     pub fault: Option<Fault>,
+    /// The running process, as it told the command (`None` from a command or a running
+    /// process before issue 31: the cell and the addresses are then checked on what is
+    /// received, after `ready`).
+    pub running: Option<protocol::Running>,
+}
+
+/// The longest token read from the command's line.
+const MAX_TOKEN: u64 = 1024;
+
+/// How long the next process waits for its token: the command writes it as soon as it has
+/// reaped the process that started this one.
+const TOKEN_WAIT: Duration = Duration::from_secs(10);
+
+/// The command's line, kept to tell it `committed` (then closed).
+static COMMAND_LINE: Mutex<Option<std::os::unix::net::UnixStream>> = Mutex::new(None);
+
+/// Takes the command's line (descriptor `fd`, inherited) and reads the one-time token from it
+/// up to its end. The command writes it only once this process is an orphan (its parent is
+/// the one that reaps orphans: systemd under systemd), so nothing this process says can make
+/// it the unit's main process before that. The token never travels on a command line.
+pub fn read_token(fd: RawFd) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    let mut stat: libc::stat = unsafe {
+        // SAFETY: plain old data, filled by fstat below.
+        std::mem::zeroed()
+    };
+    // SAFETY: fstat(2) into a struct we own; fails cleanly on a descriptor that is not open.
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(format!(
+            "--handover-fd {fd} is not the handover command's line (start the next process with `orca-relay handover`)"
+        ));
+    }
+    // SAFETY: F_SETFD on an inherited descriptor: not passed on to any process this one
+    // starts.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    // SAFETY: the descriptor was inherited for this process alone, which owns it from here.
+    let line = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    let deadline = clock::instant() + TOKEN_WAIT;
+    let mut token = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        let left = deadline.saturating_duration_since(clock::instant());
+        if left.is_zero() {
+            return Err("no token from the handover command within 10 s".into());
+        }
+        let _ = line.set_read_timeout(Some(left));
+        match (&line)
+            .take(MAX_TOKEN + 1 - token.len() as u64)
+            .read(&mut buf)
+        {
+            Ok(0) => break,
+            Ok(n) => {
+                token.extend_from_slice(&buf[..n]);
+                if token.len() as u64 > MAX_TOKEN {
+                    return Err("the handover command's token is too long".into());
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("cannot read the handover command's token: {e}")),
+        }
+    }
+    let token = String::from_utf8(token)
+        .ok()
+        .filter(|token| !token.is_empty() && token.bytes().all(|b| b.is_ascii_graphic()))
+        .ok_or("the handover command sent no usable token")?;
+    *COMMAND_LINE.lock().unwrap_or_else(|e| e.into_inner()) = Some(line);
+    Ok(token)
+}
+
+/// Tells the command this process was committed (it owns everything now), then closes the
+/// line. The command relies on it when the running process went away without an outcome.
+fn tell_command_committed() {
+    use std::io::Write;
+    let line = COMMAND_LINE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(line) = line {
+        let _ = line.set_write_timeout(Some(Duration::from_secs(1)));
+        let _ = (&line).write_all(protocol::COMMITTED_WORD);
+    }
 }
 
 /// The next process's side of the handover, from `ready` to the giver's word.
 pub struct Taker {
     channel: Channel,
     token: String,
+    /// What the running process said of its listeners (through the command).
+    listening: Option<protocol::Listening>,
     fault: Option<Fault>,
     pub gate: Arc<Gate>,
     pub document: Document,
@@ -890,12 +1050,15 @@ pub struct Taker {
     spares: Option<threads::Spares>,
     /// The signs of life, until the outcome.
     beats: Option<Beats>,
+    /// The running process was asked to stop after its commit decision: this one drains as
+    /// soon as it serves.
+    stop_requested: bool,
 }
 
 /// A take-over that could not go on: tell the giver (which rolls back) and stop.
 pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
     let deadline = clock::instant() + Duration::from_secs(2);
-    if let Ok(channel) = Channel::connect(socket, deadline) {
+    if let Ok(channel) = Channel::connect_trusted(socket, deadline) {
         let _ = send(
             &channel,
             Kind::Failed,
@@ -908,15 +1071,10 @@ pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
     }
 }
 
-/// The pid of the process serving the handover socket (`SO_PEERCRED` of a connection that
-/// says nothing and closes: the running process reads it as no `ready` and waits on). The next
-/// process asks before it builds anything: the running process's tasks are not its own to
-/// count in its capacity.
+/// The running process's pid, as it told the command: its tasks are not this one's to count
+/// in its capacity (`None` from an older command or running process).
 pub fn giver_pid(take_over: &TakeOver) -> Option<u32> {
-    let deadline = clock::instant() + Duration::from_secs(2);
-    Channel::connect(&take_over.socket, deadline)
-        .ok()
-        .and_then(|channel| channel.peer_pid())
+    take_over.running.as_ref().and_then(|running| running.pid)
 }
 
 /// The next process's signs of life ([`Kind::Alive`] every [`BEAT`]), from its `ready` until
@@ -965,7 +1123,8 @@ impl Taker {
         clock: &SharedClock,
     ) -> Result<Taker, RunError> {
         let deadline = clock::instant() + TAKER_WAIT;
-        let channel = Channel::connect(&take_over.socket, deadline).map_err(|e| {
+        // Only a listener of this user hears the token (`connect_trusted`).
+        let channel = Channel::connect_trusted(&take_over.socket, deadline).map_err(|e| {
             RunError(format!(
                 "cannot reach the running relay at {}: {e}",
                 take_over.socket.display()
@@ -1063,6 +1222,7 @@ impl Taker {
         Ok(Taker {
             channel,
             token: take_over.token.clone(),
+            listening: take_over.running.as_ref().map(|running| running.listening),
             fault,
             gate: Gate::new(),
             document,
@@ -1075,6 +1235,7 @@ impl Taker {
             marks: Vec::new(),
             spares,
             beats,
+            stop_requested: false,
         })
     }
 
@@ -1092,22 +1253,38 @@ impl Taker {
             .join(",")
     }
 
-    /// Tells the giver this process cannot go on (it rolls back).
     /// The next process's whole take-over once the transfer is read: every connection behind
-    /// the gate, the pairs, the commit, then the cell's threads. `(pairs, descriptors)`.
-    pub fn take_over(
+    /// the gate, the pairs, the commit, `after_commit` (this process's first writes outside
+    /// its memory: migrations, registration, files; the spliced pairs already flowing, every
+    /// other connection still behind the gate), then the gate and the cell's threads.
+    /// `((pairs, descriptors), what after_commit returned)`.
+    pub fn take_over<T>(
         &mut self,
         cell: &CellRuntime,
         registry: &Registry,
         clock: &SharedClock,
-    ) -> Result<(usize, usize), RunError> {
+        after_commit: impl FnOnce() -> T,
+    ) -> Result<((usize, usize), T), RunError> {
         if let Err(e) = self.import_connections(cell) {
             return Err(self.fail(&e.0));
         }
         self.receive_pairs(cell, registry, clock)?;
         let committed = self.commit(cell)?;
+        let after = after_commit();
+        self.mark("after commit");
+        self.gate.open();
+        // The spare threads take their connections; those without one end.
+        if let Some(spares) = self.spares.take() {
+            spares.release();
+        }
         cell.resume_threads()?;
-        Ok(committed)
+        Ok((committed, after))
+    }
+
+    /// Whether the running process passed on a stop with `committed`: the caller begins the
+    /// drain ([`crate::lifecycle::Shutdown::drain_inherited`]) once it serves.
+    pub fn stop_requested(&self) -> bool {
+        self.stop_requested
     }
 
     /// The line of a take-over done (logged once the HTTP listener serves too).
@@ -1142,10 +1319,12 @@ impl Taker {
     }
 
     /// The listeners (WebSocket, HTTP), and the running process's standard error adopted as
-    /// this one's (its logs go where the running process's went).
-    pub fn listeners(
-        &mut self,
-    ) -> Result<(std::net::TcpListener, std::net::TcpListener), RunError> {
+    /// this one's (its logs go where the running process's went). A configured address they
+    /// are not bound to is refused (`process::check_carried_listeners`): checked before
+    /// `ready` already when the command said what the running process listens on, and here,
+    /// on the listeners themselves, in any case (a running process or a command before issue
+    /// 31 did not say).
+    pub fn listeners(&mut self, config: &Config) -> Result<Handed, RunError> {
         let indices = self.document.listeners.clone();
         if let Some(stderr) = indices.stderr {
             let fd = self.take_fd(stderr)?;
@@ -1154,7 +1333,33 @@ impl Taker {
         }
         let ws = std::net::TcpListener::from(self.take_fd(indices.ws)?);
         let http = std::net::TcpListener::from(self.take_fd(indices.http)?);
-        Ok((ws, http))
+        let from_systemd = self
+            .listening
+            .map_or((false, false), |l| (l.ws_from_systemd, l.http_from_systemd));
+        let bound = |listener: &std::net::TcpListener| {
+            listener
+                .local_addr()
+                .map_err(|e| format!("cannot read a received listener's address: {e}"))
+        };
+        let held = bound(&ws).and_then(|ws| {
+            Ok(protocol::Listening {
+                ws,
+                http: bound(&http)?,
+                ws_from_systemd: from_systemd.0,
+                http_from_systemd: from_systemd.1,
+            })
+        });
+        let checked = held
+            .map_err(RunError)
+            .and_then(|held| super::process::check_carried_listeners(config, &held));
+        if let Err(e) = checked {
+            return Err(self.fail(&e.0));
+        }
+        Ok(Handed {
+            ws,
+            http,
+            from_systemd,
+        })
     }
 
     /// Gives every carried connection to a relay thread held at the gate, and prepares every
@@ -1325,8 +1530,8 @@ impl Taker {
         Ok(())
     }
 
-    /// Confirms and waits for the giver's word. `committed`: the gate opens, the pairs go to the
-    /// splice workers, and this process owns everything. A `rollback` (or a refusal) ends this
+    /// Confirms and waits for the giver's word. `committed`: the pairs go to the splice
+    /// workers and this process owns everything (its caller opens the gate). A `rollback` (or a refusal) ends this
     /// process at once with status 1, having touched nothing; so does a giver that went away
     /// without a word (it may have failed to send its `rollback` and be serving again: only a
     /// `committed` read here makes this process an owner).
@@ -1345,7 +1550,10 @@ impl Taker {
         )
         .map_err(|e| RunError(format!("the running relay did not hear confirm: {e}")))?;
         match receive(&self.channel, deadline) {
-            Ok((Kind::Committed, _)) => {}
+            Ok((Kind::Committed, message)) => {
+                // An older running process sends `{}`: no stop.
+                self.stop_requested = body::<Committed>(&message).is_ok_and(|c| c.stop);
+            }
             Ok(_) | Err(_) => {
                 // Rolled back (or no word): exit without touching a connection.
                 log::logger().flush();
@@ -1353,6 +1561,7 @@ impl Taker {
             }
         }
         COMMITTED.store(true, Ordering::Release);
+        tell_command_committed();
         self.mark("committed");
         if let Some(beats) = self.beats.take() {
             beats.stop();
@@ -1368,11 +1577,6 @@ impl Taker {
                     pair.relay_host_id.as_deref().unwrap_or("-")
                 );
             }
-        }
-        self.gate.open();
-        // The spare threads take their connections; those without one end.
-        if let Some(spares) = self.spares.take() {
-            spares.release();
         }
         Ok((count, self.header.fds))
     }

@@ -32,22 +32,28 @@ impl std::error::Error for RunError {}
 /// address, then the HTTP ones (`ws` is `None` for a director).
 pub fn listeners(
     config: &Config,
-    handed: Option<(TcpListener, TcpListener)>,
+    handed: Option<Handed>,
     with_ws: bool,
 ) -> Result<ListenerPair, RunError> {
     let (mut ws, mut http) = (None, None);
     // Not bound by this process: another one (systemd, or the process handing over) holds it.
     let mut http_shared = handed.is_some();
-    if let Some((received_ws, received_http)) = handed {
-        ws = Some(received_ws);
-        http = Some(received_http);
+    let (mut ws_from_systemd, mut http_from_systemd) = (false, false);
+    if let Some(handed) = handed {
+        ws = Some(handed.ws);
+        http = Some(handed.http);
+        (ws_from_systemd, http_from_systemd) = handed.from_systemd;
     } else {
         let passed = crate::lifecycle::listeners_from_systemd().map_err(RunError)?;
         for (name, listener) in passed {
             match name.as_str() {
-                "ws" => ws = Some(listener),
+                "ws" => {
+                    ws_from_systemd = true;
+                    ws = Some(listener);
+                }
                 "http" => {
                     http_shared = true;
+                    http_from_systemd = true;
                     http = Some(listener);
                 }
                 other => log::warn!("orca_relay_listen_fd_ignored name={other}"),
@@ -87,18 +93,177 @@ pub fn listeners(
         ws,
         http: (http, http_addr),
         http_shared,
+        ws_from_systemd,
+        http_from_systemd,
     })
+}
+
+/// The listeners a live handover passed, and whether each is systemd's (as the running
+/// process said: `TakeOver::listening`).
+pub struct Handed {
+    pub ws: TcpListener,
+    pub http: TcpListener,
+    pub from_systemd: (bool, bool),
 }
 
 /// The listeners of a process and their addresses.
 pub struct ListenerPair {
     pub ws: Option<(TcpListener, std::net::SocketAddr)>,
     pub http: (TcpListener, std::net::SocketAddr),
+    /// Held by systemd's socket units (passed at a start, or carried by a handover since):
+    /// their `ListenStream=` decides the address, not the variable.
+    pub ws_from_systemd: bool,
+    pub http_from_systemd: bool,
     /// The HTTP listener is also held by another process, which goes on accepting when this
     /// one stops: systemd's socket unit (it passed the listener), or the process this one took
     /// over from (its socket unit, if it had one). Stopping then serves the connections
     /// already accepted rather than closing them ([`crate::http::HttpServer::stop_shared`]).
     pub http_shared: bool,
+}
+
+impl ListenerPair {
+    /// What a handover tells the next process of these listeners.
+    pub fn listening(&self) -> Option<crate::handover::Listening> {
+        let (_, ws) = self.ws.as_ref()?;
+        Some(crate::handover::Listening {
+            ws: *ws,
+            http: self.http.1,
+            ws_from_systemd: self.ws_from_systemd,
+            http_from_systemd: self.http_from_systemd,
+        })
+    }
+}
+
+/// Whether a listener bound to `bound` is the one `configured` asks for: the same IP (a
+/// wildcard only for a wildcard: `0.0.0.0` is not `127.0.0.1`, nor the reverse) and the same
+/// port, any port when the configured one is 0 (the OS picked it at the first start).
+pub fn holds(configured: std::net::SocketAddr, bound: std::net::SocketAddr) -> bool {
+    configured.ip() == bound.ip() && (configured.port() == 0 || configured.port() == bound.port())
+}
+
+/// The next process of a live handover serves on the listeners it is handed, never on new ones:
+/// each configured address must be the one its listener is bound to (SPEC §13 "Handover"),
+/// except a listener systemd holds, whose socket unit decides its address as at any start.
+/// `Err` names the variable: a changed listening address needs a restart.
+pub fn check_carried_listeners(
+    config: &Config,
+    listening: &crate::handover::Listening,
+) -> Result<(), RunError> {
+    let checks = [
+        (
+            "ORCA_RELAY_WS_ADDR",
+            "WebSocket",
+            config.ws_addr,
+            listening.ws,
+            listening.ws_from_systemd,
+        ),
+        (
+            "ORCA_RELAY_HTTP_ADDR",
+            "HTTP",
+            config.http_addr,
+            listening.http,
+            listening.http_from_systemd,
+        ),
+    ];
+    for (variable, which, configured, bound, from_systemd) in checks {
+        if !from_systemd && !holds(configured, bound) {
+            return Err(RunError(format!(
+                "{variable}={configured} is not where the running relay's {which} listener is bound ({bound}), and a handover keeps the listeners: a changed listening address needs a restart"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The next process of a live handover, before it says `ready`: the same role and cell as the
+/// running process, and listeners bound where its configuration says
+/// ([`check_carried_listeners`]). `Err` is the cause, the setting named.
+fn check_running(config: &Config, running: &crate::handover::Running) -> Result<(), RunError> {
+    let role = config.role.as_str();
+    if running.role != role || running.cell_id != config.cell_id {
+        return Err(RunError(format!(
+            "the running relay is a {} cell {:?}; this configuration runs a {role} cell {:?} (ORCA_RELAY_ROLE, ORCA_RELAY_CELL_ID: restart to change)",
+            running.role, running.cell_id, config.cell_id
+        )));
+    }
+    check_carried_listeners(config, &running.listening)
+}
+
+/// The next process of a live handover, before it says `ready` (SPEC §13): the running
+/// process's role, cell and listener addresses matched when it said them
+/// ([`check_running`]), then its store proven to take writes ([`prove_store_writable`]).
+/// `Ok`: whether this build has migrations to apply after the commit.
+pub fn prove_before_ready(
+    config: &Config,
+    store: &Store,
+    running: Option<&crate::handover::Running>,
+) -> Result<bool, RunError> {
+    if let Some(running) = running {
+        check_running(config, running)?;
+    }
+    prove_store_writable(config, store, STORE_PROOF_WAIT)
+}
+
+/// What a live handover's next process does first once it has committed, before its gate
+/// opens: the first writes outside its memory. The prober starts probing, a self-hosted key
+/// made for this process is saved, and the migrations (and `after`) run
+/// ([`migrate_after_commit`], waited for when `migrations_pending`). The migrator's handle.
+pub fn after_commit(
+    prober: &mut Prober,
+    key: Option<UnsavedKey>,
+    store: &Store,
+    migrated: &Migrated,
+    after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
+    migrations_pending: bool,
+) -> Option<std::thread::JoinHandle<()>> {
+    prober.release();
+    if let Some(key) = key {
+        key.save();
+    }
+    let wait = migrations_pending.then_some(MIGRATE_AFTER_COMMIT_WAIT);
+    migrate_after_commit(store, migrated, after, wait)
+}
+
+/// How long the next process of a live handover gives its store to prove it takes writes
+/// (well inside the running process's 10 s).
+pub const STORE_PROOF_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The next process of a live handover proves, before it says `ready`, that it can write its
+/// store ([`Store::write_probe`]: a write that is rolled back, so nothing is left behind),
+/// within `within`, and reads whether this build has migrations to apply after the commit
+/// (the `Ok` value: then its controls wait for them, [`migrate_after_commit`]). `Err` names
+/// the variable: `DATABASE_URL` (a closed port, a standby, a read-only server or role), or
+/// `ORCA_RELAY_DATA_DIR` for SQLite.
+fn prove_store_writable(
+    config: &Config,
+    store: &Store,
+    within: std::time::Duration,
+) -> Result<bool, RunError> {
+    let variable = if config.database_url.is_some() {
+        "DATABASE_URL"
+    } else {
+        "ORCA_RELAY_DATA_DIR"
+    };
+    let (done, result) = std::sync::mpsc::channel();
+    let (probe_store, cell_id) = (store.clone(), config.cell_id.clone());
+    crate::threads::spawn("store-proof", move || {
+        let proof = probe_store
+            .write_probe(&cell_id)
+            .and_then(|()| probe_store.migrations_pending());
+        let _ = done.send(proof);
+    })
+    .map_err(|e| RunError(format!("cannot start the store-proof thread: {e}")))?;
+    match result.recv_timeout(within) {
+        Ok(Ok(pending)) => Ok(pending),
+        Ok(Err(e)) => Err(RunError(format!(
+            "{variable}: the store cannot take writes: {e}"
+        ))),
+        // The thread is left to its store's own timeouts; this process exits.
+        Err(_) => Err(RunError(format!(
+            "{variable}: the store did not prove it takes writes within {} s",
+            within.as_secs()
+        ))),
+    }
 }
 
 /// Opens the store and applies migrations.
@@ -145,37 +310,89 @@ pub fn stop_on_tls_failure<T>(
 /// The desktop-token verifier of a role: JWKS when configured; otherwise (combined only) the
 /// self-hosted HS256 key from the environment or `$DATA_DIR/self-hosted.key`.
 pub fn verifier(config: &Config, clock: &SharedClock) -> Result<Verifier, RunError> {
+    verifier_for(config, clock, false).map(|(verifier, _)| verifier)
+}
+
+/// [`verifier`]; `taking_over`: for a live handover's next process, which writes nothing
+/// before the commit, so a self-hosted key file that does not exist yet is not created: the
+/// key is held in memory and returned as an [`UnsavedKey`] to save once committed.
+pub fn verifier_for(
+    config: &Config,
+    clock: &SharedClock,
+    taking_over: bool,
+) -> Result<(Verifier, Option<UnsavedKey>), RunError> {
     if let (Some(url), Some(issuer)) = (&config.jwks_url, &config.auth_issuer) {
-        return Ok(Verifier::from_jwks(
+        let verifier = Verifier::from_jwks(
             url.clone(),
             issuer.clone(),
             config.auth_audience.clone(),
             clock.clone(),
-        ));
+        );
+        return Ok((verifier, None));
     }
+    let mut unsaved = None;
     let secret = match &config.self_hosted_key {
         Some(secret) => secret.clone(),
         None => {
-            let (secret, path, created) =
-                crate::auth::load_or_create_self_hosted_key(&config.data_dir).map_err(|e| {
-                    RunError(format!(
-                        "cannot read or create the self-hosted key in {}: {e}",
-                        config.data_dir.display()
-                    ))
-                })?;
-            log::info!(
-                "orca_relay_self_hosted_key path={} created={created}",
-                path.display()
-            );
+            let loaded = if taking_over {
+                crate::auth::load_or_generate_self_hosted_key(&config.data_dir)
+            } else {
+                crate::auth::load_or_create_self_hosted_key(&config.data_dir)
+            };
+            let (secret, path, created) = loaded.map_err(|e| {
+                RunError(format!(
+                    "cannot read or create the self-hosted key in {}: {e}",
+                    config.data_dir.display()
+                ))
+            })?;
+            if taking_over && created {
+                unsaved = Some(UnsavedKey {
+                    path,
+                    secret: secret.clone(),
+                });
+            } else {
+                log::info!(
+                    "orca_relay_self_hosted_key path={} created={created}",
+                    path.display()
+                );
+            }
             secret
         }
     };
-    Ok(Verifier::from_self_hosted_key(
+    let verifier = Verifier::from_self_hosted_key(
         &secret,
         config.auth_issuer.clone(),
         config.auth_audience.clone(),
         clock.clone(),
-    ))
+    );
+    Ok((verifier, unsaved))
+}
+
+/// A self-hosted key a live handover's next process made and uses, not yet in its file.
+pub struct UnsavedKey {
+    path: std::path::PathBuf,
+    secret: String,
+}
+
+impl UnsavedKey {
+    /// Writes the key file once the handover has committed (never over a file: one that
+    /// appeared meanwhile is kept, and this process goes on with the key it verifies with).
+    pub fn save(self) {
+        match crate::auth::save_self_hosted_key(&self.path, &self.secret) {
+            Ok(true) => log::info!(
+                "orca_relay_self_hosted_key path={} created=true",
+                self.path.display()
+            ),
+            Ok(false) => log::warn!(
+                "orca_relay_self_hosted_key_not_saved path={} cause=a_file_appeared_during_the_handover",
+                self.path.display()
+            ),
+            Err(e) => log::warn!(
+                "orca_relay_self_hosted_key_not_saved path={} error=\"{e}\"",
+                self.path.display()
+            ),
+        }
+    }
 }
 
 /// The service tokens this process sends on director↔cell calls: the first of
@@ -199,6 +416,19 @@ pub struct Prober {
     pub readiness: crate::readiness::Readiness,
     pub stop: std::sync::mpsc::Sender<()>,
     pub handle: crate::threads::Watched<()>,
+    /// A live handover's next process: the prober probes nothing until [`Prober::release`]
+    /// (after the commit; the carried verdict stands until then, and the SQL probe, a write
+    /// transaction on SQLite, is not sent before it).
+    held: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl Prober {
+    /// Lets a held prober start probing (a live handover has committed).
+    pub fn release(&mut self) {
+        if let Some(held) = self.held.take() {
+            let _ = held.send(());
+        }
+    }
 }
 
 /// How long a draining cell waits for each of its threads to end, the claim loop's final
@@ -210,7 +440,8 @@ pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs
 
 /// Builds the process's `Readiness` (graces from the config, metrics registered) and starts the
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
-/// counts as failing until `migrated` is set.
+/// counts as failing until `migrated` is set. With `resume` (a live handover's next process),
+/// the carried state stands and the thread probes only once [`Prober::release`]d.
 pub fn start_prober(
     config: &Config,
     registry: &crate::metrics::Registry,
@@ -255,7 +486,18 @@ pub fn start_prober(
     let (stop, receiver) = std::sync::mpsc::channel();
     let prober_readiness = readiness.clone();
     let clock = clock.clone();
+    let (held, hold) = match resume {
+        Some(_) => {
+            let (release, hold) = std::sync::mpsc::channel::<()>();
+            (Some(release), Some(hold))
+        }
+        None => (None, None),
+    };
     let handle = crate::threads::spawn_watched("readiness", move || {
+        if let Some(hold) = hold {
+            // Released after the commit, or dropped when the process ends without one.
+            let _ = hold.recv();
+        }
         crate::readiness::run_prober(
             prober_readiness,
             probes,
@@ -269,6 +511,7 @@ pub fn start_prober(
         readiness,
         stop,
         handle,
+        held,
     })
 }
 
@@ -322,6 +565,88 @@ pub fn migrate_in_background(
     })
     .map(|handle| (migrated, Some(handle)))
     .map_err(|e| RunError(format!("cannot start the migrator thread: {e}")))
+}
+
+/// The migrations of a live handover's next process have not run before the commit (it writes
+/// nothing outside its memory until then): the schema the running process served on stands in.
+pub fn carried_schema() -> Migrated {
+    Migrated::new(std::sync::atomic::AtomicBool::new(true))
+}
+
+/// How long a committed next process with migrations to apply waits for them before it opens
+/// its gate.
+pub const MIGRATE_AFTER_COMMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A live handover's next process, right after the commit and before any of its threads that
+/// use the store start (the gate still closed; the spliced pairs, which use none, already
+/// flowing): applies this build's migrations and runs `after` (the combined role registers its
+/// cell) on the `migrator` thread. When migrations were pending (`wait`: read before the
+/// commit), it waits up to that long for the first attempt, so nothing of this build runs on
+/// the older schema; otherwise nothing waits (the migrations are a no-op, `after` a write
+/// the heartbeat would make too). An attempt that fails or takes longer goes on in the
+/// background, `migrated` unset until it succeeds (`/ready` then counts the SQL dependency as
+/// failing, under its grace), a migration the database refuses included: the process owns its
+/// connections now and cannot stop.
+fn migrate_after_commit(
+    store: &Store,
+    migrated: &Migrated,
+    after: impl Fn() -> Result<(), crate::store::StoreError> + Send + 'static,
+    wait: Option<std::time::Duration>,
+) -> Option<std::thread::JoinHandle<()>> {
+    use std::sync::atomic::Ordering;
+    let (first, first_done) = std::sync::mpsc::channel();
+    let store = store.clone();
+    let done = migrated.clone();
+    let spawned = crate::threads::spawn("migrator", move || {
+        let mut delay = std::time::Duration::from_millis(250);
+        let mut failures = 0u32;
+        loop {
+            match store.migrate().and_then(|()| after()) {
+                Ok(()) => {
+                    done.store(true, Ordering::Release);
+                    if failures > 0 || wait.is_some() {
+                        log::info!(
+                            "orca_relay_migrations_applied after_handover=true after_retry={}",
+                            failures > 0
+                        );
+                    }
+                    let _ = first.send(());
+                    return;
+                }
+                Err(e) => {
+                    if failures == 0 {
+                        done.store(false, Ordering::Release);
+                        log::warn!(
+                            "orca_relay_migrations_pending after_handover=true {}",
+                            e.log_fields()
+                        );
+                        let _ = first.send(());
+                    }
+                    failures += 1;
+                }
+            }
+            crate::clock::sleep(delay);
+            delay = (delay * 2).min(std::time::Duration::from_secs(5));
+        }
+    });
+    match spawned {
+        Ok(handle) => {
+            if let Some(wait) = wait {
+                if first_done.recv_timeout(wait).is_err() {
+                    log::warn!(
+                        "orca_relay_migrations_slow after_handover=true waited_ms={}",
+                        wait.as_millis()
+                    );
+                }
+            }
+            Some(handle)
+        }
+        Err(e) => {
+            migrated.store(false, Ordering::Release);
+            log::error!("orca_relay_migrator_spawn_failed error={e}");
+            None
+        }
+    }
 }
 
 /// Starts the systemd watchdog thread when `WATCHDOG_USEC` is set: it sends `WATCHDOG=1` at
@@ -552,6 +877,49 @@ mod tests {
         let mut body = Vec::new();
         let request = Request::new(method, path, "", None, &mut body);
         routes.route(&request).map(|reply| reply.status)
+    }
+
+    /// A handover keeps its listeners: the configured address must be the one each is bound
+    /// to (port 0: any port), a wildcard only for a wildcard; a systemd-held listener's
+    /// address is its socket unit's.
+    #[test]
+    fn a_configured_address_is_held_only_by_the_listener_bound_to_it() {
+        let addr = |text: &str| text.parse::<std::net::SocketAddr>().unwrap();
+        assert!(holds(addr("127.0.0.1:8080"), addr("127.0.0.1:8080")));
+        assert!(holds(addr("127.0.0.1:0"), addr("127.0.0.1:41234")));
+        assert!(holds(addr("0.0.0.0:8080"), addr("0.0.0.0:8080")));
+        assert!(holds(addr("[::]:8080"), addr("[::]:8080")));
+        assert!(!holds(addr("127.0.0.1:9090"), addr("127.0.0.1:8080")));
+        assert!(!holds(addr("0.0.0.0:8080"), addr("127.0.0.1:8080")));
+        assert!(!holds(addr("127.0.0.1:8080"), addr("0.0.0.0:8080")));
+        assert!(!holds(addr("10.0.0.5:0"), addr("127.0.0.1:8080")));
+        assert!(!holds(addr("[::]:8080"), addr("0.0.0.0:8080")));
+
+        let config = crate::config::Config::from_lookup(&|name| match name {
+            "ORCA_RELAY_WS_ADDR" => Some("0.0.0.0:8080".into()),
+            "ORCA_RELAY_HTTP_ADDR" => Some("127.0.0.1:0".into()),
+            _ => None,
+        })
+        .unwrap();
+        let mut listening = crate::handover::Listening {
+            ws: addr("0.0.0.0:8080"),
+            http: addr("127.0.0.1:40001"),
+            ws_from_systemd: false,
+            http_from_systemd: false,
+        };
+        assert!(check_carried_listeners(&config, &listening).is_ok());
+        listening.ws = addr("127.0.0.1:8080");
+        let refused = check_carried_listeners(&config, &listening).unwrap_err().0;
+        assert!(
+            refused.starts_with("ORCA_RELAY_WS_ADDR=0.0.0.0:8080 is not where")
+                && refused.ends_with("a changed listening address needs a restart"),
+            "{refused}"
+        );
+        listening.ws_from_systemd = true;
+        assert!(check_carried_listeners(&config, &listening).is_ok());
+        listening.http = addr("127.0.0.2:40001");
+        let refused = check_carried_listeners(&config, &listening).unwrap_err().0;
+        assert!(refused.starts_with("ORCA_RELAY_HTTP_ADDR="), "{refused}");
     }
 
     /// SPEC §8: until registration succeeds, `/health` 200 and everything else 503, whatever

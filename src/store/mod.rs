@@ -479,6 +479,13 @@ impl Store {
         dispatch!(self, store => store.migrate())
     }
 
+    /// Whether a migration of this build is not applied to the database yet. Reads only (a
+    /// live handover's next process asks before its commit, to know whether its controls must
+    /// wait for [`Store::migrate`] after it).
+    pub fn migrations_pending(&self) -> Result<bool, StoreError> {
+        dispatch!(self, store => store.migrations_pending())
+    }
+
     /// `SELECT 1`.
     pub fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, store => store.ping())
@@ -492,6 +499,20 @@ impl Store {
     /// same grace as an outage.
     pub fn probe(&self) -> Result<(), StoreError> {
         dispatch!(self, store => store.probe())
+    }
+
+    /// The proof a live handover's next process gives before it says `ready` (SPEC §13): the
+    /// store takes writes, shown by writing and rolling back, so nothing is left behind. On
+    /// PostgreSQL, [`Store::probe`]'s question and then the cell's own `relay_cells` row
+    /// written to itself (a role that may not write fails here); on SQLite, the probe's write
+    /// transaction rolled back, or, with no database file yet, a directory it can be created
+    /// in, and room on the filesystem either way. Bounded by the store's timeouts (connect,
+    /// statement, busy).
+    pub fn write_probe(&self, cell_id: &str) -> Result<(), StoreError> {
+        match &*self.engine {
+            Engine::Sqlite(store) => store.write_probe(),
+            Engine::Postgres(store) => store.write_probe(cell_id),
+        }
     }
 
     /// The database's clock, `relay_now_ms()` (operators and tests).
@@ -654,6 +675,30 @@ impl Store {
             started_at,
             ready,
             connections,
+            advertised: None,
+        };
+        dispatch!(self, store => store.heartbeat(&beat)).map(|(outcome, _)| outcome)
+    }
+
+    /// [`Store::heartbeat`], and the cell's registration made to say what it advertises now,
+    /// in the same step and only for the registered incarnation (an older one never rewrites
+    /// it). The flag: the registration changed (a handover applied a new URL or region).
+    pub fn heartbeat_advertised(
+        &self,
+        cell_id: &str,
+        incarnation: i64,
+        started_at: i64,
+        ready: bool,
+        connections: i64,
+        advertised: Advertised<'_>,
+    ) -> Result<(HeartbeatOutcome, bool), StoreError> {
+        let beat = Heartbeat {
+            cell_id,
+            incarnation,
+            started_at,
+            ready,
+            connections,
+            advertised: Some(advertised),
         };
         dispatch!(self, store => store.heartbeat(&beat))
     }
@@ -727,6 +772,18 @@ pub(crate) struct Heartbeat<'a> {
     pub started_at: i64,
     pub ready: bool,
     pub connections: i64,
+    pub advertised: Option<Advertised<'a>>,
+}
+
+/// What a cell advertises, as its heartbeat says it (SPEC §5.6): a live handover applies a
+/// changed `ORCA_RELAY_CELL_URL`, `ORCA_RELAY_REGION` or `ORCA_RELAY_INTERNAL_URL` without a
+/// new registration, so the beat carries it to the cell's `relay_cells` row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Advertised<'a> {
+    pub cell_url: &'a str,
+    pub region: &'a str,
+    /// `None`: the cell did not say (an older build); the stored one stays.
+    pub internal_url: Option<&'a str>,
 }
 
 #[cfg(test)]

@@ -320,6 +320,25 @@ impl PgStore {
         })
     }
 
+    /// Whether a migration of this build is not applied yet (read only; no `schema_migrations`
+    /// table: all of them).
+    pub(super) fn migrations_pending(&self) -> Result<bool, StoreError> {
+        self.with_client("read applied migrations", |client, n| {
+            let rows = match query(client, n, "SELECT version FROM schema_migrations", &[]) {
+                Ok(rows) => rows,
+                Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => return Ok(true),
+                Err(error) => return Err(error),
+            };
+            let applied: Vec<i64> = rows
+                .iter()
+                .map(|row| row.try_get(0))
+                .collect::<Result<_, _>>()?;
+            Ok(MIGRATIONS
+                .iter()
+                .any(|(version, _)| !applied.contains(version)))
+        })
+    }
+
     pub(super) fn ping(&self) -> Result<(), StoreError> {
         self.with_client("ping", |client, n| {
             query_one(client, n, "SELECT 1", &[]).map(|_| ())
@@ -338,6 +357,51 @@ impl PgStore {
                 &[],
             )?;
             Ok((row.try_get::<_, bool>(0)?, row.try_get::<_, bool>(1)?))
+        })?;
+        match (in_recovery, read_only) {
+            (true, _) => Err(StoreError::read_only(
+                "the server is a standby (in recovery)",
+            )),
+            (false, true) => Err(StoreError::read_only(
+                "the server's transactions are read-only",
+            )),
+            (false, false) => Ok(()),
+        }
+    }
+
+    /// A live handover's next process proves it can write ([`super::Store::write_probe`]), in
+    /// one transaction that is rolled back: the probe's question (a standby, a read-only
+    /// server or role), then a real write, of the cell's own registration row to itself (a
+    /// role without the right to write is refused there; the row lock is held for the
+    /// transaction only, nothing changes). A database without the schema yet (its migrations
+    /// come after the commit) is judged by the question alone.
+    pub(super) fn write_probe(&self, cell_id: &str) -> Result<(), StoreError> {
+        let (in_recovery, read_only) = self.with_client("write probe", |client, n| {
+            n.bump();
+            let mut tx = client.transaction()?;
+            let row = query_one(
+                &mut tx,
+                n,
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
+                &[],
+            )?;
+            let flags: (bool, bool) = (row.try_get(0)?, row.try_get(1)?);
+            if flags == (false, false) {
+                let written = execute(
+                    &mut tx,
+                    n,
+                    "UPDATE relay_cells SET cell_url = cell_url WHERE cell_id = $1",
+                    &[&cell_id],
+                );
+                match written {
+                    Ok(_) => {}
+                    Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => {}
+                    Err(error) => return Err(error),
+                }
+            }
+            n.bump();
+            tx.rollback()?;
+            Ok(flags)
         })?;
         match (in_recovery, read_only) {
             (true, _) => Err(StoreError::read_only(
@@ -629,7 +693,10 @@ impl PgStore {
         })
     }
 
-    pub(super) fn heartbeat(&self, beat: &Heartbeat<'_>) -> Result<HeartbeatOutcome, StoreError> {
+    pub(super) fn heartbeat(
+        &self,
+        beat: &Heartbeat<'_>,
+    ) -> Result<(HeartbeatOutcome, bool), StoreError> {
         self.with_client("record heartbeat", |client, n| {
             n.bump();
             let mut tx = client.transaction()?;
@@ -640,16 +707,16 @@ impl PgStore {
                 &[&beat.cell_id],
             )?;
             let Some(row) = registered else {
-                return Ok(HeartbeatOutcome::Unregistered);
+                return Ok((HeartbeatOutcome::Unregistered, false));
             };
             let registered_incarnation: i64 = row.try_get(0)?;
             if beat.incarnation < registered_incarnation {
-                return Ok(HeartbeatOutcome::StaleIncarnation);
+                return Ok((HeartbeatOutcome::StaleIncarnation, false));
             }
             if beat.incarnation > registered_incarnation {
                 // This incarnation's registration is not in the database (a lost write):
                 // accepted, the row would name the old incarnation for good.
-                return Ok(HeartbeatOutcome::Unregistered);
+                return Ok((HeartbeatOutcome::Unregistered, false));
             }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
@@ -673,11 +740,34 @@ impl PgStore {
                     &beat.connections,
                 ],
             )?;
+            // What the cell advertises now (a live handover may have changed it): the
+            // registration follows, written only when it differs.
+            let mut advertised = 0;
+            if let (1, Some(ad)) = (written, &beat.advertised) {
+                advertised = execute(
+                    &mut tx,
+                    n,
+                    "UPDATE relay_cells
+                        SET cell_url = $2, region = $3,
+                            internal_url = COALESCE($4::text, internal_url)
+                      WHERE cell_id = $1 AND incarnation = $5
+                        AND (cell_url <> $2 OR region <> $3
+                             OR ($4::text IS NOT NULL
+                                 AND internal_url IS DISTINCT FROM $4::text))",
+                    &[
+                        &beat.cell_id,
+                        &ad.cell_url,
+                        &ad.region,
+                        &ad.internal_url,
+                        &beat.incarnation,
+                    ],
+                )?;
+            }
             commit(tx, n)?;
             Ok(if written == 1 {
-                HeartbeatOutcome::Accepted
+                (HeartbeatOutcome::Accepted, advertised == 1)
             } else {
-                HeartbeatOutcome::StaleIncarnation
+                (HeartbeatOutcome::StaleIncarnation, false)
             })
         })
     }

@@ -300,6 +300,34 @@ impl SqliteStore {
         })
     }
 
+    /// Whether a migration of this build is not applied yet (read only: a database file that
+    /// does not exist is not created; it has every migration to come).
+    pub(super) fn migrations_pending(&self) -> Result<bool, StoreError> {
+        if std::fs::symlink_metadata(&self.path).is_err() {
+            return Ok(true);
+        }
+        self.with_conn("read applied migrations", |conn, n| {
+            let table = query_opt(
+                conn,
+                n,
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'",
+                [],
+                |row| row.get::<_, String>(0),
+            )?;
+            if table.is_none() {
+                return Ok(true);
+            }
+            n.bump();
+            let mut statement = conn.prepare_cached("SELECT version FROM schema_migrations")?;
+            let applied = statement
+                .query_map([], |row| row.get::<_, i64>(0))?
+                .collect::<Result<Vec<i64>, _>>()?;
+            Ok(MIGRATIONS
+                .iter()
+                .any(|(version, _)| !applied.contains(version)))
+        })
+    }
+
     pub(super) fn ping(&self) -> Result<(), StoreError> {
         self.with_conn("ping", |conn, n| {
             query_opt(conn, n, "SELECT 1", [], |row| row.get::<_, i64>(0)).map(|_| ())
@@ -320,11 +348,55 @@ impl SqliteStore {
             n.bump();
             tx.commit()
         })?;
-        let directory = self
-            .path
+        self.check_room()
+    }
+
+    /// A live handover's next process proves it can write ([`super::Store::write_probe`]): the
+    /// probe's write transaction, rolled back (nothing of it reaches the file), and room on
+    /// the filesystem. A database file that does not exist yet (its migrations come after the
+    /// commit) is not created: its directory must be one this process may create it in.
+    pub(super) fn write_probe(&self) -> Result<(), StoreError> {
+        match std::fs::symlink_metadata(&self.path) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                use std::os::unix::ffi::OsStrExt;
+                let directory = self.directory();
+                let c_path = std::ffi::CString::new(directory.as_os_str().as_bytes())
+                    .map_err(|_| StoreError::Unavailable("a data directory with a NUL".into()))?;
+                // SAFETY: `c_path` is a valid NUL-terminated string; access(2) only reads it.
+                if unsafe { libc::access(c_path.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+                    return Err(StoreError::Unavailable(format!(
+                        "cannot create {} in {}: {}",
+                        self.path.display(),
+                        directory.display(),
+                        std::io::Error::last_os_error()
+                    )));
+                }
+            }
+            _ => self.with_conn("write probe", |conn, n| {
+                n.bump();
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                n.bump();
+                let version: i64 = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+                n.bump();
+                tx.execute_batch(&format!("PRAGMA user_version = {version}"))?;
+                n.bump();
+                tx.rollback()
+            })?,
+        }
+        self.check_room()
+    }
+
+    /// The directory the database file is in.
+    fn directory(&self) -> &Path {
+        self.path
             .parent()
             .filter(|parent| !parent.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+            .unwrap_or(Path::new("."))
+    }
+
+    /// Room for the database's files to grow (`sql_disk_full` below the threshold).
+    fn check_room(&self) -> Result<(), StoreError> {
+        let directory = self.directory();
         match available_bytes(directory) {
             Ok(available) if available < DISK_FULL_BELOW_BYTES => Err(StoreError::disk_full(
                 &format!(
@@ -613,7 +685,10 @@ impl SqliteStore {
         })
     }
 
-    pub(super) fn heartbeat(&self, beat: &Heartbeat<'_>) -> Result<HeartbeatOutcome, StoreError> {
+    pub(super) fn heartbeat(
+        &self,
+        beat: &Heartbeat<'_>,
+    ) -> Result<(HeartbeatOutcome, bool), StoreError> {
         self.with_conn("record heartbeat", |conn, n| {
             let registered = query_opt(
                 conn,
@@ -623,15 +698,15 @@ impl SqliteStore {
                 |row| row.get::<_, i64>(0),
             )?;
             let Some(registered) = registered else {
-                return Ok(HeartbeatOutcome::Unregistered);
+                return Ok((HeartbeatOutcome::Unregistered, false));
             };
             if beat.incarnation < registered {
-                return Ok(HeartbeatOutcome::StaleIncarnation);
+                return Ok((HeartbeatOutcome::StaleIncarnation, false));
             }
             if beat.incarnation > registered {
                 // This incarnation's registration is not in the database (a lost write):
                 // accepted, the row would name the old incarnation for good.
-                return Ok(HeartbeatOutcome::Unregistered);
+                return Ok((HeartbeatOutcome::Unregistered, false));
             }
             // The WHERE makes the runtime check and the write one atomic step.
             let written = execute(
@@ -655,10 +730,32 @@ impl SqliteStore {
                     beat.connections
                 ],
             )?;
+            // What the cell advertises now (a live handover may have changed it): the
+            // registration follows, written only when it differs.
+            let mut advertised = 0;
+            if let (1, Some(ad)) = (written, &beat.advertised) {
+                advertised = execute(
+                    conn,
+                    n,
+                    "UPDATE relay_cells
+                        SET cell_url = ?2, region = ?3,
+                            internal_url = COALESCE(?4, internal_url)
+                      WHERE cell_id = ?1 AND incarnation = ?5
+                        AND (cell_url <> ?2 OR region <> ?3
+                             OR (?4 IS NOT NULL AND internal_url IS NOT ?4))",
+                    params![
+                        beat.cell_id,
+                        ad.cell_url,
+                        ad.region,
+                        ad.internal_url,
+                        beat.incarnation
+                    ],
+                )?;
+            }
             Ok(if written == 1 {
-                HeartbeatOutcome::Accepted
+                (HeartbeatOutcome::Accepted, advertised == 1)
             } else {
-                HeartbeatOutcome::StaleIncarnation
+                (HeartbeatOutcome::StaleIncarnation, false)
             })
         })
     }

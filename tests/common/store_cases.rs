@@ -633,3 +633,95 @@ pub fn eight_cells_racing_get_exactly_two_permits(open: &dyn Fn() -> Store, roun
         );
     }
 }
+
+/// A live handover's next process applies a changed URL, region or internal URL without
+/// registering again (SPEC §13): its heartbeat carries them into the registration, only for the
+/// registered incarnation and only when they differ; an older incarnation's beat never rewrites
+/// it, and a beat that does not say its internal URL keeps the stored one.
+pub fn a_heartbeat_carries_what_the_cell_advertises(store: &Db) {
+    use orca_relay::store::Advertised;
+    store
+        .register_cell("c1", "ws://c1", "http://c1", "eu", 5)
+        .unwrap();
+    let said = |url, region, internal| Advertised {
+        cell_url: url,
+        region,
+        internal_url: internal,
+    };
+    let beat = |incarnation, advertised| {
+        store
+            .heartbeat_advertised("c1", incarnation, NOW, true, 0, advertised)
+            .unwrap()
+    };
+    let row = || store.list_cells().unwrap().remove(0);
+    assert_eq!(
+        beat(5, said("ws://c1", "eu", Some("http://c1"))),
+        (HeartbeatOutcome::Accepted, false),
+        "nothing changed, nothing written"
+    );
+    let registered_at = row().registered_at;
+    assert_eq!(
+        beat(5, said("wss://new-name", "eu-2", Some("http://c1-new"))),
+        (HeartbeatOutcome::Accepted, true)
+    );
+    let c1 = row();
+    assert_eq!(
+        (
+            c1.cell_url.as_str(),
+            c1.region.as_str(),
+            c1.internal_url.as_deref()
+        ),
+        ("wss://new-name", "eu-2", Some("http://c1-new"))
+    );
+    assert_eq!(c1.incarnation, 5);
+    assert_eq!(c1.registered_at, registered_at, "not a new registration");
+    assert_eq!(
+        beat(5, said("wss://newer", "eu-2", None)),
+        (HeartbeatOutcome::Accepted, true)
+    );
+    assert_eq!(row().internal_url.as_deref(), Some("http://c1-new"));
+    assert_eq!(
+        beat(4, said("ws://old-process", "eu", Some("http://old"))),
+        (HeartbeatOutcome::StaleIncarnation, false)
+    );
+    assert_eq!(
+        row().cell_url,
+        "wss://newer",
+        "an older incarnation rewrites nothing"
+    );
+    assert_eq!(
+        beat(6, said("ws://unregistered", "eu", None)).0,
+        HeartbeatOutcome::Unregistered
+    );
+    assert_eq!(row().cell_url, "wss://newer");
+}
+
+/// The proof a handover's next process gives before `ready` (SPEC §13) takes writes and leaves
+/// nothing behind: the registration it writes to itself is as it was, on a store with the
+/// cell and without it.
+pub fn the_write_probe_leaves_nothing_behind(store: &Db) {
+    store.write_probe("c1").unwrap();
+    assert!(store.list_cells().unwrap().is_empty());
+    store
+        .register_cell("c1", "ws://c1", "http://c1", "eu", 5)
+        .unwrap();
+    let before = store.list_cells().unwrap();
+    let statements = store.statements_executed();
+    store.write_probe("c1").unwrap();
+    assert!(
+        store.statements_executed() > statements,
+        "it asked the database"
+    );
+    let after = store.list_cells().unwrap();
+    let row = |cells: &[orca_relay::store::CellRow]| {
+        let c = &cells[0];
+        (
+            c.cell_url.clone(),
+            c.internal_url.clone(),
+            c.region.clone(),
+            c.incarnation,
+            c.registered_at,
+        )
+    };
+    assert_eq!(row(&after), row(&before));
+}

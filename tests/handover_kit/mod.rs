@@ -83,7 +83,11 @@ pub fn hand_over(
     extra: &[(&str, &str)],
     args: &[&str],
 ) -> Handover {
-    hand_over_with(relay, binary, extra, args, |_| {})
+    let extra: Vec<(&str, &std::ffi::OsStr)> = extra
+        .iter()
+        .map(|(name, value)| (*name, std::ffi::OsStr::new(*value)))
+        .collect();
+    hand_over_raw(relay, binary, &extra, args)
 }
 
 /// As [`hand_over`], `configure` applied to the command first (a `pre_exec`: the next process
@@ -92,6 +96,30 @@ pub fn hand_over_with(
     relay: &Relay,
     binary: Option<&Path>,
     extra: &[(&str, &str)],
+    args: &[&str],
+    configure: impl FnOnce(&mut Command),
+) -> Handover {
+    let extra: Vec<(&str, &std::ffi::OsStr)> = extra
+        .iter()
+        .map(|(name, value)| (*name, std::ffi::OsStr::new(*value)))
+        .collect();
+    run_handover(relay, binary, &extra, args, configure)
+}
+
+/// As [`hand_over`], with values given as raw bytes (a value that is not UTF-8).
+pub fn hand_over_raw(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &std::ffi::OsStr)],
+    args: &[&str],
+) -> Handover {
+    run_handover(relay, binary, extra, args, |_| {})
+}
+
+fn run_handover(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &std::ffi::OsStr)],
     args: &[&str],
     configure: impl FnOnce(&mut Command),
 ) -> Handover {

@@ -13,7 +13,7 @@
 //! machine varies.
 //!
 //! Used by `tests/nemesis_fleet.rs` (the short run in the suite) and `benches/nemesis.rs` (long
-//! runs). ARCHITECTURE.md ("The nemesis") says how to run, read and replay one.
+//! runs). docs/DEVELOPMENT.md ("The nemesis") says how to run, read and replay one.
 
 #![allow(dead_code)]
 

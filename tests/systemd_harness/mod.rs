@@ -47,6 +47,7 @@
 
 #![allow(dead_code)]
 
+pub mod deb;
 pub mod journal;
 pub mod postgres;
 mod units;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::timers::LegKey;
 use crate::metrics::Counter;
-use crate::relay::frames::FrameParser;
+use crate::relay::frames::{CloseAnswer, FrameParser};
 use crate::relay::socket::Socket;
 
 /// Something released when the leg ends (its connection unit and gauge; on the phone leg, the
@@ -89,6 +89,9 @@ pub struct Leg {
     /// An event reported the peer's end of stream or an error: read to `WouldBlock` or the
     /// end, never stopping at a short read.
     pub hangup_seen: bool,
+    /// A closing leg: where its client's frames stand, to drop it as soon as its answer to
+    /// the relay's close (its close frame) arrives rather than at the end of the linger.
+    pub close_answer: Option<Box<CloseAnswer>>,
     pub _release: Vec<Release>,
     pub kind: &'static str,
 }

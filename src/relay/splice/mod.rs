@@ -6,12 +6,20 @@
 //! read buffer shared by all its legs, a deadline heap for the wedge and linger timers
 //! ([`timers`]) and per-leg state that is only a partial frame and pending output ([`leg`]).
 //!
-//! The per-connection relay threads keep every decision (upgrade, authentication, admission,
-//! the control socket, the attach handshake). Once a phone and its data leg are paired, the
-//! phone's thread hands both sockets, with the bytes their readers had already taken off the
-//! wire and their parsers' state, to the least-loaded worker ([`SplicePlane::hand_off`]: a
-//! channel and a `mio::Waker`), and both relay threads end. From then on a worker owns the
-//! pair outright: no other thread touches those sockets, so no lock is held across I/O.
+//! The acceptor's pending loop and the relay threads keep every decision (the upgrade and the
+//! credential on the acceptor; admission, the control socket and the attach on the threads).
+//! Once a phone and its data leg are paired, the phone's thread hands both sockets, with the
+//! bytes their readers had already taken off the wire and their parsers' state, to the
+//! least-loaded worker ([`SplicePlane::hand_off`]: a channel and a `mio::Waker`), and ends (a
+//! data leg never has a thread). From then on a worker owns the pair outright: no other thread
+//! touches those sockets, so no lock is held across I/O, and a worker writes its legs' frames
+//! itself, not through the socket's writer mutex.
+//!
+//! Why event loops here and threads elsewhere: only the forwarding is hot. With a thread per
+//! leg, every message woke its leg's thread and an idle paired session held two threads and two
+//! zero-filled read buffers (docs/BENCHMARKS.md has the figures, before and after); the
+//! decisions are rare and easiest to follow as straight-line code on a thread. No async
+//! runtime: each worker is one `mio` loop written out by hand.
 //!
 //! Never: blocks on a socket (every socket is non-blocking; `WouldBlock` ends a read or write
 //! loop, `EINTR` is retried); reads the clock other than through the injected clock; lets one
@@ -127,7 +135,7 @@ pub const OUTPUT_CAPACITY_BYTES: usize = PENDING_OUTPUT_BOUND + READ_BUFFER_BYTE
 /// (less than one read buffer: a frame that does not fit is forwarded as its payload arrives,
 /// so memory follows the bytes that arrived, never a declared length), its pending output
 /// ([`OUTPUT_CAPACITY_BYTES`]), two owed control frames, and its state (the leg, its socket and
-/// writer context, its release guards: well under 4 KiB). About 1.5 MiB; `roles::cell`
+/// writer context, its release guards: well under 4 KiB). About 1.5 MiB; `roles::cell_runtime`
 /// multiplies the larger of it and a control's bound by the connection cap.
 pub const LEG_MEMORY_BOUND_BYTES: u64 =
     READ_BUFFER_BYTES as u64 + OUTPUT_CAPACITY_BYTES as u64 + 2 * 128 + 4 * 1024;

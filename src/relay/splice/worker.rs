@@ -59,7 +59,7 @@ use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
 use crate::relay::frames::{
-    close_frame, server_header, unmask_at, violation_close_code, FrameKind, Parsed,
+    close_frame, server_header, unmask_at, violation_close_code, CloseAnswer, FrameKind, Parsed,
 };
 use crate::relay::metrics::RelayMetrics;
 use crate::relay::socket::Socket;
@@ -629,6 +629,9 @@ impl Worker {
             direction: if kind == "phone" { 0 } else { 1 },
             backlogged: false,
             hangup_seen: record.hangup_seen,
+            // A handover does not carry where a closing leg's frames stood: its end of stream
+            // or its linger ends it.
+            close_answer: record.closing.map(|_| Box::new(CloseAnswer::unsynced())),
             _release: resumed.release,
             kind,
         }
@@ -825,6 +828,7 @@ impl Worker {
             direction,
             backlogged: false,
             hangup_seen: false,
+            close_answer: None,
             _release: handoff.release,
             kind,
         }
@@ -864,6 +868,14 @@ impl Worker {
         if !leg.is_open() {
             return;
         }
+        // Where the client's frames stand when the relay closes: in the middle of a frame it
+        // streams, or at the start of what was kept unparsed or incomplete.
+        let answer = match &leg.stream_in {
+            Some(stream) => CloseAnswer::skipping(stream.left as u64),
+            None if leg.unparsed => CloseAnswer::after(&leg.partial[leg.parse_from..leg.filled]),
+            None => CloseAnswer::after(&leg.partial[..leg.filled]),
+        };
+        leg.close_answer = Some(Box::new(answer));
         leg.state = LegState::Closing { linger };
         leg.partial = Vec::new();
         leg.filled = 0;
@@ -1003,6 +1015,10 @@ impl Worker {
                 LegState::Closing { linger: false } => return self.remove(key),
                 LegState::Closing { linger: true } => {
                     if let Some(leg) = self.leg(key) {
+                        if leg.close_answer.as_ref().is_some_and(|a| a.answered()) {
+                            // The client's answer came while our close was still going out.
+                            return self.remove(key);
+                        }
                         if !leg.linger_armed {
                             leg.linger_armed = true;
                             self.timers
@@ -1385,15 +1401,16 @@ impl Worker {
                             self.queue_control(key, ControlFrame::new(PONG, &work[payload]));
                         }
                         FrameKind::Pong => self.turn_controls += 1,
-                        FrameKind::Close { .. } => {
+                        FrameKind::Close { code } => {
                             self.forward(key, work);
                             self.close_peer(key);
-                            // Acknowledged with an empty close frame, as the threaded relay
-                            // did; the peer initiated, so no linger once it is written.
+                            // Answered with the client's own code (RFC 6455 §5.5.1: a library
+                            // reports an empty answer as 1005); the peer initiated, so no
+                            // linger once it is written.
                             if let Some(leg) = self.leg(key) {
                                 if leg.is_open() {
                                     leg.state = LegState::Closing { linger: false };
-                                    self.push_output(key, &close_frame(None, ""));
+                                    self.push_output(key, &close_frame(code, ""));
                                     self.flush(key);
                                 }
                             }
@@ -1445,6 +1462,11 @@ impl Worker {
                     );
                     let code = violation_close_code(violation);
                     self.close(key, code, violation.name(), true);
+                    if let Some(leg) = self.leg(key) {
+                        // The refused frame's header is at `at`: its rest is skipped by the
+                        // length it declares, then the client's answer comes.
+                        leg.close_answer = Some(Box::new(CloseAnswer::after(&work[at..])));
+                    }
                     self.close_peer(key);
                     self.count(key, frames, bytes);
                     return None;
@@ -1500,8 +1522,22 @@ impl Worker {
                 Some(leg) => read_once(leg.socket.stream(), &mut work),
                 None => ReadOutcome::WouldBlock,
             };
+            let answered = match (outcome, self.leg(key)) {
+                (ReadOutcome::Bytes(n), Some(leg)) => leg
+                    .close_answer
+                    .as_mut()
+                    .is_some_and(|answer| answer.feed(&work[..n])),
+                _ => false,
+            };
             self.buf = work;
             match outcome {
+                ReadOutcome::Bytes(_) if answered => {
+                    // The client answered the close: the handshake is complete, the
+                    // connection ends now (once our close frame is out).
+                    if self.leg(key).is_some_and(|leg| leg.output.is_empty()) {
+                        return self.remove(key);
+                    }
+                }
                 ReadOutcome::Bytes(_) => {}
                 ReadOutcome::WouldBlock => return,
                 ReadOutcome::Gone => return self.remove(key),
