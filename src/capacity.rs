@@ -156,12 +156,14 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// The limits as they would read without `tasks` of another process counted: the running
-    /// process a live handover takes over from shares the machine's and the cgroup's task
-    /// counts until it exits, and the next one plans as a fresh start does.
-    pub fn without_tasks(mut self, tasks: u64) -> Limits {
+    /// The limits as they would read without `tasks` of another process and `descriptors` of
+    /// this one counted: the running process a live handover takes over from shares the
+    /// machine's and the cgroup's task counts until it exits, the handover's own descriptors
+    /// are closed at the commit, and the next process plans as a fresh start does.
+    pub fn without(mut self, tasks: u64, descriptors: u64) -> Limits {
         self.tasks_on_machine = self.tasks_on_machine.saturating_sub(tasks);
         self.cgroup_pids_current = self.cgroup_pids_current.saturating_sub(tasks);
+        self.descriptors_in_use = self.descriptors_in_use.saturating_sub(descriptors);
         self
     }
 }

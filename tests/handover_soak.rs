@@ -30,15 +30,21 @@ use handover_kit::{build_with_note, hand_over_with, Serving};
 /// Handovers in a row in the suite's soak (the bench's `--soak` runs the issue's twenty).
 const SUITE_HANDOVERS: usize = 5;
 
+/// The suite runs an unoptimized build, whose handover does its CPU work (the records written
+/// and read as JSON above all) about four times slower than the release build the bench runs:
+/// the streams' and controls' pauses are held to four times the issue's 250 ms there (the
+/// commit, the stopped next process and everything else to the issue's own figures). Waiting
+/// on a peer costs seconds, and fails either way; the release figures are the bench's
+/// (`cargo bench --bench handover -- --soak`, docs/BENCHMARKS.md).
+const PAUSE_ALLOWANCE: u64 = if cfg!(debug_assertions) { 4 } else { 1 };
+
 /// The issue's soak, [`SUITE_HANDOVERS`] handovers, then a next process stopped after `ready`.
 #[test]
 fn under_the_issues_load_handovers_pause_nobody_refuse_nobody_and_grow_nothing() {
     let next = build_with_note("soak");
-    let figures = edges::soak(
-        &SoakSpec::issue(SUITE_HANDOVERS, "load_helper"),
-        None,
-        Some(&next),
-    );
+    let mut spec = SoakSpec::issue(SUITE_HANDOVERS, "load_helper");
+    spec.pause_allowance = PAUSE_ALLOWANCE;
+    let figures = edges::soak(&spec, None, Some(&next));
     eprintln!("{}", figures.summary());
     assert!(
         figures.over_bounds.is_empty(),
@@ -149,4 +155,64 @@ fn backpressured_output_moves_as_bytes_without_growing_the_running_process() {
     );
     assert!(figures.paused_ms <= 100, "{figures:?}");
     assert!(figures.delivered, "{figures:?}");
+}
+
+/// A next process that stops (`SIGSTOP`) right after saying `ready` is abandoned after 2 s of
+/// silence: the running process had not begun its quiesce (it waits for `prepared` first), so
+/// no control pauses and every newcomer is admitted meanwhile; it rolls back within 3 s and
+/// keeps serving. (Before: the running process quiesced on `ready` and waited its whole 10 s
+/// for a confirmation: every control was frozen for 10.5-11.4 s and 82 of 795 new desktops
+/// failed.)
+#[test]
+fn a_next_process_stopped_after_ready_is_abandoned_in_2_s_and_pauses_nobody() {
+    handover_kit::raise_fd_limit();
+    handover_kit::adopt_orphans();
+    let relay = edges::start_relay(None, &[("ORCA_RELAY_PING_MS", "2000")], None);
+    let mut spec = Spec::new(60, 10);
+    spec.probes = 50;
+    let identities = edges::place(&relay, spec.controls);
+    let load = Load::start(&relay.ws, spec, identities);
+    let newcomers = edges::Newcomers::start(&relay);
+    orca_relay::clock::sleep(Duration::from_secs(1));
+    load.mark();
+    let outcome = hand_over_with(
+        &relay,
+        None,
+        &[],
+        &["--test-fault", "stop-after-ready"],
+        |_| {},
+    );
+    assert_eq!(outcome.code, 1, "{outcome:?}");
+    assert!(relay.wait_for_log_count("orca_relay_handover_failed", 1, Duration::from_secs(30)));
+    let line = relay
+        .log_text()
+        .lines()
+        .rfind(|line| line.contains("orca_relay_handover_failed"))
+        .unwrap_or_default()
+        .to_string();
+    let took_ms = edges::number_after(&line, "took_ms=").unwrap_or(u64::MAX);
+    // The load goes on a while after the rollback.
+    orca_relay::clock::sleep(Duration::from_secs(1));
+    let report = load.report();
+    let joined = newcomers.stop();
+    eprintln!(
+        "{line}\ncontrol pause {} ms, stream gap {} ms, {} newcomers",
+        report.max_control_pause_ms,
+        report.max_stall_ms,
+        joined.len()
+    );
+    assert!(line.contains("said nothing for 2 s"), "{line}");
+    assert!(line.contains("paused_ms=0"), "nothing paused: {line}");
+    assert!(took_ms <= 3_000, "rolled back after {took_ms} ms: {line}");
+    assert!(
+        report.max_control_pause_ms <= edges::PAUSE_BOUND_MS,
+        "a control paused {} ms: {report:?}",
+        report.max_control_pause_ms
+    );
+    let troubles = edges::troubled(&joined, 1_000);
+    assert!(troubles.is_empty(), "newcomers: {troubles:?}");
+    assert!(joined.len() > 50, "{} newcomers", joined.len());
+    let finished = load.finish(Duration::from_secs(30));
+    assert!(finished.closed.is_empty(), "{:?}", finished.closed);
+    assert_eq!(finished.messages_received, finished.messages_sent);
 }

@@ -235,13 +235,15 @@ fn spawn_returning<T: Send + 'static>(
 }
 
 impl CellRuntime {
-    /// Builds what needs no connection ([`CellParts`]): `besides` is the pid of a running
-    /// process this one is about to take over from (its tasks are not counted as this one's).
+    /// Builds what needs no connection ([`CellParts`]): `besides` is what a process about to
+    /// take over holds only for the handover (the running process's pid, whose tasks are not
+    /// this one's, and descriptors of its own it closes at the commit), not to be counted in its
+    /// capacity: a fresh start's plan.
     pub fn prepare(
         config: &Config,
         clock: &SharedClock,
         registry: &Registry,
-        besides: Option<u32>,
+        besides: Option<(Option<u32>, u64)>,
     ) -> Result<CellParts, RunError> {
         // Refused and closing connections linger there, a descriptor each, at most
         // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
@@ -884,13 +886,21 @@ impl CellRuntime {
 /// The process's capacity at start (`capacity.rs`): logged as one line, the configured
 /// connection cap lowered to the ceiling with one WARN naming the limit, gauges for
 /// `/metrics`. Returns the cap in force and the relay-thread permits.
-fn plan_capacity(config: &Config, registry: &Registry, besides: Option<u32>) -> (u32, usize) {
+fn plan_capacity(
+    config: &Config,
+    registry: &Registry,
+    besides: Option<(Option<u32>, u64)>,
+) -> (u32, usize) {
     let configured = config.connection_cap;
     // The running process a handover takes over from shares the machine's and the cgroup's
-    // task counts with this one until it exits: its tasks are not this process's to count.
-    let others = besides.map_or(0, |pid| crate::capacity::process_tasks(pid).unwrap_or(0));
+    // task counts with this one until it exits: its tasks are not this process's to count;
+    // nor are the handover's own descriptors.
+    let (giver, descriptors) = besides.unwrap_or((None, 0));
+    let tasks = giver.map_or(0, |pid| crate::capacity::process_tasks(pid).unwrap_or(0));
     let plan = match crate::capacity::read_limits() {
-        Ok(limits) => crate::capacity::plan(&limits.without_tasks(others), capacity_needs(config)),
+        Ok(limits) => {
+            crate::capacity::plan(&limits.without(tasks, descriptors), capacity_needs(config))
+        }
         Err(e) => {
             // Without the figures, the configuration is trusted: a relay thread for every
             // admitted or pending connection.

@@ -88,8 +88,8 @@ pub fn run(
     let mut migrations_pending = false;
     // Everything that needs no connection first: a next process says `ready` only once it is
     // built (the running process serves untouched meanwhile).
-    let giver = take_over.as_ref().and_then(super::handover::giver_pid);
-    let parts = CellRuntime::prepare(&config, &clock, &registry, giver)?;
+    let transient = take_over.as_ref().map(super::handover::transient);
+    let parts = CellRuntime::prepare(&config, &clock, &registry, transient)?;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).

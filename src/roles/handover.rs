@@ -1071,10 +1071,19 @@ pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
     }
 }
 
-/// The running process's pid, as it told the command: its tasks are not this one's to count
-/// in its capacity (`None` from an older command or running process).
-pub fn giver_pid(take_over: &TakeOver) -> Option<u32> {
-    take_over.running.as_ref().and_then(|running| running.pid)
+/// What the next process holds now only for the handover, not to count in its capacity as a
+/// fresh start would not: the running process's pid, as it told the command (its tasks; `None`
+/// from an older command or running process), and the descriptors of the handover itself (the
+/// command's line, closed at the commit).
+pub fn transient(take_over: &TakeOver) -> (Option<u32>, u64) {
+    let line = COMMAND_LINE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some();
+    (
+        take_over.running.as_ref().and_then(|running| running.pid),
+        u64::from(line),
+    )
 }
 
 /// The next process's signs of life ([`Kind::Alive`] every [`BEAT`]), from its `ready` until
