@@ -38,9 +38,19 @@ const SUITE_HANDOVERS: usize = 5;
 /// (`cargo bench --bench handover -- --soak`, docs/BENCHMARKS.md).
 const PAUSE_ALLOWANCE: u64 = if cfg!(debug_assertions) { 4 } else { 1 };
 
+/// The tests of this binary each take the machine's two cores for their relay and load: they
+/// run one at a time, so the pauses and waits they measure are the relay's, not a neighbour
+/// test's (the soak's handover took 919 ms, and a newcomer waited 1,025 ms, beside the
+/// backpressured test's load).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ALONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The issue's soak, [`SUITE_HANDOVERS`] handovers, then a next process stopped after `ready`.
 #[test]
 fn under_the_issues_load_handovers_pause_nobody_refuse_nobody_and_grow_nothing() {
+    let _alone = one_at_a_time();
     let next = build_with_note("soak");
     let mut spec = SoakSpec::issue(SUITE_HANDOVERS, "load_helper");
     spec.pause_allowance = PAUSE_ALLOWANCE;
@@ -69,6 +79,7 @@ fn load_helper() {
 /// ended the desktop: the handover took 8,969 ms and moved no connection.)
 #[test]
 fn a_desktop_that_reads_slowly_holds_no_handover() {
+    let _alone = one_at_a_time();
     let next = build_with_note("slow");
     let figures = edges::slow_reader(None, Some(&next));
     eprintln!("{figures:?}");
@@ -93,6 +104,7 @@ fn a_desktop_that_reads_slowly_holds_no_handover() {
 /// with the carried sockets among them and lowered its cap by as many: 833 became 532.)
 #[test]
 fn carried_connections_count_once_in_the_next_processs_capacity() {
+    let _alone = one_at_a_time();
     handover_kit::raise_fd_limit();
     handover_kit::adopt_orphans();
     const NOFILE: u64 = 1_500;
@@ -146,6 +158,7 @@ fn carried_connections_count_once_in_the_next_processs_capacity() {
 /// would exceed its 1 GiB bound and every handover fail.)
 #[test]
 fn backpressured_output_moves_as_bytes_without_growing_the_running_process() {
+    let _alone = one_at_a_time();
     let figures = edges::backpressured(None, None, 8, 20, "load_helper");
     eprintln!("{figures:?}");
     assert_eq!(figures.code, 0, "{figures:?}");
@@ -165,6 +178,7 @@ fn backpressured_output_moves_as_bytes_without_growing_the_running_process() {
 /// failed.)
 #[test]
 fn a_next_process_stopped_after_ready_is_abandoned_in_2_s_and_pauses_nobody() {
+    let _alone = one_at_a_time();
     handover_kit::raise_fd_limit();
     handover_kit::adopt_orphans();
     let relay = edges::start_relay(None, &[("ORCA_RELAY_PING_MS", "2000")], None);

@@ -620,13 +620,14 @@ fn seated_desktop(relay: &Relay) -> (Identity, Blocking, u64, String) {
     (identity, control, generation, invite)
 }
 
-/// Writes pings on `stream` (non-blocking, about one a millisecond: the relay reads each as it
-/// comes, so its receive buffer does not grow) until the relay has taken none for 300 ms: its
+/// Writes pings on `stream` (non-blocking) until the relay has taken none for 300 ms: its
 /// control thread is then blocked writing a pong into our full receive buffer, and reads
 /// nothing more. Returns the pings whole on the wire and the bytes of the one cut short.
 fn ping_until_the_relay_blocks(stream: &std::net::TcpStream) -> (u64, Vec<u8>) {
     use std::io::Write;
-    send_buffer(stream, 4 * 1024);
+    // Our own send buffer stays large: a relay that only holds back a small window update
+    // (its receiver's silly-window avoidance) never leaves it full for 300 ms; a relay that
+    // reads nothing does.
     stream.set_nonblocking(true).unwrap();
     let mut written: u64 = 0;
     let mut out: Vec<u8> = Vec::new();
@@ -642,7 +643,6 @@ fn ping_until_the_relay_blocks(stream: &std::net::TcpStream) -> (u64, Vec<u8>) {
                 out.drain(..n);
                 if out.is_empty() {
                     written += 1;
-                    orca_relay::clock::sleep(Duration::from_millis(1));
                 }
                 idle_since = now_instant();
             }
@@ -658,27 +658,31 @@ fn ping_until_the_relay_blocks(stream: &std::net::TcpStream) -> (u64, Vec<u8>) {
     }
 }
 
-/// Sets `stream`'s send buffer (`SO_SNDBUF`).
-fn send_buffer(stream: &std::net::TcpStream, bytes: usize) {
-    use std::os::fd::AsRawFd;
-    let size = bytes as libc::c_int;
-    // SAFETY: a valid descriptor and a c_int option value of the stated length.
-    let set = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&size as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
+/// Whether a relay thread of process `pid` waits to write: in `poll(2)` (x86_64's syscall 7)
+/// with a timeout within the wedge window (10 s), where a thread waiting to read waits its
+/// silence window (75 s). Read from `/proc/<pid>/task/*/syscall`.
+fn a_relay_thread_waits_to_write(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
     };
-    assert_eq!(set, 0, "SO_SNDBUF: {}", std::io::Error::last_os_error());
+    tasks.flatten().any(|task| {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let syscall = std::fs::read_to_string(task.path().join("syscall")).unwrap_or_default();
+        let fields: Vec<&str> = syscall.split_whitespace().collect();
+        let timeout = fields
+            .get(3)
+            .and_then(|arg| u64::from_str_radix(arg.trim_start_matches("0x"), 16).ok());
+        comm.starts_with("relay-")
+            && fields.first() == Some(&"7")
+            && timeout.is_some_and(|ms| ms <= 10_000)
+    })
 }
 
 /// Server frames read in bulk (tens of thousands of small ones): (opcode, payload).
 struct Frames {
     buf: Vec<u8>,
     at: usize,
+    chunk: Vec<u8>,
 }
 
 impl Frames {
@@ -686,6 +690,7 @@ impl Frames {
         Frames {
             buf: buffered,
             at: 0,
+            chunk: vec![0u8; 256 * 1024],
         }
     }
 
@@ -698,12 +703,11 @@ impl Frames {
             }
             self.buf.drain(..self.at);
             self.at = 0;
-            let mut chunk = vec![0u8; 256 * 1024];
-            let n = std::io::Read::read(&mut &*stream, &mut chunk)?;
+            let n = std::io::Read::read(&mut &*stream, &mut self.chunk)?;
             if n == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
-            self.buf.extend_from_slice(&chunk[..n]);
+            self.buf.extend_from_slice(&self.chunk[..n]);
         }
     }
 }
@@ -727,11 +731,11 @@ pub struct SlowReaderFigures {
     pub failure: Option<String>,
 }
 
-/// A desktop whose control reads slowly: it pings (through a 4 KiB receive buffer it does not
-/// read) until the relay's control thread is blocked writing a pong to it and reads no more,
-/// and a phone's `conn-open` waits behind that write for the socket's writer. Then a handover
-/// (to `next`, the same build for `None`) of a relay of `binary`; then the desktop reads
-/// everything and attaches the phone.
+/// A desktop whose control reads nothing for a while: it pings, reading none of the pongs,
+/// until the relay's control thread is blocked writing a pong to it (seen in `/proc`) and reads
+/// no more, and a phone's `conn-open` waits behind that write for the socket's writer. Then a
+/// handover (to `next`, the same build for `None`) of a relay of `binary`; then the desktop
+/// reads up to the `conn-open` and attaches the phone.
 pub fn slow_reader(binary: Option<&Path>, next: Option<&Path>) -> SlowReaderFigures {
     super::adopt_orphans();
     let relay = start_relay(
@@ -742,9 +746,23 @@ pub fn slow_reader(binary: Option<&Path>, next: Option<&Path>) -> SlowReaderFigu
         ],
         None,
     );
-    let (identity, mut control, generation, invite) = seated_desktop(&relay);
-    super::load::receive_buffer(&control.stream, 4 * 1024);
-    let (pings, cut) = ping_until_the_relay_blocks(&control.stream);
+    // On loopback a relay that answered every ping it could read sometimes only holds back
+    // a window update (its receiver's silly-window avoidance against 64 KiB segments) when
+    // the desktop's writes stop: then the desktop tries again, until the relay's thread is
+    // seen waiting to write.
+    let mut attempts = 0;
+    let (identity, mut control, generation, invite, pings, cut) = loop {
+        attempts += 1;
+        let (identity, control, generation, invite) = seated_desktop(&relay);
+        let (pings, cut) = ping_until_the_relay_blocks(&control.stream);
+        if a_relay_thread_waits_to_write(relay.pid()) {
+            break (identity, control, generation, invite, pings, cut);
+        }
+        assert!(
+            attempts < 8,
+            "no desktop got the relay's thread to wait on its write"
+        );
+    };
     let cut_short = !cut.is_empty();
     // A phone: its thread writes conn-open into the desktop's socket, behind the pong.
     let (stream, rest) = client::connect(
@@ -762,16 +780,15 @@ pub fn slow_reader(binary: Option<&Path>, next: Option<&Path>) -> SlowReaderFigu
     let mut figures = SlowReaderFigures {
         pings,
         code: outcome.code,
-        line: format!("{}{}", outcome.stdout.trim(), outcome.stderr.trim()),
+        line: format!("{}\n{}", outcome.stdout.trim(), outcome.stderr.trim()),
         took_ms: number_after(&outcome.stdout, "ms, ").unwrap_or(0),
         moved: number_after(&outcome.stdout, "), ").unwrap_or(0),
         delivered: false,
         failure: None,
     };
     let _serving = outcome.new_pid.map(|pid| Serving { pid });
-    // The desktop reads everything, at full speed now (a large receive buffer), and finishes its
-    // cut ping meanwhile (the relay reads it once it has written what it owes).
-    super::load::receive_buffer(&control.stream, 4 << 20);
+    // The desktop reads, and finishes its cut ping meanwhile (the relay reads it once it has
+    // written what it owes).
     let finisher = {
         let stream = control.stream.try_clone().unwrap();
         orca_relay::threads::spawn("test-cut-ping", move || {
@@ -779,11 +796,16 @@ pub fn slow_reader(binary: Option<&Path>, next: Option<&Path>) -> SlowReaderFigu
         })
         .unwrap()
     };
+    // Up to the phone's conn-open: the pongs the relay had written, then what was owed when
+    // the quiesce began (the rest of a pong, a pong for each ping its thread had read) and the
+    // conn-open owed behind them, every one whole and in order. (The pongs for the pings
+    // still unread in the relay's buffers follow; reading them all would only time the relay
+    // answering tens of thousands of pings.)
     let pings = pings + u64::from(cut_short);
     let mut pongs = 0u64;
     let mut conn_open = None;
     let mut frames = Frames::new(std::mem::take(&mut control.buffered));
-    while pongs < pings || conn_open.is_none() {
+    while conn_open.is_none() {
         let (opcode, payload) = match frames.next(&control.stream) {
             Ok(frame) => frame,
             Err(e) => {
@@ -921,7 +943,7 @@ pub fn backpressured(
     drop(serving);
     BackpressureFigures {
         code: outcome.code,
-        line: format!("{}{}", outcome.stdout.trim(), outcome.stderr.trim()),
+        line: format!("{}\n{}", outcome.stdout.trim(), outcome.stderr.trim()),
         took_ms: number_after(&outcome.stdout, "ms, ").unwrap_or(0),
         paused_ms: number_after(&outcome.stdout, "streams paused ").unwrap_or(0),
         stream_pause_ms: report

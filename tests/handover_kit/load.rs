@@ -521,11 +521,15 @@ fn set_up(
     paired: bool,
     kind: ControlKind,
 ) -> Vec<(Blocking, Role)> {
-    let (stream, rest) = client::connect(ws, "/v1/host/control", Some(&identity.token))
-        .unwrap_or_else(|status| panic!("control {index} upgrade refused: {status}"));
-    if kind == ControlKind::Slow {
-        receive_buffer(&stream, SLOW_RECEIVE_BUFFER);
+    // A slow desktop's receive buffer is set before it connects: the window it offers is that
+    // small from the start (set later, the kernel never takes back a window it offered).
+    let path = "/v1/host/control";
+    let (stream, rest) = if kind == ControlKind::Slow {
+        client::connect_with_receive_buffer(ws, path, Some(&identity.token), SLOW_RECEIVE_BUFFER)
+    } else {
+        client::connect(ws, path, Some(&identity.token))
     }
+    .unwrap_or_else(|status| panic!("control {index} upgrade refused: {status}"));
     let mut control = Blocking::new(stream, rest);
     control
         .send_json(serde_json::json!({"type":"host-hello","v":1,
@@ -579,24 +583,6 @@ fn set_up(
     }
     out.insert(0, (control, Role::Control { index, kind }));
     out
-}
-
-/// Sets `stream`'s receive buffer (`SO_RCVBUF`; the kernel doubles the figure for its own
-/// bookkeeping and stops autotuning it).
-pub fn receive_buffer(stream: &std::net::TcpStream, bytes: usize) {
-    use std::os::fd::AsRawFd;
-    let size = bytes as libc::c_int;
-    // SAFETY: a valid descriptor and a c_int option value of the stated length.
-    let set = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            (&size as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(set, 0, "SO_RCVBUF: {}", io::Error::last_os_error());
 }
 
 fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, origin: Instant) {
