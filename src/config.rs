@@ -22,6 +22,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use crate::database_tls::{self, DatabaseTls};
+use crate::liveness::TestFault;
 use crate::service_token::ServiceTokens;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,6 +251,10 @@ pub struct Config {
     /// ahead (negative: behind), as if its machine's clock were off. Never set in production;
     /// the fault-injection test (`tests/nemesis`) uses it.
     pub test_clock_offset_ms: i64,
+    /// `ORCA_RELAY_TEST_FAULT`, a test knob: a critical thread to wedge or panic
+    /// (`liveness::TestFault`), so the tests can prove the liveness checks. Never set in
+    /// production.
+    pub test_fault: Option<TestFault>,
 }
 
 /// Every variable the relay reads, in the order `check-config` prints them.
@@ -309,6 +314,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_LEASE_RENEW_MS",
     "ORCA_RELAY_LEASE_TTL_MS",
     "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
+    "ORCA_RELAY_TEST_FAULT",
 ];
 
 /// How `check-config` shows a variable that is unset and has no default.
@@ -927,6 +933,11 @@ impl Config {
         // A test knob: a day either way covers every skew a test needs.
         let test_clock_offset_ms =
             r.signed("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", -(day as i64), day as i64);
+        let test_fault = r.text("ORCA_RELAY_TEST_FAULT").and_then(|raw| {
+            let parsed = TestFault::parse(&raw)
+                .ok_or_else(|| error("ORCA_RELAY_TEST_FAULT", &raw, TestFault::EXPECTED));
+            r.check(parsed.map(Some), None)
+        });
 
         r.finish(Config {
             role,
@@ -967,6 +978,7 @@ impl Config {
             cell_forget_ms,
             timings,
             test_clock_offset_ms,
+            test_fault,
         })
     }
 
@@ -1099,6 +1111,12 @@ impl Config {
         out.insert(
             "ORCA_RELAY_TEST_CLOCK_OFFSET_MS",
             self.test_clock_offset_ms.to_string(),
+        );
+        out.insert(
+            "ORCA_RELAY_TEST_FAULT",
+            self.test_fault
+                .as_ref()
+                .map_or_else(|| UNSET.to_string(), ToString::to_string),
         );
         for secret in SECRET_VARIABLES {
             if let Some(value) = out.get_mut(secret) {
@@ -1584,6 +1602,33 @@ mod tests {
             let err = parse(&[("ORCA_RELAY_TEST_CLOCK_OFFSET_MS", bad)]).unwrap_err();
             assert_eq!(err.variable, "ORCA_RELAY_TEST_CLOCK_OFFSET_MS", "{bad}");
             assert!(err.to_string().contains("-86400000 to 86400000"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_test_fault_names_a_kind_and_a_thread() {
+        assert_eq!(parse(&[]).unwrap().test_fault, None);
+        assert_eq!(
+            parse(&[("ORCA_RELAY_TEST_FAULT", "")]).unwrap().test_fault,
+            None
+        );
+        let config = parse(&[("ORCA_RELAY_TEST_FAULT", "wedge:acceptor@2000")]).unwrap();
+        assert_eq!(
+            config.test_fault,
+            Some(TestFault {
+                kind: crate::liveness::FaultKind::Wedge,
+                thread: "acceptor".into(),
+                after_ms: 2_000,
+            })
+        );
+        assert_eq!(
+            config.describe()["ORCA_RELAY_TEST_FAULT"],
+            "wedge:acceptor@2000"
+        );
+        for bad in ["hang:acceptor", "acceptor", "panic:", "panic:splice-0@soon"] {
+            let err = parse(&[("ORCA_RELAY_TEST_FAULT", bad)]).unwrap_err();
+            assert_eq!(err.variable, "ORCA_RELAY_TEST_FAULT", "{bad}");
+            assert!(err.to_string().contains("wedge:THREAD"), "{err}");
         }
     }
 

@@ -196,14 +196,68 @@ impl<T> Watched<T> {
     }
 }
 
+std::thread_local! {
+    /// This thread is one the process cannot live without (`liveness::Liveness::spawn_critical`):
+    /// a panic that reaches its top ends the process, with one line saying so.
+    static CRITICAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// [`catch_panic`] calls this thread is inside: a panic there costs one connection, not
+    /// the thread.
+    static CATCHING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// What the last panic on a critical thread said, for its one line.
+    static PANIC_DETAIL: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Set once a panic escapes a critical thread (it is unwinding towards the line that ends the
+/// process): another critical thread that returns meanwhile because of it (a channel the
+/// unwinding dropped) is not the cause, and says nothing.
+static CRITICAL_PANIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a panic has escaped a critical thread in this process.
+pub fn critical_panic_in_flight() -> bool {
+    CRITICAL_PANIC.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Marks the calling thread as critical (or not): see [`install_panic_logger`].
+pub fn set_critical(critical: bool) {
+    let _ = CRITICAL.try_with(|flag| flag.set(critical));
+}
+
+/// What the last panic on this critical thread said (taken).
+pub fn take_panic_detail() -> Option<String> {
+    PANIC_DETAIL
+        .try_with(|detail| detail.borrow_mut().take())
+        .ok()
+        .flatten()
+}
+
+/// Runs `f`, catching a panic: for the places that contain a panic to one connection or one
+/// probe (a splice worker's handler of one leg, a readiness probe). On a critical thread, a
+/// panic caught here is logged as any other; one that escapes to the thread's top is left to
+/// the line that ends the process.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    let _ = CATCHING.try_with(|depth| depth.set(depth.get() + 1));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    let _ = CATCHING.try_with(|depth| depth.set(depth.get().saturating_sub(1)));
+    outcome
+}
+
 /// Logs panics with the thread's name instead of only printing them to stderr, so that a
-/// panicking role thread shows up in the journal as an event.
+/// panicking role thread shows up in the journal as an event. A panic on a critical thread
+/// that nothing inside it catches ends the process: its detail goes into that one line
+/// (`orca_relay_critical_thread_failed`, `liveness.rs`) instead of a second one here.
 pub fn install_panic_logger() {
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let thread = std::thread::current();
         let name = thread.name().unwrap_or("unnamed");
-        log::error!("orca_relay_thread_panicked thread={name} detail={info}");
+        let escapes_critical = CRITICAL.try_with(|flag| flag.get()).unwrap_or(false)
+            && CATCHING.try_with(|depth| depth.get()).unwrap_or(0) == 0;
+        if escapes_critical {
+            CRITICAL_PANIC.store(true, std::sync::atomic::Ordering::Release);
+            let _ = PANIC_DETAIL.try_with(|detail| *detail.borrow_mut() = Some(info.to_string()));
+        } else {
+            log::error!("orca_relay_thread_panicked thread={name} detail={info}");
+        }
         // Set and not empty (SPEC §4: '' is unset).
         if std::env::var("ORCA_RELAY_PANIC_BACKTRACE").is_ok_and(|v| !v.trim().is_empty()) {
             default_hook(info);

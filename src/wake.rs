@@ -71,11 +71,28 @@ impl Wake {
     }
 }
 
-/// Waits until `listener` has a connection to accept (`true`) or `stop` is set (`false`).
-pub fn wait_acceptable(listener: &std::net::TcpListener, stop: &Wake) -> bool {
+/// What [`wait_acceptable_within`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acceptable {
+    /// A connection waits to be accepted.
+    Yes,
+    /// Nothing within the wait.
+    NotYet,
+    /// `stop` is set.
+    Stopped,
+}
+
+/// Waits at most `wait` until `listener` has a connection to accept or `stop` is set (a loop
+/// that must show progress on its own wakes up at least that often).
+pub fn wait_acceptable_within(
+    listener: &std::net::TcpListener,
+    stop: &Wake,
+    wait: std::time::Duration,
+) -> Acceptable {
+    let timeout = wait.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
     loop {
         if stop.is_set() {
-            return false;
+            return Acceptable::Stopped;
         }
         let mut fds = [
             libc::pollfd {
@@ -90,19 +107,26 @@ pub fn wait_acceptable(listener: &std::net::TcpListener, stop: &Wake) -> bool {
             },
         ];
         // SAFETY: two valid pollfds for the duration of the call.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
         if ready < 0 {
             if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;
             }
             // Let accept report what is wrong.
-            return !stop.is_set();
+            return if stop.is_set() {
+                Acceptable::Stopped
+            } else {
+                Acceptable::Yes
+            };
+        }
+        if ready == 0 {
+            return Acceptable::NotYet;
         }
         if fds[1].revents != 0 {
             continue;
         }
         if fds[0].revents != 0 {
-            return true;
+            return Acceptable::Yes;
         }
     }
 }

@@ -340,3 +340,61 @@ fn thread_waits(pid: u32) -> String {
     waits.sort();
     waits.join(" ")
 }
+
+/// Issue 32: a thread that waits on the database is not a wedged thread. A combined relay whose
+/// database stops answering (the proxy holds every byte) has its readiness prober, claim loop,
+/// heartbeat and feed lister all inside database calls for longer than a thread's 5 s bound:
+/// `/health` stays 200 throughout (an autohealing probe that replaced every cell whose database
+/// hangs would not cure the database), and nothing is logged stale.
+#[test]
+fn a_process_whose_database_hangs_is_not_judged_wedged() {
+    let database_url = common::pg::fresh_database("liveness_db_hang");
+    let proxy = HoldingProxy::start(upstream_of(&database_url));
+    let through_proxy = database_url.replacen(
+        &format!(":{}", upstream_of(&database_url).port()),
+        &format!(":{}", proxy.addr.port()),
+        1,
+    );
+    let relay = Relay::start_in(
+        Arc::new(TempDir::new("liveness-db-hang")),
+        &[
+            ("DATABASE_URL", &through_proxy),
+            ("ORCA_RELAY_READINESS_PROBE_MS", "100"),
+            ("ORCA_RELAY_HEARTBEAT_MS", "200"),
+            ("ORCA_RELAY_FEED_POLL_MS", "200"),
+            ("ORCA_RELAY_ADMIT_EFFECTIVE_REFRESH_MS", "200"),
+        ],
+    );
+    assert_eq!(relay.get("/health"), (200, r#"{"ok":true}"#.to_string()));
+    proxy.hold.store(true, Ordering::SeqCst);
+    let held = orca_relay::clock::instant();
+    let mut answers = Vec::new();
+    while held.elapsed() < Duration::from_secs(9) {
+        answers.push(relay.get("/health"));
+        orca_relay::clock::sleep(Duration::from_millis(250));
+    }
+    // The calls were waiting all along (the prober's last success is as old as the hold),
+    // not the threads idle.
+    let sql_age = relay
+        .metric("orca_relay_readiness_last_success_age_seconds{dependency=\"sql\"}")
+        .unwrap_or(0.0);
+    proxy.hold.store(false, Ordering::SeqCst);
+    let failed: Vec<_> = answers.iter().filter(|answer| answer.0 != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} /health answers failed while the database hung: {failed:?}\n{}",
+        failed.len(),
+        answers.len(),
+        relay.log_text()
+    );
+    assert_eq!(
+        relay.count_log("orca_relay_thread_stale"),
+        0,
+        "{}",
+        relay.log_text()
+    );
+    assert!(
+        sql_age > 8.0,
+        "the SQL probe's last success was {sql_age} s old"
+    );
+}

@@ -168,6 +168,10 @@ fn the_control_reader_retries_interrupted_reads_and_reads_the_frame() {
         socket,
         orca_relay::relay::control_reader::ControlFrames::new(Vec::new()),
         orca_relay::relay::park::Quiesce::new().unwrap(),
+        orca_relay::relay::control_reader::SilenceGuard {
+            pauses: orca_relay::pause_clock::PauseClock::new(orca_relay::clock::system()),
+            resume_grace: Duration::from_secs(1),
+        },
     );
     let writer = orca_relay::threads::spawn("test-late-writer", move || {
         orca_relay::clock::sleep(Duration::from_millis(500));

@@ -350,3 +350,234 @@ fn a_cell_frozen_past_its_window_trips_only_if_its_director_really_went_away() {
         DESKTOPS as f64
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The process's own pause is not its peers' silence (issue 32, SPEC §13 "Liveness").
+
+/// The control silence window of the pause-guard cases, and the ping period under it: a
+/// desktop answers every ping, so it is never silent for more than a period while the relay
+/// runs.
+const SILENCE_MS: u64 = 1_000;
+const PING_MS: u64 = 250;
+/// The splice idle window: a quiet leg gets the relay's ping at half of it.
+const SPLICE_IDLE_MS: u64 = 1_000;
+/// After a pause, a control is judged silent only once it has had a fresh ping and one more
+/// ping period to answer it: `min(2 × PING_MS, SILENCE_MS)` after the resume.
+const RESUME_GRACE_MS: u64 = 2 * PING_MS;
+
+/// What one client socket saw, read on a thread of its own.
+#[derive(Default)]
+struct Heard {
+    /// When each of the relay's pings (JSON on a control, a WebSocket ping on a leg) arrived.
+    pings: Vec<std::time::Instant>,
+    /// The close code (None: the connection dropped) and when it came.
+    closed: Option<(Option<u16>, std::time::Instant)>,
+}
+
+/// A client that reads its socket the whole time, as a live desktop or phone does: it answers
+/// the relay's JSON pings with pongs (tungstenite answers WebSocket pings by itself) and records
+/// what it heard. `quiet` stops it answering from then on: a desktop that went silent (it still
+/// reads, so that the test sees its close).
+struct Responder {
+    heard: Arc<std::sync::Mutex<Heard>>,
+    quiet: Arc<std::sync::atomic::AtomicBool>,
+    done: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Responder {
+    fn start(mut ws: Ws) -> Responder {
+        use std::sync::atomic::Ordering;
+        set_read_timeout(&ws, Some(Duration::from_millis(50)));
+        let heard = Arc::new(std::sync::Mutex::new(Heard::default()));
+        let quiet = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (h, q, d) = (heard.clone(), quiet.clone(), done.clone());
+        let thread = std::thread::Builder::new()
+            .name("responder".into())
+            .spawn(move || loop {
+                if d.load(Ordering::Acquire) {
+                    return;
+                }
+                match ws.read() {
+                    Ok(Message::Text(text)) => {
+                        let value: serde_json::Value =
+                            serde_json::from_str(&text).unwrap_or_default();
+                        if value["type"] == "ping" && !q.load(Ordering::Acquire) {
+                            h.lock().unwrap().pings.push(now_instant());
+                            send_json(&mut ws, serde_json::json!({"type":"pong","t":value["t"]}));
+                        }
+                    }
+                    Ok(Message::Ping(_)) => {
+                        h.lock().unwrap().pings.push(now_instant());
+                        let _ = ws.flush();
+                    }
+                    Ok(Message::Close(frame)) => {
+                        h.lock().unwrap().closed =
+                            Some((frame.map(|f| u16::from(f.code)), now_instant()));
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(tungstenite::Error::Io(e))
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => {
+                        h.lock().unwrap().closed = Some((None, now_instant()));
+                        return;
+                    }
+                }
+            })
+            .expect("responder thread");
+        Responder {
+            heard,
+            quiet,
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    fn closed(&self) -> Option<(Option<u16>, std::time::Instant)> {
+        self.heard.lock().unwrap().closed
+    }
+
+    fn pings_since(&self, since: std::time::Instant) -> usize {
+        self.heard
+            .lock()
+            .unwrap()
+            .pings
+            .iter()
+            .filter(|at| **at >= since)
+            .count()
+    }
+
+    fn go_quiet(&self) {
+        self.quiet.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A relay stopped with SIGSTOP for 2× and for 20× its control silence window, then continued,
+/// closes no control and no spliced pair that answers its next ping, idle ones included: the
+/// silence it finds on resume is its own pause, not its peers'. A control that really stays
+/// silent after the resume is still closed 4408, a fresh ping and one ping period after it.
+/// (Before: every idle control whose answer to the last ping before the stop had arrived was
+/// closed 4408 at once on SIGCONT, and every quiet pair 4408 with it: the silence deadline,
+/// counted from the last byte heard on a clock that ran through the stop, was found passed
+/// without a look at the socket; issue 32.)
+#[test]
+fn a_relay_stopped_for_2x_and_20x_its_silence_closes_nothing_that_answers_its_next_ping() {
+    const IDLE_DESKTOPS: usize = 6;
+    const PAIRS: usize = 2;
+    let silence = SILENCE_MS.to_string();
+    let ping = PING_MS.to_string();
+    let idle = SPLICE_IDLE_MS.to_string();
+    let dir = Arc::new(TempDir::new("pause-silence"));
+    write_switch(
+        &dir.0.join("switch.json"),
+        "combined",
+        1,
+        serde_json::json!({ "admitMode": "db" }),
+    );
+    let env = timings(&[
+        ("ORCA_RELAY_SILENCE_MS", silence.as_str()),
+        ("ORCA_RELAY_PING_MS", ping.as_str()),
+        ("ORCA_RELAY_SPLICE_IDLE_MS", idle.as_str()),
+    ]);
+    let relay = Relay::start_in(dir, &env_refs(&env));
+
+    for (round, stopped_ms) in [2 * SILENCE_MS, 20 * SILENCE_MS].into_iter().enumerate() {
+        // Fresh clients each round: idle desktops, desktops with an idle spliced pair, and one
+        // desktop that stops answering once the relay is continued.
+        let mut desktops: Vec<Desktop> = (0..IDLE_DESKTOPS + PAIRS + 1)
+            .map(|_| Desktop::connect(&relay))
+            .collect();
+        let mut legs = Vec::new();
+        for desktop in desktops.iter_mut().skip(IDLE_DESKTOPS).take(PAIRS) {
+            let (phone, leg) = splice(&relay, desktop);
+            legs.push(Responder::start(phone));
+            legs.push(Responder::start(leg));
+        }
+        let controls: Vec<Responder> = desktops
+            .into_iter()
+            .map(|desktop| Responder::start(desktop.control))
+            .collect();
+        let quitter = controls.last().expect("the quitter");
+        let everyone = || controls.iter().chain(legs.iter());
+        // Every socket has been pinged and answered while the relay runs.
+        let settled = now_instant();
+        wait_for("a ping on every socket", || {
+            everyone().all(|r| r.pings_since(settled) >= 2)
+        });
+        let before = now_instant();
+        // The quitter stops answering while the relay is stopped: the fresh ping after the
+        // resume goes unanswered.
+        relay.freeze_for(Duration::from_millis(stopped_ms), || quitter.go_quiet());
+        let resumed = now_instant();
+        // Every socket that answers is pinged again after the resume and stays open.
+        wait_for(
+            "a ping (or a close) on every answering socket after the resume",
+            || {
+                everyone()
+                    .filter(|r| !std::ptr::eq(*r, quitter))
+                    .all(|r| r.pings_since(resumed) >= 3 || r.closed().is_some())
+            },
+        );
+        // Controls first (the quitter last), then each pair's phone and data leg.
+        let closed: Vec<String> = everyone()
+            .enumerate()
+            .filter(|(_, r)| !std::ptr::eq(*r, quitter))
+            .filter_map(|(n, r)| {
+                let (code, at) = r.closed()?;
+                let kind = if n < controls.len() { "control" } else { "leg" };
+                Some(format!(
+                    "{kind} {n}: {code:?} {} ms after the resume",
+                    at.saturating_duration_since(resumed).as_millis()
+                ))
+            })
+            .collect();
+        assert!(
+            closed.is_empty(),
+            "round {round} ({stopped_ms} ms stopped): closed {closed:#?}\n{}",
+            relay.log_text()
+        );
+        // The quitter, silent since the resume, is closed 4408 on time: not at once, and by a
+        // fresh ping and its answer time (plus scheduling slack).
+        wait_for("the quitter's close", || quitter.closed().is_some());
+        let (code, at) = quitter.closed().unwrap();
+        assert_eq!(code, Some(4408), "round {round}");
+        let after_ms = at.saturating_duration_since(resumed).as_millis() as u64;
+        eprintln!(
+            "round {round} ({stopped_ms} ms stopped): the silent control closed {after_ms} ms after the resume"
+        );
+        assert!(
+            after_ms >= RESUME_GRACE_MS / 2,
+            "round {round}: the silent control was closed {after_ms} ms after the resume, before a fresh ping could be answered"
+        );
+        assert!(
+            after_ms <= RESUME_GRACE_MS + 2_000,
+            "round {round}: the silent control was closed only {after_ms} ms after the resume"
+        );
+        assert!(before < resumed);
+        assert_eq!(
+            metric(&relay, "orca_relay_connections{kind=\"phone\"}"),
+            PAIRS as f64,
+            "round {round}: phones"
+        );
+        drop(legs);
+        drop(controls);
+        wait_for("every socket of the round gone", || {
+            metric(&relay, "orca_relay_connections{kind=\"control\"}") == 0.0
+                && metric(&relay, "orca_relay_connections{kind=\"phone\"}") == 0.0
+        });
+    }
+}

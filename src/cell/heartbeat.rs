@@ -71,10 +71,14 @@ pub fn run(
     clock: SharedClock,
     stop: Receiver<()>,
     last_beat: LastBeat,
+    progress: &crate::liveness::Beat,
 ) {
     let agent = ureq::AgentBuilder::new().timeout(HEARTBEAT_TIMEOUT).build();
     let failures = KeyedThrottle::new();
     loop {
+        // A critical thread: it shows progress every turn (at most READY_WATCH apart), and is
+        // not judged while a delivery waits on a director or the store.
+        progress.beat();
         let beat = sample();
         let due = match last_beat.get() {
             None => true,
@@ -84,7 +88,7 @@ pub fn run(
         };
         if due {
             last_beat.set(crate::clock::instant(), beat.ready);
-            deliver(&sink, &agent, &beat, &failures, clock.as_ref());
+            progress.waiting(|| deliver(&sink, &agent, &beat, &failures, clock.as_ref()));
         }
         match stop.recv_timeout(READY_WATCH.min(period)) {
             Err(RecvTimeoutError::Timeout) => {}
@@ -351,7 +355,9 @@ mod tests {
             service_token: ServiceTokens::single("t"),
         };
         // A period far longer than the test: only the flip can cause the second beat.
+        let liveness = crate::liveness::Liveness::detached(crate::clock::system());
         let thread = crate::threads::spawn("test-heartbeat", move || {
+            let progress = liveness.register("heartbeat", crate::liveness::BEAT_PERIOD);
             run(
                 sink,
                 Duration::from_secs(3600),
@@ -359,6 +365,7 @@ mod tests {
                 crate::clock::system(),
                 stop_rx,
                 LastBeat::default(),
+                &progress,
             )
         })
         .unwrap();

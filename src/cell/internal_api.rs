@@ -472,6 +472,7 @@ mod tests {
                         .unwrap_or_else(|| Reply::error(404, "not_found"))
                 }),
                 &registry,
+                &crate::liveness::Liveness::detached(clock.clone()),
             )
             .unwrap();
             let agent = ureq::AgentBuilder::new()

@@ -22,7 +22,7 @@
 
 use std::fmt;
 use std::path::Path;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -390,16 +390,18 @@ pub fn run_switch_watcher(
     publish: impl Fn(Switch),
     stop: Receiver<()>,
     applied: Switch,
+    beat: &crate::liveness::Beat,
 ) -> Switch {
     let mut watcher = SwitchWatcher::resuming(cell_id, applied);
     loop {
+        beat.beat();
         let event = watcher.poll(read_switch_file(path));
         if let Some(switch) = event.applied {
             publish(switch);
         }
-        match stop.recv_timeout(period) {
-            Err(RecvTimeoutError::Timeout) => continue,
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => return watcher.applied(),
+        // A critical thread: it beats at least once a beat period while it waits.
+        if crate::liveness::wait_beating(&stop, crate::clock::instant() + period, beat) {
+            return watcher.applied();
         }
     }
 }
@@ -808,6 +810,8 @@ mod tests {
         let (stop_tx, stop_rx) = mpsc::channel();
         // The stop signal is already queued: the body polls once, then returns.
         stop_tx.send(()).unwrap();
+        let liveness = crate::liveness::Liveness::detached(crate::clock::system());
+        let beat = liveness.register("switch-watcher", crate::liveness::BEAT_PERIOD);
         let applied = run_switch_watcher(
             &path,
             "c7",
@@ -815,6 +819,7 @@ mod tests {
             move |switch| sink.lock().unwrap().push(switch),
             stop_rx,
             Switch::default(),
+            &beat,
         );
         assert_eq!(*published.lock().unwrap(), vec![reserve(4, None)]);
         assert_eq!(applied, reserve(4, None), "what it applied comes back");
@@ -830,6 +835,7 @@ mod tests {
             move |switch| sink.lock().unwrap().push(switch),
             stop_rx,
             applied,
+            &beat,
         );
         assert!(again.lock().unwrap().is_empty());
         std::fs::remove_dir_all(&dir).ok();

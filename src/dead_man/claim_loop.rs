@@ -13,7 +13,7 @@ use crate::clock::SharedClock;
 use crate::config::Timings;
 use crate::dead_man::window::{ClaimResult, Mode};
 use crate::dead_man::writer::{
-    run_claim_loop, CellAdmitEffectiveWriter, ClaimAnswer, EffectiveRowStore, WriterInbox,
+    run_claim_loop_beating, CellAdmitEffectiveWriter, ClaimAnswer, EffectiveRowStore, WriterInbox,
     WriterTimings,
 };
 use crate::metrics::Registry;
@@ -113,10 +113,17 @@ pub fn run(
     inbox: WriterInbox,
     clock: SharedClock,
     answers: Sender<ClaimResult>,
+    beat: &crate::liveness::Beat,
 ) -> CellAdmitEffectiveWriter<StoreRow> {
-    run_claim_loop(&mut writer, inbox, clock.as_ref(), move |result| {
-        let _ = answers.send(result);
-    });
+    run_claim_loop_beating(
+        &mut writer,
+        inbox,
+        clock.as_ref(),
+        move |result| {
+            let _ = answers.send(result);
+        },
+        Some(beat),
+    );
     writer
 }
 

@@ -66,7 +66,12 @@ impl Watchdog {
     /// The thread body; returns when `stop` receives or its sender is dropped, with the window
     /// as it stands and the channel of claim answers (a live handover carries the window and
     /// the answers not taken yet).
-    pub fn run(mut self, stop: Receiver<()>) -> (Window, Receiver<ClaimResult>) {
+    /// Beats once a tick (a critical thread; its tick is at most a second).
+    pub fn run(
+        mut self,
+        stop: Receiver<()>,
+        beat: &crate::liveness::Beat,
+    ) -> (Window, Receiver<ClaimResult>) {
         let mut window = self
             .window
             .take()
@@ -95,6 +100,7 @@ impl Watchdog {
             window.window_ms()
         );
         loop {
+            beat.beat();
             match stop.recv_timeout(period) {
                 Err(RecvTimeoutError::Timeout) => {}
                 _ => {

@@ -406,6 +406,15 @@ impl WriterInbox {
         self.wake.recv().ok()?;
         Some(std::mem::take(&mut *lock_pending(&self.pending)))
     }
+
+    /// As [`WriterInbox::next`], waiting at most `wait`: `Some(None)` when nothing came.
+    pub fn next_within(&self, wait: std::time::Duration) -> Option<Option<Pending>> {
+        match self.wake.recv_timeout(wait) {
+            Ok(()) => Some(Some(std::mem::take(&mut *lock_pending(&self.pending)))),
+            Err(mpsc::RecvTimeoutError::Timeout) => Some(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+        }
+    }
 }
 
 impl WriterHandle {
@@ -464,26 +473,65 @@ pub fn run_claim_loop<S: EffectiveRowStore>(
     clock: &dyn Clock,
     answer: impl Fn(ClaimResult),
 ) {
-    while let Some(pending) = inbox.next() {
-        if let Some(view) = pending.tick {
-            writer.tick(
-                clock.now_ms(),
-                view.switch_says_reserve,
-                view.raw_mode,
-                view.tripped,
-            );
+    run_claim_loop_beating(writer, inbox, clock, answer, None)
+}
+
+/// [`run_claim_loop`] on a critical thread: it beats at least once a beat period while it
+/// waits, and is not judged while a write or a claim waits on the database.
+pub fn run_claim_loop_beating<S: EffectiveRowStore>(
+    writer: &mut CellAdmitEffectiveWriter<S>,
+    inbox: WriterInbox,
+    clock: &dyn Clock,
+    answer: impl Fn(ClaimResult),
+    beat: Option<&crate::liveness::Beat>,
+) {
+    loop {
+        let pending = match beat {
+            None => inbox.next(),
+            Some(beat) => {
+                beat.beat();
+                match inbox.next_within(crate::liveness::BEAT_PERIOD) {
+                    Some(Some(pending)) => Some(pending),
+                    Some(None) => continue,
+                    None => None,
+                }
+            }
+        };
+        let Some(pending) = pending else {
+            return;
+        };
+        match beat {
+            Some(beat) => beat.waiting(|| carry_out(writer, pending, clock, &answer)),
+            None => carry_out(writer, pending, clock, &answer),
         }
-        if pending.release {
-            writer.release_slot(clock.now_ms());
-        }
-        if let Some(request) = pending.claim {
-            let decision = writer.claim(request.slots, clock.now_ms());
-            answer(ClaimResult {
-                generation: request.generation,
-                silence_started_ms: request.silence_started_ms,
-                permit: decision.is_permit(),
-            });
-        }
+    }
+}
+
+/// What one wake of the claim loop found pending, in order.
+fn carry_out<S: EffectiveRowStore>(
+    writer: &mut CellAdmitEffectiveWriter<S>,
+    pending: Pending,
+    clock: &dyn Clock,
+    answer: &impl Fn(ClaimResult),
+) {
+    if let Some(view) = pending.tick {
+        writer.tick(
+            clock.now_ms(),
+            view.switch_says_reserve,
+            view.raw_mode,
+            view.tripped,
+        );
+    }
+    if pending.release {
+        writer.release_slot(clock.now_ms());
+    }
+    if let Some(request) = pending.claim {
+        let decision = writer.claim(request.slots, clock.now_ms());
+        answer(ClaimResult {
+            generation: request.generation,
+            silence_started_ms: request.silence_started_ms,
+            permit: decision.is_permit(),
+        });
     }
 }
 

@@ -66,7 +66,7 @@
 //! delay) polling because the database is down or slow.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -77,6 +77,7 @@ use super::membership::{self, Judge};
 use super::placement::FeedView;
 use crate::cell::status_report::StatusReport;
 use crate::clock::SharedClock;
+use crate::liveness::{wait_beating, Beat, Liveness, Standing, BEAT_PERIOD};
 use crate::logging::KeyedThrottle;
 use crate::metrics::Registry;
 use crate::service_token::ServiceTokens;
@@ -685,6 +686,7 @@ impl JobQueue {
     /// heartbeat only while fewer than `silent_workers` such polls are in progress. Waits for
     /// one (re-ranking at least every `recheck`, as heartbeats change the figures); `None`
     /// once the queue is closed (polls still waiting are dropped).
+    #[cfg(test)]
     fn take(
         &self,
         board: &FeedBoard,
@@ -692,10 +694,30 @@ impl JobQueue {
         clock: &SharedClock,
         recheck: Duration,
     ) -> Option<PollJob> {
+        loop {
+            match self.take_within(board, pacing, clock, recheck, Duration::from_secs(3600)) {
+                Taken::Job(job) => return Some(job),
+                Taken::Idle => {}
+                Taken::Closed => return None,
+            }
+        }
+    }
+
+    /// As [`JobQueue::take`], waiting at most `wait` (a worker is a critical thread: it beats
+    /// between two calls, outside the queue's lock).
+    fn take_within(
+        &self,
+        board: &FeedBoard,
+        pacing: &Pacing,
+        clock: &SharedClock,
+        recheck: Duration,
+        wait: Duration,
+    ) -> Taken {
+        let until = crate::clock::instant() + wait;
         let mut state = self.lock();
         loop {
             if state.closed {
-                return None;
+                return Taken::Closed;
             }
             let now = clock.monotonic_ms();
             let silent_allowed = state.silent_polling < self.silent_workers;
@@ -722,23 +744,29 @@ impl JobQueue {
                 }
                 // Polls of cells that left the board are dropped (indices after `index` moved;
                 // they are found again next time).
-                return Some(board.job(&waiting, self.lane, silent));
+                return Taken::Job(board.job(&waiting, self.lane, silent));
             }
             for index in gone.into_iter().rev() {
                 state.waiting.swap_remove(index);
             }
-            state = if state.waiting.is_empty() {
-                self.ready.wait(state).unwrap_or_else(|e| e.into_inner())
+            let left = until.saturating_duration_since(crate::clock::instant());
+            if left.is_zero() {
+                return Taken::Idle;
+            }
+            let wait = if state.waiting.is_empty() {
+                left
             } else {
-                self.ready
-                    .wait_timeout(state, recheck)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0
+                recheck.min(left)
             };
+            state = self
+                .ready
+                .wait_timeout(state, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
-    /// A poll taken by [`JobQueue::take`] is over.
+    /// A poll taken by [`JobQueue::take_within`] is over.
     fn finished(&self, job: &PollJob) {
         if job.silent {
             let mut state = self.lock();
@@ -752,6 +780,15 @@ impl JobQueue {
         self.lock().closed = true;
         self.ready.notify_all();
     }
+}
+
+/// What [`JobQueue::take_within`] found.
+enum Taken {
+    Job(PollJob),
+    /// Nothing to take within the wait.
+    Idle,
+    /// The queue is closed (polls still waiting are dropped).
+    Closed,
 }
 
 /// The seat feed's answer, read leniently: unknown fields are ignored, and so are the seats
@@ -968,13 +1005,16 @@ fn run_lister(
     list: &CellList,
     period: Duration,
     stop: Receiver<()>,
+    beat: &Beat,
 ) {
     let mut store_failing: Option<&'static str> = None;
     let mut next = crate::clock::instant();
     loop {
+        beat.beat();
         // Taken before the query: a registration this director saw earlier is in the answer.
         let began_ms = clock.monotonic_ms();
-        match store.list_cells() {
+        // A listing waits on the database (one that hangs is not this thread stuck).
+        match beat.waiting(|| store.list_cells()) {
             Ok(listed) => {
                 if store_failing.take().is_some() {
                     log::info!(
@@ -1001,9 +1041,8 @@ fn run_lister(
         if next < now {
             next = now;
         }
-        match stop.recv_timeout(next - now) {
-            Err(RecvTimeoutError::Timeout) => {}
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        if wait_beating(&stop, next, beat) {
+            return;
         }
     }
 }
@@ -1019,12 +1058,16 @@ pub struct FeedPollerConfig {
     pub pacing: Pacing,
     /// Which cells are retired (not polled).
     pub membership: Judge,
+    /// Every poller thread is a critical thread of the process.
+    pub liveness: Liveness,
 }
 
 /// The running poller: its coordinator and workers. Stop it with [`FeedPoller::stop`].
 pub struct FeedPoller {
     stop: Sender<()>,
     coordinator: JoinHandle<()>,
+    /// The coordinator's, the lister's and every worker's: stood down before they stop.
+    standings: Vec<Standing>,
 }
 
 /// What the coordinator needs besides the store.
@@ -1055,6 +1098,8 @@ impl FeedPoller {
         let period = Duration::from_millis(config.pacing.period_ms.max(1));
         let live = JobQueue::new(Lane::Live, LIVE_WORKERS);
         let suspect = JobQueue::new(Lane::Suspect, SILENT_WORKERS);
+        let liveness = config.liveness;
+        let mut standings = Vec::new();
         let mut workers = Vec::with_capacity(LIVE_WORKERS + SUSPECT_WORKERS);
         for (lane, queue, count) in [
             ("live", &live, LIVE_WORKERS),
@@ -1063,27 +1108,43 @@ impl FeedPoller {
             for n in 0..count {
                 let poller = poller.clone();
                 let queue = queue.clone();
-                workers.push(threads::spawn(format!("feed-{lane}-{n}"), move || {
-                    // Heartbeats change the order of waiting polls: a worker with nothing it
-                    // may take looks again every period.
-                    while let Some(job) =
-                        queue.take(&poller.board, &poller.pacing, &poller.clock, period)
-                    {
-                        poller.poll(&job);
-                        queue.finished(&job);
-                    }
-                })?);
+                let name = format!("feed-{lane}-{n}");
+                let (worker, standing) =
+                    liveness.spawn_critical(&name, BEAT_PERIOD, move |beat| {
+                        // Heartbeats change the order of waiting polls: a worker with nothing it
+                        // may take looks again every period.
+                        loop {
+                            beat.beat();
+                            let job = match queue.take_within(
+                                &poller.board,
+                                &poller.pacing,
+                                &poller.clock,
+                                period,
+                                BEAT_PERIOD,
+                            ) {
+                                Taken::Job(job) => job,
+                                Taken::Idle => continue,
+                                Taken::Closed => return,
+                            };
+                            // A poll waits on the cell (2 s at most).
+                            beat.waiting(|| poller.poll(&job));
+                            queue.finished(&job);
+                        }
+                    })?;
+                workers.push(worker);
+                standings.push(standing);
             }
         }
         let (stop, stop_receiver) = mpsc::channel();
         let list = CellList::default();
         let (lister_stop, lister_stop_receiver) = mpsc::channel::<()>();
-        let lister = {
+        let (lister, lister_standing) = {
             let (store, clock, list) = (config.store, config.clock.clone(), list.clone());
-            threads::spawn_watched("feed-lister", move || {
-                run_lister(&store, &clock, &list, period, lister_stop_receiver)
+            liveness.spawn_critical_watched("feed-lister", BEAT_PERIOD, move |beat| {
+                run_lister(&store, &clock, &list, period, lister_stop_receiver, &beat)
             })?
         };
+        standings.push(lister_standing);
         let rounds = Rounds {
             board: poller.board.clone(),
             clock: config.clock,
@@ -1094,24 +1155,33 @@ impl FeedPoller {
             suspect: suspect.clone(),
             registry: config.registry,
         };
-        let coordinator = threads::spawn("feed-poller", move || {
-            rounds.run(&list, stop_receiver);
-            // The lister ends after its current listing; one that waits on a database that
-            // stopped answering is left to end with the process.
-            drop(lister_stop);
-            lister.join_within("feed-lister", crate::threads::STOP_WAIT);
-            // The queues are closed: each worker ends after its current poll (≤ 2 s).
-            live.close();
-            suspect.close();
-            for worker in workers {
-                threads::join_logged("feed-poll", worker);
-            }
-        })?;
-        Ok(FeedPoller { stop, coordinator })
+        let (coordinator, coordinator_standing) =
+            liveness.spawn_critical("feed-poller", BEAT_PERIOD, move |beat| {
+                rounds.run(&list, stop_receiver, &beat);
+                // The lister ends after its current listing; one that waits on a database that
+                // stopped answering is left to end with the process.
+                drop(lister_stop);
+                lister.join_within("feed-lister", crate::threads::STOP_WAIT);
+                // The queues are closed: each worker ends after its current poll (≤ 2 s).
+                live.close();
+                suspect.close();
+                for worker in workers {
+                    threads::join_logged("feed-poll", worker);
+                }
+            })?;
+        standings.push(coordinator_standing);
+        Ok(FeedPoller {
+            stop,
+            coordinator,
+            standings,
+        })
     }
 
     /// Stops polling and joins every poller thread (at most one poll timeout).
     pub fn stop(self) {
+        for standing in &self.standings {
+            standing.stand_down();
+        }
         let _ = self.stop.send(());
         threads::join_logged("feed-poller", self.coordinator);
     }
@@ -1128,13 +1198,14 @@ impl Rounds {
 
     /// One round every period, at a fixed rate (a slow round does not push the next ones back),
     /// over the latest list `feed-lister` has (never waiting for the database).
-    fn run(&self, list: &CellList, stop: Receiver<()>) {
+    fn run(&self, list: &CellList, stop: Receiver<()>, beat: &Beat) {
         log::info!(
             "orca_relay_director_feed_poller_started period_ms={} live_workers={LIVE_WORKERS} suspect_workers={SUSPECT_WORKERS}",
             self.period.as_millis()
         );
         let mut next_round = crate::clock::instant();
         loop {
+            beat.beat();
             let listing = list.latest();
             let cells = self.board.with_seen(&listing.cells, listing.began_ms);
             self.round(&cells, listing.began_ms);
@@ -1143,9 +1214,8 @@ impl Rounds {
             if next_round < now {
                 next_round = now;
             }
-            match stop.recv_timeout(next_round - now) {
-                Err(RecvTimeoutError::Timeout) => {}
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
+            if wait_beating(&stop, next_round, beat) {
+                break;
             }
         }
         log::info!("orca_relay_director_feed_poller_stopped");

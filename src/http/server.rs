@@ -238,17 +238,18 @@ pub struct HttpServer {
     /// Wakes the acceptor out of its wait to stop it. (Not `shutdown(2)` on the listener: a
     /// live handover's next process, or a systemd socket unit, shares it.)
     wake: Arc<crate::wake::Wake>,
-    /// `None` once the acceptor has stopped.
-    acceptor: Option<JoinHandle<()>>,
+    /// `None` once the acceptor has stopped. A critical thread: stood down before it stops.
+    acceptor: Option<(JoinHandle<()>, crate::liveness::Standing)>,
 }
 
 impl HttpServer {
-    /// Serves `handler` on `listener`.
+    /// Serves `handler` on `listener`; the `http-acceptor` is a critical thread of `liveness`.
     pub fn start(
         listener: TcpListener,
         settings: HttpSettings,
         handler: Handler,
         registry: &Registry,
+        liveness: &crate::liveness::Liveness,
     ) -> std::io::Result<HttpServer> {
         // The acceptor waits in `poll` beside its wake; the accept itself never blocks.
         listener.set_nonblocking(true)?;
@@ -268,8 +269,8 @@ impl HttpServer {
         let acceptor = {
             let shared = shared.clone();
             let wake = wake.clone();
-            crate::threads::spawn("http-acceptor", move || {
-                run_acceptor(listener, shared, &wake)
+            liveness.spawn_critical("http-acceptor", crate::liveness::BEAT_PERIOD, move |beat| {
+                run_acceptor(listener, shared, &wake, &beat)
             })?
         };
         Ok(HttpServer {
@@ -301,8 +302,9 @@ impl HttpServer {
     /// served on.
     pub fn stop_accepting(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
-        self.wake.set();
-        if let Some(acceptor) = self.acceptor.take() {
+        if let Some((acceptor, standing)) = self.acceptor.take() {
+            standing.stand_down();
+            self.wake.set();
             crate::threads::join_logged("http-acceptor", acceptor);
         }
     }
@@ -343,14 +345,23 @@ pub fn accept_error_is_per_connection(error: &std::io::Error) -> bool {
     ) || matches!(error.raw_os_error(), Some(libc::EPROTO) | Some(libc::EPERM))
 }
 
-fn run_acceptor(listener: TcpListener, shared: Arc<Shared>, wake: &crate::wake::Wake) {
+fn run_acceptor(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    wake: &crate::wake::Wake,
+    beat: &crate::liveness::Beat,
+) {
     static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
     // Resource exhaustion is logged once per run of failures, not per attempt.
     let mut accept_failing = false;
     let mut spawn_failing = false;
     loop {
-        if !crate::wake::wait_acceptable(&listener, wake) {
-            return;
+        // A critical thread: it beats once a turn and waits at most a beat period.
+        beat.beat();
+        match crate::wake::wait_acceptable_within(&listener, wake, crate::liveness::BEAT_PERIOD) {
+            crate::wake::Acceptable::Yes => {}
+            crate::wake::Acceptable::NotYet => continue,
+            crate::wake::Acceptable::Stopped => return,
         }
         let stream = match listener.accept() {
             Ok((stream, _)) => {
@@ -959,7 +970,9 @@ mod tests {
                 )
                 .with_header("X-Injected", "a\r\nX-Evil: 1"),
             });
-            let server = HttpServer::start(listener, settings, handler, &registry).unwrap();
+            let liveness = crate::liveness::Liveness::detached(crate::clock::system());
+            let server =
+                HttpServer::start(listener, settings, handler, &registry, &liveness).unwrap();
             Fixture {
                 addr,
                 server: Some(server),

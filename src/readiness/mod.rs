@@ -18,8 +18,7 @@ pub use verdict::{
     ReadinessEvent, Snapshot, Verdict,
 };
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -299,7 +298,7 @@ impl Readiness {
 }
 
 fn run_probe(probe: &Probe, panicked: &'static str) -> Result<(), ProbeFailure> {
-    catch_unwind(AssertUnwindSafe(probe)).unwrap_or(Err(panicked.into()))
+    crate::threads::catch_panic(probe).unwrap_or(Err(panicked.into()))
 }
 
 impl Readiness {
@@ -372,6 +371,7 @@ pub fn run_prober(
     clock: SharedClock,
     period: Duration,
     stop: Receiver<()>,
+    beat: &crate::liveness::Beat,
 ) {
     log::info!(
         "orca_relay_readiness_prober_started period_ms={} jwks={}",
@@ -383,12 +383,15 @@ pub fn run_prober(
         }
     );
     loop {
-        for event in readiness.probe_once(&probes, clock.now_ms()) {
+        beat.beat();
+        // The probes wait on the JWKS and the database (bounded by their own timeouts, or by
+        // the database's): not this thread being stuck.
+        for event in beat.waiting(|| readiness.probe_once(&probes, clock.now_ms())) {
             log_event(&event);
         }
-        match stop.recv_timeout(period) {
-            Err(RecvTimeoutError::Timeout) => {}
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
+        // A critical thread: it beats at least once a beat period while it waits.
+        if crate::liveness::wait_beating(&stop, crate::clock::instant() + period, beat) {
+            break;
         }
     }
     log::info!("orca_relay_readiness_prober_stopped");
@@ -824,7 +827,11 @@ mod tests {
         let clock: SharedClock = ManualClock::starting_at(T0);
         let handle = crate::threads::spawn("readiness", {
             let readiness = readiness.clone();
-            move || run_prober(readiness, probes, clock, period, stop_rx)
+            let liveness = crate::liveness::Liveness::detached(clock.clone());
+            move || {
+                let beat = liveness.register("readiness", crate::liveness::BEAT_PERIOD);
+                run_prober(readiness, probes, clock, period, stop_rx, &beat)
+            }
         })
         .expect("spawn the prober");
         (stop_tx, calls, handle, readiness)

@@ -71,6 +71,8 @@ pub struct RelayContext {
     pub admission_failures: Arc<crate::logging::SharedThrottle>,
     /// A live handover's hold on the relay threads (`relay/park.rs`).
     pub quiesce: Arc<Quiesce>,
+    /// The process's critical threads and its pause clock (`liveness.rs`).
+    pub liveness: crate::liveness::Liveness,
     next_id: Arc<AtomicU64>,
 }
 
@@ -92,6 +94,7 @@ impl RelayContext {
         splice: Arc<splice::SplicePlane>,
         thread_permits: Arc<Permits>,
         quiesce: Arc<Quiesce>,
+        liveness: crate::liveness::Liveness,
     ) -> Self {
         let slots = ConnectionSlots::new(connection_cap);
         for reason in [
@@ -194,7 +197,22 @@ impl RelayContext {
             thread_permits,
             admission_failures: Arc::default(),
             quiesce,
+            liveness,
             next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// How a control's silence is judged across this process's own pause: a fresh ping and
+    /// one ping period to answer it after the pause, at most the silence window.
+    pub fn silence_guard(&self) -> super::control_reader::SilenceGuard {
+        super::control_reader::SilenceGuard {
+            pauses: self.liveness.pauses(),
+            resume_grace: std::time::Duration::from_millis(
+                crate::pause_clock::control_resume_grace_ms(
+                    self.timings.ping_ms,
+                    self.timings.silence_ms,
+                ),
+            ),
         }
     }
 

@@ -6,7 +6,7 @@
 //! renewer renews database-admitted controls' activity leases and closes a control 4503 when
 //! its placement has moved.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,7 @@ use crate::carry::connection::{ClaimsRecord, ControlRecord};
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};
+use crate::liveness::{wait_beating, Beat};
 use crate::protocol::{
     self, CloseCode, HostToRelay, RelayToHost, INVITE_CREATE_BURST, INVITE_CREATE_REFILL_MS,
     INVITE_MAX_ATTEMPTS,
@@ -445,13 +446,17 @@ fn handle_message(
 /// The `pinger` thread body: from `next` on, every `ping_ms`, a ping to every control that is
 /// not mid-write. Returns when stopped, with when the next ping was due (a handover carries
 /// it).
-pub fn run_pinger(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
+/// Beats at least once a beat period while it waits (a critical thread).
+pub fn run_pinger(
+    context: RelayContext,
+    stop: Receiver<()>,
+    mut next: Instant,
+    beat: &Beat,
+) -> Instant {
     let period = Duration::from_millis(context.timings.ping_ms);
     loop {
-        let wait = next.saturating_duration_since(crate::clock::instant());
-        match stop.recv_timeout(wait) {
-            Err(RecvTimeoutError::Timeout) => {}
-            _ => return next,
+        if wait_beating(&stop, next, beat) {
+            return next;
         }
         let ping = protocol::to_json(&RelayToHost::Ping {
             t: context.clock.now_ms(),
@@ -467,17 +472,23 @@ pub fn run_pinger(context: RelayContext, stop: Receiver<()>, mut next: Instant) 
 /// The `lease-renewer` thread body: every `lease_renew_ms`, renews the lease of every
 /// database-admitted control; a moved placement closes that control 4503. From `next` on;
 /// returns when stopped, with when the next renewal was due (a handover carries it).
-pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: Instant) -> Instant {
+/// Beats at least once a beat period while it waits and between two renewals; a renewal is a
+/// database call, not judged while it lasts (a critical thread).
+pub fn run_lease_renewer(
+    context: RelayContext,
+    stop: Receiver<()>,
+    mut next: Instant,
+    beat: &Beat,
+) -> Instant {
     let period = Duration::from_millis(context.timings.lease_renew_ms);
     let mut renew_failures = crate::logging::FailureThrottle::new();
     loop {
-        let wait = next.saturating_duration_since(crate::clock::instant());
-        match stop.recv_timeout(wait) {
-            Err(RecvTimeoutError::Timeout) => {}
-            _ => return next,
+        if wait_beating(&stop, next, beat) {
+            return next;
         }
         next = crate::clock::instant() + period;
         for control in context.cell.controls() {
+            beat.beat();
             // A pass over thousands of leases takes a while: a stop (a drain, a handover) is
             // heard between two renewals; the pass is then due again at once.
             if !matches!(stop.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
@@ -487,16 +498,18 @@ pub fn run_lease_renewer(context: RelayContext, stop: Receiver<()>, mut next: In
                 continue;
             };
             let now = context.clock.now_ms() as i64;
-            let outcome = context.store.renew_lease(
-                lease_id,
-                &control.user_id,
-                &control.relay_host_id,
-                &context.cell_id,
-                control.epoch,
-                admission::CONTROL_LEASE_KIND,
-                now + context.timings.lease_ttl_ms as i64,
-                now,
-            );
+            let outcome = beat.waiting(|| {
+                context.store.renew_lease(
+                    lease_id,
+                    &control.user_id,
+                    &control.relay_host_id,
+                    &context.cell_id,
+                    control.epoch,
+                    admission::CONTROL_LEASE_KIND,
+                    now + context.timings.lease_ttl_ms as i64,
+                    now,
+                )
+            });
             if outcome.is_ok() {
                 if let Some(note) = renew_failures.success() {
                     log::info!("orca_relay_lease_renew_recovered{note}");

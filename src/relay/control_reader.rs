@@ -25,6 +25,7 @@ use super::park::{wait_readable, Quiesce, Waited};
 use super::socket::{drain_for_linger, Socket, CLOSE_LINGER};
 use crate::carry::connection::ReaderRecord;
 use crate::clock;
+use crate::pause_clock::PauseClock;
 use crate::protocol::CONTROL_MAX_FRAME_BYTES;
 
 /// The buffer a control starts with: idle controls are many and their frames small.
@@ -193,6 +194,15 @@ pub enum Deadline {
     Silence(Duration),
 }
 
+/// How a control's silence is judged across this process's own pause (SPEC §13): a silence
+/// that spans the pause is judged only `resume_grace` after it ended, a fresh ping and its
+/// answer time (`pause_clock::control_resume_grace_ms`).
+#[derive(Clone)]
+pub struct SilenceGuard {
+    pub pauses: Arc<PauseClock>,
+    pub resume_grace: Duration,
+}
+
 /// The reading side of a control, owned by its relay thread.
 pub struct Reader {
     socket: Arc<Socket>,
@@ -200,15 +210,25 @@ pub struct Reader {
     quiesce: Arc<Quiesce>,
     /// When the last bytes arrived (or the reader started).
     last_heard: Instant,
+    guard: SilenceGuard,
+    /// Silence is not judged before this (set once a silence window ran out across a pause).
+    judged_from: Option<Instant>,
 }
 
 impl Reader {
-    pub fn new(socket: Arc<Socket>, frames: ControlFrames, quiesce: Arc<Quiesce>) -> Reader {
+    pub fn new(
+        socket: Arc<Socket>,
+        frames: ControlFrames,
+        quiesce: Arc<Quiesce>,
+        guard: SilenceGuard,
+    ) -> Reader {
         Reader {
             socket,
             frames,
             quiesce,
             last_heard: clock::instant(),
+            guard,
+            judged_from: None,
         }
     }
 
@@ -220,6 +240,7 @@ impl Reader {
         quiesce: Arc<Quiesce>,
         silence_deadline: Instant,
         silence: Duration,
+        guard: SilenceGuard,
     ) -> Reader {
         // The window left is what the last byte heard left over: carried, not restarted.
         let last_heard = silence_deadline
@@ -230,6 +251,8 @@ impl Reader {
             frames: ControlFrames::from_record(record),
             quiesce,
             last_heard,
+            guard,
+            judged_from: None,
         }
     }
 
@@ -241,9 +264,30 @@ impl Reader {
         self.frames.record()
     }
 
-    /// When the silence window ends (`silence` after the last byte heard).
+    /// When the silence window ends (`silence` after the last byte heard, or later once a
+    /// pause of this process was found in it).
     pub fn silence_deadline(&self, silence: Duration) -> Instant {
-        self.last_heard + silence
+        let window = self.last_heard + silence;
+        self.judged_from.map_or(window, |from| window.max(from))
+    }
+
+    /// The silence window ran out: if this process's own pause is in it, silence is judged
+    /// again a fresh ping and its answer time after the pause ended, and `true` says to go on
+    /// waiting (the socket is looked at again then; what the desktop sent meanwhile is read).
+    fn judged_after_pause(&mut self, silence: Duration) -> bool {
+        let now = clock::instant();
+        let heard_ago = now.saturating_duration_since(self.last_heard).as_millis() as u64;
+        let left = crate::pause_clock::silent_in(
+            heard_ago,
+            silence.as_millis() as u64,
+            self.guard.pauses.ended_ago_ms(),
+            self.guard.resume_grace.as_millis() as u64,
+        );
+        if left == 0 {
+            return false;
+        }
+        self.judged_from = Some(now + Duration::from_millis(left));
+        true
     }
 
     /// The next message. Pings are answered and pongs dropped on the way.
@@ -273,11 +317,14 @@ impl Reader {
             };
             let until = match deadline {
                 Deadline::At(at) => at,
-                Deadline::Silence(silence) => self.last_heard + silence,
+                Deadline::Silence(silence) => self.silence_deadline(silence),
             };
             match wait_readable(self.socket.stream(), Some(until), &self.quiesce) {
                 Waited::Readable => {}
-                Waited::TimedOut => return ReadEvent::TimedOut,
+                Waited::TimedOut => match deadline {
+                    Deadline::Silence(silence) if self.judged_after_pause(silence) => continue,
+                    _ => return ReadEvent::TimedOut,
+                },
                 Waited::Quiesce => return ReadEvent::Quiesce,
             }
             let space = self.frames.space(needed);
@@ -287,6 +334,7 @@ impl Reader {
                 Ok(n) => {
                     self.frames.filled(n);
                     self.last_heard = clock::instant();
+                    self.judged_from = None;
                 }
                 Err(e)
                     if matches!(

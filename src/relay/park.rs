@@ -29,7 +29,7 @@ use crate::carry::connection::{
 };
 use crate::cell::state::AdmitPath;
 use crate::clock;
-pub use crate::wake::{wait_acceptable, Wake};
+pub use crate::wake::Wake;
 
 /// Holds the threads of a received handover before their first I/O until the handover has
 /// committed ([`Gate::open`]) or failed ([`Gate::abandon`]).

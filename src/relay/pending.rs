@@ -30,7 +30,8 @@
 //! [`upgrade::UPGRADE_DEADLINE`] (5 s) for the head and the whole pending life. At the 101 it
 //! can only come closer: a splice leg's first frame is due `ORCA_RELAY_FIRST_FRAME_MS` (2 s)
 //! after its upgrade and never later than that. The loop sleeps until the nearest deadline
-//! (a min-heap); bytes, pings and answered pongs never move one. A head that was partly sent
+//! (a min-heap), at most a second (the acceptor is a critical thread and beats every turn:
+//! `liveness.rs`); bytes, pings and answered pongs never move one. A head that was partly sent
 //! gets 408, a first frame that is late 4401.
 //!
 //! **The bound.** At most `ORCA_RELAY_PENDING_UPGRADES_MAX` sockets, and at most
@@ -123,6 +124,7 @@ pub fn run(
     context: RelayContext,
     stop: Arc<Wake>,
     carried: Vec<Parked>,
+    beat: &crate::liveness::Beat,
 ) -> (TcpListener, Vec<Parked>) {
     let spare = match listener.try_clone() {
         Ok(spare) => spare,
@@ -137,7 +139,7 @@ pub fn run(
             for parked in carried {
                 plane.adopt(parked);
             }
-            plane.run();
+            plane.run(beat);
             let pending = plane.export();
             (plane.listener, pending)
         }
@@ -280,9 +282,12 @@ impl Plane {
         })
     }
 
-    fn run(&mut self) {
+    /// The loop, until stopped: beats once a turn and waits at most a beat period (an idle
+    /// acceptor beats too).
+    fn run(&mut self, beat: &crate::liveness::Beat) {
         let mut events = Events::with_capacity(1024);
         loop {
+            beat.beat();
             let now = clock::instant();
             let next_deadline = self
                 .deadlines
@@ -300,6 +305,9 @@ impl Plane {
             } else {
                 next_deadline
             };
+            let timeout = Some(timeout.map_or(crate::liveness::BEAT_PERIOD, |wait| {
+                wait.min(crate::liveness::BEAT_PERIOD)
+            }));
             match self.poll.poll(&mut events, timeout) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

@@ -809,21 +809,36 @@ impl Ord for Due {
 
 impl Reaper {
     /// Starts the `reaper` thread without a bound on what lingers (peers that have gone are
-    /// still closed at once); it ends when every `Reaper` handle is dropped.
-    pub fn start() -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
-        Reaper::start_bounded(ClosingBound::unbounded())
+    /// still closed at once), a critical thread of `liveness`; it ends when every `Reaper`
+    /// handle is dropped (with the process: the cell's context holds one for its whole life).
+    /// Also returns its [`crate::liveness::Standing`]: stood down at the end of a drain, before
+    /// the last handle goes.
+    pub fn start(
+        liveness: &crate::liveness::Liveness,
+    ) -> io::Result<(
+        Reaper,
+        (std::thread::JoinHandle<()>, crate::liveness::Standing),
+    )> {
+        Reaper::start_bounded(ClosingBound::unbounded(), liveness)
     }
 
     /// Starts the `reaper` thread with `closing` bounding the connections that linger.
     pub fn start_bounded(
         closing: Arc<ClosingBound>,
-    ) -> io::Result<(Reaper, std::thread::JoinHandle<()>)> {
+        liveness: &crate::liveness::Liveness,
+    ) -> io::Result<(
+        Reaper,
+        (std::thread::JoinHandle<()>, crate::liveness::Standing),
+    )> {
         let (sender, receiver) = mpsc::channel();
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), REAPER_WAKER)?;
         let close_frames = Arc::new(AtomicU64::new(0));
         let owed = close_frames.clone();
-        let handle = crate::threads::spawn("reaper", move || run_reaper(receiver, &owed, poll))?;
+        let thread =
+            liveness.spawn_critical("reaper", crate::liveness::BEAT_PERIOD, move |beat| {
+                run_reaper(receiver, &owed, poll, &beat)
+            })?;
         Ok((
             Reaper {
                 sender,
@@ -831,7 +846,7 @@ impl Reaper {
                 wake: Arc::new(ReaperWake(waker)),
                 closing,
             },
-            handle,
+            thread,
         ))
     }
 
@@ -949,11 +964,17 @@ fn monotonic_ms() -> u64 {
     START.get_or_init(clock::instant).elapsed().as_millis() as u64
 }
 
-fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64, mut poll: Poll) {
+fn run_reaper(
+    receiver: Receiver<(u64, Doomed)>,
+    close_frames: &AtomicU64,
+    mut poll: Poll,
+    beat: &crate::liveness::Beat,
+) {
     let mut heap: BinaryHeap<Due> = BinaryHeap::new();
     let mut watched = Watched::default();
     let mut events = Events::with_capacity(256);
     loop {
+        beat.beat();
         let now = monotonic_ms();
         while heap.peek().is_some_and(|due| due.0 <= now) {
             if let Some(Due(_, first, doomed)) = heap.pop() {
@@ -979,7 +1000,8 @@ fn run_reaper(receiver: Receiver<(u64, Doomed)>, close_frames: &AtomicU64, mut p
         let wait = if watched.ready.is_empty() {
             heap.peek()
                 .map(|due| Duration::from_millis(due.0.saturating_sub(now)))
-                .unwrap_or(Duration::from_secs(3600))
+                .unwrap_or(crate::liveness::BEAT_PERIOD)
+                .min(crate::liveness::BEAT_PERIOD)
         } else {
             Duration::ZERO
         };
@@ -1197,7 +1219,8 @@ mod tests {
 
     #[test]
     fn a_close_while_another_thread_writes_still_sends_its_close_frame() {
-        let (reaper, _reaper_thread) = Reaper::start().unwrap();
+        let liveness = crate::liveness::Liveness::detached(crate::clock::system());
+        let (reaper, _reaper_thread) = Reaper::start(&liveness).unwrap();
         let (socket, mut peer) = socket_pair();
         // Another thread (a sender of this socket) holds the writer for a moment.
         let writer = lock_writer(&socket.writer);

@@ -212,6 +212,7 @@ fn run_stage(
                     socket.clone(),
                     ControlFrames::from_record(reader),
                     context.quiesce.clone(),
+                    context.silence_guard(),
                 );
                 control::serve(
                     context,
@@ -243,6 +244,7 @@ fn run_stage(
                 context.quiesce.clone(),
                 silence_deadline,
                 Duration::from_millis(context.timings.silence_ms),
+                context.silence_guard(),
             );
             control::resume(context, socket, reader, control, invites)
         }

@@ -31,6 +31,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     let signals = crate::lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
+    let liveness = super::process::liveness(&config, &clock)?;
     let (verifier, unsaved_key) =
         super::process::verifier_for(&config, &clock, take_over.is_some())?;
     let store = super::process::open_store(&config)?;
@@ -45,7 +46,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     // Everything that needs no connection first: a next process says `ready` only once it is
     // built (the running process serves untouched meanwhile).
     let transient = take_over.as_ref().map(super::handover::transient);
-    let parts = CellRuntime::prepare(&config, &clock, &registry, transient)?;
+    let parts = CellRuntime::prepare(&config, &clock, &registry, transient, &liveness)?;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
@@ -95,6 +96,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         taker
             .as_ref()
             .map(|taker| (&taker.document.readiness, &taker.carry)),
+        &liveness,
     )?;
     let readiness = prober.readiness.clone();
     let built = CellRuntime::start(CellSetup {
@@ -116,6 +118,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
         parts,
+        liveness: liveness.clone(),
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,
@@ -129,6 +132,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             clock: clock.clone(),
             metrics_wait_for_start: true,
             ready_gate: None,
+            liveness: liveness.clone(),
         };
         let cell = cell.clone();
         Arc::new(move |request: &mut Request<'_>| {
@@ -146,6 +150,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             HttpSettings::from_config(&config),
             handler.clone(),
             &registry,
+            &liveness,
         )
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
     };
@@ -224,7 +229,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         }
     };
     crate::lifecycle::notify_ready();
-    super::process::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr, &liveness)?;
     let http = Arc::new(Mutex::new(Some(http)));
     let giver = Giver::start(GiverParts {
         role: "cell",

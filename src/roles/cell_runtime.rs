@@ -43,6 +43,7 @@ use crate::dead_man::window::{ClaimResult, Window};
 use crate::dead_man::writer::{CellAdmitEffectiveWriter, WriterHandle};
 use crate::http::{Reply, Request};
 use crate::lifecycle::{Shutdown, ShutdownState};
+use crate::liveness::{Beat, Liveness, Standing, BEAT_PERIOD};
 use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
@@ -83,6 +84,8 @@ pub struct CellSetup<'a> {
     pub resume: Option<(CellRecord, Carry)>,
     /// What was built before the connections were known ([`CellRuntime::prepare`]).
     pub parts: CellParts,
+    /// The process's critical threads (every cell-wide thread is one) and its pause clock.
+    pub liveness: Liveness,
 }
 
 /// What a cell builds before it knows its connections: the reaper, the splice workers, its
@@ -92,7 +95,7 @@ pub struct CellSetup<'a> {
 /// its own.
 pub struct CellParts {
     reaper: Reaper,
-    reaper_handle: JoinHandle<()>,
+    reaper_handle: (JoinHandle<()>, Standing),
     splice: Arc<SplicePlane>,
     connection_cap: u32,
     relay_threads: usize,
@@ -114,6 +117,8 @@ struct Stoppable {
     name: &'static str,
     stop: Sender<()>,
     handle: threads::Watched<()>,
+    /// A critical thread: stood down before it is asked to stop.
+    standing: Standing,
 }
 
 impl Stoppable {
@@ -121,6 +126,7 @@ impl Stoppable {
     /// still inside a database call after [`super::process::FINAL_WRITE_WAIT`] (a drain's exit never
     /// waits on a database that stopped answering).
     fn stop_and_join(self) {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle
             .join_within(self.name, super::process::FINAL_WRITE_WAIT);
@@ -131,11 +137,14 @@ impl Stoppable {
 struct Returning<T> {
     stop: Sender<()>,
     handle: threads::Watched<T>,
+    /// A critical thread: stood down before it is asked to stop.
+    standing: Standing,
 }
 
 impl<T> Returning<T> {
     /// Stops the thread and waits for what it gives back (a live handover needs it).
     fn stop(self, name: &str) -> Option<T> {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle.join(name)
     }
@@ -143,6 +152,7 @@ impl<T> Returning<T> {
     /// Stops the thread for a drain: joined within [`super::process::FINAL_WRITE_WAIT`], else left to
     /// end with the process (it waits on a database that stopped answering).
     fn stop_within(self, name: &str) {
+        self.standing.stand_down();
         drop(self.stop);
         self.handle
             .join_within(name, super::process::FINAL_WRITE_WAIT);
@@ -155,7 +165,10 @@ struct CellThreads {
     renewer: Returning<Instant>,
     switch: Returning<Switch>,
     watchdog: Returning<(Window, mpsc::Receiver<ClaimResult>)>,
-    claim_loop: threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
+    claim_loop: (
+        threads::Watched<CellAdmitEffectiveWriter<StoreRow>>,
+        Standing,
+    ),
     /// The claim loop's other writer handle (the drain's final write goes through it).
     writer: WriterHandle,
 }
@@ -181,7 +194,7 @@ pub struct CellRuntime {
     internal: Option<InternalApi>,
     ws_addr: SocketAddr,
     acceptor_stop: Arc<Wake>,
-    acceptor: Mutex<Option<JoinHandle<AcceptorEnd>>>,
+    acceptor: Mutex<Option<(JoinHandle<AcceptorEnd>, Standing)>>,
     /// Pending connections (no credential checked yet) for the next acceptor: a handover's,
     /// or this process's own after a failed one.
     carried_pending: Mutex<Vec<Parked>>,
@@ -193,7 +206,7 @@ pub struct CellRuntime {
     thread_setup: ThreadSetup,
     /// The state a received handover's threads start from (taken by `resume_threads`).
     resumed_state: Mutex<Option<CellThreadsState>>,
-    reaper: Mutex<Option<JoinHandle<()>>>,
+    reaper: Mutex<Option<(JoinHandle<()>, Standing)>>,
     readiness: Readiness,
     /// Starts the `heartbeat` thread; taken by [`CellRuntime::serve`].
     heartbeat: Mutex<Option<PendingHeartbeat>>,
@@ -214,24 +227,39 @@ pub struct CellRuntime {
 
 type PendingHeartbeat = Box<dyn FnOnce() -> Result<Stoppable, RunError> + Send>;
 
+/// Starts the critical thread `name` (it beats at least once a [`BEAT_PERIOD`]).
 fn spawn_stoppable(
+    liveness: &Liveness,
     name: &'static str,
-    body: impl FnOnce(mpsc::Receiver<()>) + Send + 'static,
+    body: impl FnOnce(mpsc::Receiver<()>, &Beat) + Send + 'static,
 ) -> Result<Stoppable, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn_watched(name, move || body(receiver))
+    let (handle, standing) = liveness
+        .spawn_critical_watched(name, BEAT_PERIOD, move |beat| body(receiver, &beat))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
-    Ok(Stoppable { name, stop, handle })
+    Ok(Stoppable {
+        name,
+        stop,
+        handle,
+        standing,
+    })
 }
 
+/// Starts the critical thread `name`, which gives back what it ends with.
 fn spawn_returning<T: Send + 'static>(
+    liveness: &Liveness,
     name: &'static str,
-    body: impl FnOnce(mpsc::Receiver<()>) -> T + Send + 'static,
+    body: impl FnOnce(mpsc::Receiver<()>, &Beat) -> T + Send + 'static,
 ) -> Result<Returning<T>, RunError> {
     let (stop, receiver) = mpsc::channel();
-    let handle = threads::spawn_watched(name, move || body(receiver))
+    let (handle, standing) = liveness
+        .spawn_critical_watched(name, BEAT_PERIOD, move |beat| body(receiver, &beat))
         .map_err(|e| RunError(format!("cannot start the {name} thread: {e}")))?;
-    Ok(Returning { stop, handle })
+    Ok(Returning {
+        stop,
+        handle,
+        standing,
+    })
 }
 
 impl CellRuntime {
@@ -244,12 +272,13 @@ impl CellRuntime {
         clock: &SharedClock,
         registry: &Registry,
         besides: Option<(Option<u32>, u64)>,
+        liveness: &Liveness,
     ) -> Result<CellParts, RunError> {
         // Refused and closing connections linger there, a descriptor each, at most
         // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
         let closing =
             relay::closing::ClosingBound::new(config.closing_connections_max as usize, registry);
-        let (reaper, reaper_handle) = Reaper::start_bounded(closing)
+        let (reaper, reaper_handle) = Reaper::start_bounded(closing, liveness)
             .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
         let splice = SplicePlane::start(
             config.splice_workers as usize,
@@ -260,6 +289,7 @@ impl CellRuntime {
             ),
             clock.clone(),
             RelayMetrics::new(registry),
+            liveness,
         )
         .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
         let (connection_cap, relay_threads) = plan_capacity(config, registry, besides);
@@ -294,6 +324,7 @@ impl CellRuntime {
             relay_threads,
             quiesce,
         } = setup.parts;
+        let liveness = setup.liveness.clone();
         let context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
@@ -310,6 +341,7 @@ impl CellRuntime {
             splice.clone(),
             threads::Permits::new(relay_threads),
             quiesce,
+            liveness.clone(),
         );
         register_cell_metrics(&setup.registry, &setup.store, &context);
         let contact = Contact::new();
@@ -410,9 +442,10 @@ impl CellRuntime {
             let period = Duration::from_millis(config.timings.heartbeat_ms);
             let clock = clock.clone();
             let last_beat = last_beat.clone();
+            let liveness = liveness.clone();
             Box::new(move || {
-                spawn_stoppable("heartbeat", move |stop| {
-                    heartbeat::run(sink, period, sample, clock, stop, last_beat)
+                spawn_stoppable(&liveness, "heartbeat", move |stop, beat| {
+                    heartbeat::run(sink, period, sample, clock, stop, last_beat, beat)
                 })
             })
         };
@@ -486,11 +519,14 @@ impl CellRuntime {
         self.acceptor_stop.clear();
         let context = self.context.clone();
         let stop = self.acceptor_stop.clone();
-        let handle = threads::spawn("acceptor", move || {
-            pending::run(listener, context, stop, carried)
-        })
-        .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
-        *lock(&self.acceptor) = Some(handle);
+        let acceptor = self
+            .context
+            .liveness
+            .spawn_critical("acceptor", BEAT_PERIOD, move |beat| {
+                pending::run(listener, context, stop, carried, &beat)
+            })
+            .map_err(|e| RunError(format!("cannot start the acceptor thread: {e}")))?;
+        *lock(&self.acceptor) = Some(acceptor);
         Ok(())
     }
 
@@ -498,8 +534,12 @@ impl CellRuntime {
     /// backlog), keeps the listener, and gives back the pending connections it held, as they
     /// were.
     pub fn stop_acceptor(&self) -> Vec<Parked> {
+        let acceptor = lock(&self.acceptor).take();
+        if let Some((_, standing)) = &acceptor {
+            standing.stand_down();
+        }
         self.acceptor_stop.set();
-        if let Some(acceptor) = lock(&self.acceptor).take() {
+        if let Some((acceptor, _)) = acceptor {
             if let Some((listener, pending)) = threads::join_logged("acceptor", acceptor) {
                 *lock(&self.idle_listener) = Some(listener);
                 return pending;
@@ -523,19 +563,20 @@ impl CellRuntime {
     /// `switch-watcher`, `claim-loop` and `watchdog`.
     pub fn restart_threads(&self, state: CellThreadsState) -> Result<(), RunError> {
         let context = &self.context;
+        let liveness = &context.liveness;
         let setup = &self.thread_setup;
         let pinger = {
             let context = context.clone();
             let next = state.next_ping;
-            spawn_returning("pinger", move |stop| {
-                relay::control::run_pinger(context, stop, next)
+            spawn_returning(liveness, "pinger", move |stop, beat| {
+                relay::control::run_pinger(context, stop, next, beat)
             })?
         };
         let renewer = {
             let context = context.clone();
             let next = state.next_renewal;
-            spawn_returning("lease-renewer", move |stop| {
-                relay::control::run_lease_renewer(context, stop, next)
+            spawn_returning(liveness, "lease-renewer", move |stop, beat| {
+                relay::control::run_lease_renewer(context, stop, next, beat)
             })?
         };
         let switch = {
@@ -544,7 +585,7 @@ impl CellRuntime {
             let cell_id = context.cell_id.to_string();
             let period = setup.switch_poll;
             let applied = state.switch;
-            spawn_returning("switch-watcher", move |stop| {
+            spawn_returning(liveness, "switch-watcher", move |stop, beat| {
                 run_switch_watcher(
                     &path,
                     &cell_id,
@@ -552,6 +593,7 @@ impl CellRuntime {
                     |switch| mode.set_switch(switch),
                     stop,
                     applied,
+                    beat,
                 )
             })?
         };
@@ -563,10 +605,11 @@ impl CellRuntime {
         }
         let claim_clock = self.clock.clone();
         let claim_writer = state.writer;
-        let claim_loop = threads::spawn_watched("claim-loop", move || {
-            claim_loop::run(claim_writer, inbox, claim_clock, answers_tx)
-        })
-        .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
+        let claim_loop = liveness
+            .spawn_critical_watched("claim-loop", BEAT_PERIOD, move |beat| {
+                claim_loop::run(claim_writer, inbox, claim_clock, answers_tx, &beat)
+            })
+            .map_err(|e| RunError(format!("cannot start the claim-loop thread: {e}")))?;
         let on_trip = {
             let context = context.clone();
             let stop = self.reregister_stop.clone();
@@ -589,7 +632,9 @@ impl CellRuntime {
             registry: self.registry.clone(),
             window: state.window,
         };
-        let watchdog = spawn_returning("watchdog", move |stop| watchdog.run(stop))?;
+        let watchdog = spawn_returning(liveness, "watchdog", move |stop, beat| {
+            watchdog.run(stop, beat)
+        })?;
         *lock(&self.cell_threads) = Some(CellThreads {
             pinger,
             renewer,
@@ -618,8 +663,10 @@ impl CellRuntime {
         // The watchdog first (the claim loop's other writer), then the loop ends once the last
         // handle is gone; answers it gives after the watchdog stopped wait in the channel.
         let watched = threads.watchdog.stop("watchdog");
+        let (claim_loop, claim_standing) = threads.claim_loop;
+        claim_standing.stand_down();
         drop(threads.writer);
-        let writer = threads.claim_loop.join("claim-loop")?;
+        let writer = claim_loop.join("claim-loop")?;
         let (window, answers) = match watched {
             Some((window, answers)) => (Some(window), answers.try_iter().collect()),
             None => (None, Vec::new()),
@@ -728,6 +775,7 @@ impl CellRuntime {
         let mut threads = lock(&self.threads);
         if let Some(at) = threads.iter().position(|t| t.name == "heartbeat") {
             let heartbeat = threads.remove(at);
+            heartbeat.standing.stand_down();
             drop(heartbeat.stop);
         }
     }
@@ -858,10 +906,10 @@ impl CellRuntime {
             let writer = cell_threads.writer;
             self.final_row_write(&writer);
             // This was the last handle: the claim loop carries out what is pending, then ends.
+            let (claim_loop, claim_standing) = cell_threads.claim_loop;
+            claim_standing.stand_down();
             drop(writer);
-            cell_threads
-                .claim_loop
-                .join_within("claim-loop", super::process::FINAL_WRITE_WAIT);
+            claim_loop.join_within("claim-loop", super::process::FINAL_WRITE_WAIT);
         }
         let stoppables: Vec<Stoppable> = lock(&self.threads).drain(..).collect();
         for stoppable in stoppables.into_iter().rev() {
@@ -879,7 +927,10 @@ impl CellRuntime {
             self.context.cell_id,
             remaining.len()
         );
-        let _ = lock(&self.reaper).take();
+        // The reaper ends once the last handle to it goes, with the process: not a failure.
+        if let Some((_, standing)) = lock(&self.reaper).take() {
+            standing.stand_down();
+        }
     }
 }
 

@@ -74,6 +74,7 @@ pub fn run(
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
+    let liveness = super::process::liveness(&config, &clock)?;
     // The fleet listing is served only with a token the operator knows.
     let token_configured = config.service_token.is_some();
     if config.service_token.is_none() {
@@ -89,7 +90,7 @@ pub fn run(
     // Everything that needs no connection first: a next process says `ready` only once it is
     // built (the running process serves untouched meanwhile).
     let transient = take_over.as_ref().map(super::handover::transient);
-    let parts = CellRuntime::prepare(&config, &clock, &registry, transient)?;
+    let parts = CellRuntime::prepare(&config, &clock, &registry, transient, &liveness)?;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
@@ -158,6 +159,7 @@ pub fn run(
         taker
             .as_ref()
             .map(|taker| (&taker.document.readiness, &taker.carry)),
+        &liveness,
     )?;
     let readiness = prober.readiness.clone();
 
@@ -179,6 +181,7 @@ pub fn run(
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
         parts,
+        liveness: liveness.clone(),
     });
     let cell = Arc::new(match (built, &taker) {
         (Ok(cell), _) => cell,
@@ -231,6 +234,7 @@ pub fn run(
             clock: clock.clone(),
             metrics_wait_for_start: true,
             ready_gate: Some(placeable.clone()),
+            liveness: liveness.clone(),
         };
         let cell = cell.clone();
         let assign_context = assign_context.clone();
@@ -260,6 +264,7 @@ pub fn run(
             HttpSettings::from_config(&config),
             handler.clone(),
             &registry,
+            &liveness,
         )
         .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))
     };
@@ -289,7 +294,7 @@ pub fn run(
         "orca_relay_listening role=combined cell_id={} ws={ws_addr} http={http_addr}",
         config.cell_id
     );
-    super::process::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr, &liveness)?;
 
     // The combined role has no remote director to register with: the cell is in the store.
     let record = SelfRecord {
@@ -323,6 +328,7 @@ pub fn run(
         registry: registry.clone(),
         pacing: Pacing::from_config(&config),
         membership,
+        liveness: liveness.clone(),
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
     let (sweeper_stop, sweeper_stop_rx) = mpsc::channel::<()>();

@@ -3,13 +3,15 @@
 //!
 //! Threads: `signals` (SIGTERM/SIGINT → drain), `migrator` (applies migrations, retrying in the
 //! background while the database is down), `readiness` (JWKS and SQL probes), `feed-poller`
-//! with `feed-lister` and its `feed-live-<n>` and `feed-suspect-<n>` workers, `fleet-sweeper`
-//! (forgets long-silent cells, deletes expired leases), `http-acceptor` and `http-<n>`, and
-//! `systemd-watchdog` when `WatchdogSec=` is set (`WATCHDOG=1` after its own `GET /health`
-//! answered). The main thread waits for the drain and runs the shutdown order: `/ready` says
-//! draining, the poller stops, the prober stops, HTTP stops, exit 0.
+//! with its `feed-live-<n>`, `feed-suspect-<n>` workers and `feed-lister`, `fleet-sweeper`
+//! (forgets long-silent cells, deletes expired leases), `http-acceptor` and `http-<n>`,
+//! `pause-clock`, and `systemd-watchdog` when `WatchdogSec=` is set (`WATCHDOG=1` only while
+//! every critical thread beats, `liveness.rs`). The main thread waits for the drain and
+//! runs the shutdown order: `/ready` says draining, the poller stops, the prober stops, HTTP
+//! stops, exit 0.
 //!
-//! Never crash-loops on a dead database: the process starts, serves `/health` 200 and `/ready`
+//! Never crash-loops on a dead database: the process starts, serves `/health` 200 (its threads
+//! waiting on the database are not judged stale) and `/ready`
 //! 503 (`starting` until migrations are applied, then whatever the SQL probe says), and
 //! becomes ready once the database answers. `READY=1` goes to systemd as soon as HTTP serves,
 //! so a database outage at boot cannot run the unit into `TimeoutStartSec`.
@@ -59,6 +61,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     let signals = lifecycle::install_signal_handlers(&shutdown)
         .map_err(|e| RunError(format!("cannot install signal handlers: {e}")))?;
     super::process::raise_fd_limit();
+    let liveness = super::process::liveness(&config, &clock)?;
     let (http_listener, http_addr) = bind_with_addr("ORCA_RELAY_HTTP_ADDR", config.http_addr)?;
 
     let readiness = Readiness::from_config(&config);
@@ -81,7 +84,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     };
 
     let (prober_stop, prober_stop_rx) = mpsc::channel::<()>();
-    let prober = {
+    let (prober, prober_standing) = {
         let jwks_verifier = verifier.clone();
         let sql_store = store.clone();
         let probes = Probes {
@@ -95,10 +98,11 @@ pub fn run(config: Config) -> Result<(), RunError> {
         let readiness = readiness.clone();
         let clock = clock.clone();
         let period = Duration::from_millis(config.timings.readiness_probe_ms);
-        threads::spawn_watched("readiness", move || {
-            readiness::run_prober(readiness, probes, clock, period, prober_stop_rx)
-        })
-        .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?
+        liveness
+            .spawn_critical_watched("readiness", crate::liveness::BEAT_PERIOD, move |beat| {
+                readiness::run_prober(readiness, probes, clock, period, prober_stop_rx, &beat)
+            })
+            .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?
     };
 
     let membership = Judge::starting_now(membership::Rules::from_config(&config), &clock);
@@ -111,6 +115,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         registry: registry.clone(),
         pacing: Pacing::from_config(&config),
         membership,
+        liveness: liveness.clone(),
     })
     .map_err(|e| RunError(format!("cannot start the feed poller: {e}")))?;
 
@@ -153,6 +158,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
             clock: clock.clone(),
             metrics_wait_for_start: false,
             ready_gate: None,
+            liveness: liveness.clone(),
         },
         migrated,
     });
@@ -165,6 +171,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         HttpSettings::from_config(&config),
         handler,
         &registry,
+        &liveness,
     )
     .map_err(|e| RunError(format!("cannot start the HTTP listener: {e}")))?;
 
@@ -176,7 +183,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
         }
     );
     lifecycle::notify_ready();
-    super::process::start_systemd_watchdog(http_addr)?;
+    super::process::start_systemd_watchdog(http_addr, &liveness)?;
 
     while !shutdown.wait_timeout(Duration::from_secs(3600)) {}
 
@@ -187,6 +194,7 @@ pub fn run(config: Config) -> Result<(), RunError> {
     poller.stop();
     drop(sweeper_stop);
     threads::join_logged("fleet-sweeper", sweeper);
+    prober_standing.stand_down();
     drop(prober_stop);
     prober.join_within("readiness", crate::threads::STOP_WAIT);
     threads::join_logged("migrator", migrator);

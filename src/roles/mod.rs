@@ -14,11 +14,15 @@ pub use process::RunError;
 /// Runs the configured role until shutdown.
 pub fn run(config: Config) -> Result<(), RunError> {
     apply_test_clock_offset(&config)?;
-    match config.role {
+    let result = match config.role {
         Role::Combined => combined::run(config, None),
         Role::Cell => cell::run(config, None),
         Role::Director => director::run(config),
-    }
+    };
+    // The process exits with the role's own status: a critical thread ending from here on
+    // (what it waited on went with the role) is not a failure of its own.
+    crate::liveness::process_finishing();
+    result
 }
 
 /// Before anything reads the clock: the test knob that runs this process's wall clock off.
@@ -47,6 +51,7 @@ pub fn take_over(config: Config, take_over: handover::TakeOver) -> Result<(), Ru
             "a director holds no connections to hand over: restart it instead".into(),
         )),
     });
+    crate::liveness::process_finishing();
     if let (Err(e), false) = (&result, handover::committed()) {
         // The running process is still waiting for this one to be ready, or for its
         // confirmation (a closed socket tells it too).

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use crate::auth::Verifier;
 use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::liveness::Liveness;
 use crate::service_token::ServiceTokens;
 use crate::store::{Store, StoreConfig};
 
@@ -420,6 +421,8 @@ pub struct Prober {
     /// (after the commit; the carried verdict stands until then, and the SQL probe, a write
     /// transaction on SQLite, is not sent before it).
     held: Option<std::sync::mpsc::Sender<()>>,
+    /// The prober is a critical thread: stood down before it is stopped.
+    pub standing: crate::liveness::Standing,
 }
 
 impl Prober {
@@ -442,6 +445,7 @@ pub const FINAL_WRITE_WAIT: std::time::Duration = std::time::Duration::from_secs
 /// `readiness` prober thread: JWKS (when configured) and SQL, every `READINESS_PROBE_MS`; SQL
 /// counts as failing until `migrated` is set. With `resume` (a live handover's next process),
 /// the carried state stands and the thread probes only once [`Prober::release`]d.
+#[allow(clippy::too_many_arguments)]
 pub fn start_prober(
     config: &Config,
     registry: &crate::metrics::Registry,
@@ -453,6 +457,7 @@ pub fn start_prober(
         &crate::carry::process::ReadinessRecord,
         &crate::carry::time::Carry,
     )>,
+    liveness: &Liveness,
 ) -> Result<Prober, RunError> {
     let readiness = crate::readiness::Readiness::from_config(config);
     // A live handover's last-known-good state, before the first probe of this process.
@@ -493,25 +498,35 @@ pub fn start_prober(
         }
         None => (None, None),
     };
-    let handle = crate::threads::spawn_watched("readiness", move || {
-        if let Some(hold) = hold {
-            // Released after the commit, or dropped when the process ends without one.
-            let _ = hold.recv();
-        }
-        crate::readiness::run_prober(
-            prober_readiness,
-            probes,
-            clock,
-            std::time::Duration::from_millis(period_ms),
-            receiver,
-        )
-    })
-    .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
+    let (handle, standing) = liveness
+        .spawn_critical_watched("readiness", crate::liveness::BEAT_PERIOD, move |beat| {
+            if let Some(hold) = hold {
+                // Released after the commit, or dropped when the process ends without one;
+                // it beats while it waits (a critical thread never goes quiet).
+                loop {
+                    beat.beat();
+                    match hold.recv_timeout(crate::liveness::BEAT_PERIOD) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                        _ => break,
+                    }
+                }
+            }
+            crate::readiness::run_prober(
+                prober_readiness,
+                probes,
+                clock,
+                std::time::Duration::from_millis(period_ms),
+                receiver,
+                &beat,
+            )
+        })
+        .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
     Ok(Prober {
         readiness,
         stop,
         handle,
         held,
+        standing,
     })
 }
 
@@ -649,23 +664,64 @@ fn migrate_after_commit(
     }
 }
 
-/// Starts the systemd watchdog thread when `WATCHDOG_USEC` is set: it sends `WATCHDOG=1` at
-/// half the interval only after its own `GET /health` on the HTTP listener answered, so a
-/// wedged process stops petting the watchdog.
-pub fn start_systemd_watchdog(http_addr: std::net::SocketAddr) -> Result<(), RunError> {
+/// The process's liveness registry (its critical threads, its pause clock), with the test
+/// knob `ORCA_RELAY_TEST_FAULT` armed when set (one WARN line says so).
+pub fn liveness(config: &Config, clock: &SharedClock) -> Result<Liveness, RunError> {
+    if let Some(fault) = &config.test_fault {
+        log::warn!("orca_relay_test_fault fault={fault} note=test_knob_never_set_in_production");
+    }
+    Liveness::new(clock.clone(), config.test_fault.clone())
+        .map_err(|e| RunError(format!("cannot start the pause-clock thread: {e}")))
+}
+
+/// Starts the systemd watchdog thread when `WATCHDOG_USEC` is set: every half interval it
+/// sends `WATCHDOG=1` only while every critical thread has beaten within its bound
+/// (`Liveness::stale` finds none) and its own `GET /health` on the HTTP listener got an answer
+/// (the HTTP server accepts and serves; the answer's status is the same judgement again), so a
+/// wedged process stops petting the watchdog and systemd kills it (SIGABRT) and restarts it.
+/// A failed check is logged once (the stale threads, or the request's error), again only when
+/// what fails changes, and once more when the checks pass again.
+pub fn start_systemd_watchdog(
+    http_addr: std::net::SocketAddr,
+    liveness: &Liveness,
+) -> Result<(), RunError> {
     let Some(interval) = crate::lifecycle::watchdog_interval() else {
         return Ok(());
     };
     let period = crate::lifecycle::watchdog_send_period(interval);
     let url = format!("http://{http_addr}/health");
+    let liveness = liveness.clone();
     crate::threads::spawn("systemd-watchdog", move || {
         let agent = ureq::AgentBuilder::new()
             .timeout(std::time::Duration::from_secs(2))
             .build();
+        // What the last failed check said: a failure is logged once, and again only when
+        // what fails changes (a wedged HTTP acceptor first fails the request, then its beat).
+        let mut failing: Option<String> = None;
         loop {
-            match agent.get(&url).call() {
-                Ok(response) if response.status() == 200 => crate::lifecycle::notify_watchdog(),
-                _ => log::warn!("orca_relay_liveness_check_failed url={url}"),
+            let stale = liveness.stale();
+            let failure = if stale.is_empty() {
+                match agent.get(&url).call() {
+                    Ok(_) | Err(ureq::Error::Status(..)) => None,
+                    Err(e) => Some(format!("url={url} error={:?}", e.to_string())),
+                }
+            } else {
+                let names: Vec<&str> = stale.iter().map(|s| s.name.as_str()).collect();
+                Some(format!("stale={}", names.join(",")))
+            };
+            match failure {
+                None => {
+                    crate::lifecycle::notify_watchdog();
+                    if failing.take().is_some() {
+                        log::info!("orca_relay_liveness_check_recovered");
+                    }
+                }
+                Some(failure) => {
+                    if failing.as_ref() != Some(&failure) {
+                        log::warn!("orca_relay_liveness_check_failed {failure} watchdog=withheld");
+                    }
+                    failing = Some(failure);
+                }
             }
             crate::clock::sleep(period);
         }
@@ -733,6 +789,9 @@ pub struct ProcessRoutes {
     pub metrics_wait_for_start: bool,
     /// See [`ServeGate`]; `None`: `/ready` is the readiness verdict alone.
     pub ready_gate: Option<ServeGate>,
+    /// `/health` answers 503 naming the critical threads that have not beaten within their
+    /// bound (SPEC §13).
+    pub liveness: Liveness,
 }
 
 impl ProcessRoutes {
@@ -743,7 +802,7 @@ impl ProcessRoutes {
         use crate::http::Reply;
         let starting = self.readiness.phase() == crate::readiness::Phase::Starting;
         match (request.method, request.path) {
-            ("GET", "/health") => Some(Reply::json(200, r#"{"ok":true}"#)),
+            ("GET", "/health") => Some(health(&self.liveness)),
             ("GET", "/ready") => {
                 let verdict = self.readiness.answer(self.clock.now_ms());
                 let gated = self.ready_gate.as_ref().is_some_and(|gate| !gate.is_open());
@@ -759,6 +818,20 @@ impl ProcessRoutes {
             _ => None,
         }
     }
+}
+
+/// `/health`: 200 `{"ok":true}` while every critical thread beats; 503
+/// `{"ok":false,"stale":[…]}` naming the ones that have not within their bound, so the
+/// autohealing probe fails for a wedged process. It touches no dependency (SPEC §7): the
+/// judgement reads the beats in memory.
+fn health(liveness: &Liveness) -> crate::http::Reply {
+    let stale = liveness.stale();
+    if stale.is_empty() {
+        return crate::http::Reply::json(200, r#"{"ok":true}"#);
+    }
+    let names: Vec<&str> = stale.iter().map(|s| s.name.as_str()).collect();
+    let body = serde_json::json!({ "ok": false, "stale": names });
+    crate::http::Reply::json(503, body.to_string())
 }
 
 /// Raises the soft descriptor limit to the hard one (one descriptor per WebSocket; the unit's
@@ -842,6 +915,7 @@ pub fn finish_process(
     signals: std::thread::JoinHandle<()>,
     shutdown: &crate::lifecycle::Shutdown,
 ) {
+    prober.standing.stand_down();
     drop(prober.stop);
     // A probe still waiting on a database that stopped answering is left to end with the
     // process (STOP_WAIT).
@@ -870,6 +944,7 @@ mod tests {
             clock: crate::clock::ManualClock::starting_at(1_000),
             metrics_wait_for_start,
             ready_gate: None,
+            liveness: Liveness::detached(crate::clock::ManualClock::starting_at(1_000)),
         }
     }
 

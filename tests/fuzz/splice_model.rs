@@ -11,7 +11,7 @@
 //! The reference model is RFC 6455 relaying: what an endpoint receives is, per direction, the
 //! data frames its peer sent, once, in order, byte-exact (opcode, FIN bit and payload), unless
 //! it closed or hung up itself; then the close the relay documents (4408 when the peer left,
-//! an empty close acknowledging its own); pongs carry only payloads of pings it sent, in order,
+//! its own code echoed acknowledging its close); pongs carry only payloads of pings it sent, in order,
 //! and the latest ping of an endpoint still open is answered.
 
 use std::io::{self, Read, Write};
@@ -286,6 +286,8 @@ struct End {
     pings: Vec<Vec<u8>>,
     /// Sent a close frame or hung up: it sends nothing more.
     done_sending: bool,
+    /// The code of the close frame it sent, if it sent one.
+    sent_close: Option<u16>,
     next_ping: u32,
 }
 
@@ -301,6 +303,7 @@ impl End {
             sent: Vec::new(),
             pings: Vec::new(),
             done_sending: false,
+            sent_close: None,
             next_ping: 0,
         }
     }
@@ -359,6 +362,7 @@ impl End {
             Act::Close => {
                 self.frame(0x88, &1000u16.to_be_bytes());
                 self.done_sending = true;
+                self.sent_close = Some(1000);
             }
             Act::HangUp => {
                 self.flush();
@@ -499,6 +503,7 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
         model_timings(),
         orca_relay::clock::system(),
         orca_relay::relay::metrics::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
+        &orca_relay::liveness::Liveness::detached(orca_relay::clock::system()),
     )
     .map_err(|e| format!("start: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -631,10 +636,12 @@ fn check(ends: &[End], final_check: bool) -> Result<(), String> {
                 sender.out.len() - sender.out_at,
             ));
         }
-        // The close: 4408 when the peer left first; an empty one acknowledging its own.
+        // The close: 4408 when the peer left first; its own code echoed acknowledging its own
+        // close (PROTOCOL.md: never an empty close frame, which libraries report as 1005).
         match receiver.close {
             None | Some(Some(4408)) => {}
-            Some(None) if closed_itself => {}
+            Some(Some(code)) if end.sent_close == Some(code) => {}
+            Some(None) if closed_itself && end.sent_close.is_none() => {}
             Some(code) => return Err(format!("{who}: close {code:?}")),
         }
         // A peer that left in the middle of a frame forwarded as it arrived (larger than the

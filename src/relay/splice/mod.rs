@@ -144,6 +144,8 @@ struct WorkerHandle {
     inbox: Sender<Command>,
     waker: Arc<mio::Waker>,
     legs: Arc<AtomicUsize>,
+    /// The worker is a critical thread: stood down before [`SplicePlane::stop`] ends it.
+    standing: crate::liveness::Standing,
 }
 
 /// The handle to the workers; cheap to share (`Arc`).
@@ -153,12 +155,14 @@ pub struct SplicePlane {
 }
 
 impl SplicePlane {
-    /// Starts `count` workers (`splice-0`, `splice-1`, …).
+    /// Starts `count` workers (`splice-0`, `splice-1`, …), critical threads of `liveness`
+    /// (each beats once per loop turn; its idle timers ask `liveness`'s pause clock).
     pub fn start(
         count: usize,
         timings: SpliceTimings,
         clock: SharedClock,
         metrics: RelayMetrics,
+        liveness: &crate::liveness::Liveness,
     ) -> io::Result<Arc<SplicePlane>> {
         let mut workers = Vec::new();
         let mut threads = Vec::new();
@@ -172,11 +176,20 @@ impl SplicePlane {
                 timings,
                 clock.clone(),
                 metrics.clone(),
+                liveness.pauses(),
             )?;
             let waker = worker.waker();
             let name = format!("splice-{index}");
-            let handle = crate::threads::spawn(name.clone(), move || worker.run())?;
-            workers.push(WorkerHandle { inbox, waker, legs });
+            let (handle, standing) =
+                liveness.spawn_critical(&name, crate::liveness::BEAT_PERIOD, move |beat| {
+                    worker.run(beat)
+                })?;
+            workers.push(WorkerHandle {
+                inbox,
+                waker,
+                legs,
+                standing,
+            });
             threads.push((name, handle));
         }
         Ok(Arc::new(SplicePlane {
@@ -313,6 +326,7 @@ impl SplicePlane {
     /// Closes every spliced leg 4503 and joins the workers (the drain's last step).
     pub fn stop(&self) {
         for worker in &self.workers {
+            worker.standing.stand_down();
             let _ = worker.inbox.send(Command::Stop);
             let _ = worker.waker.wake();
         }

@@ -123,6 +123,31 @@ pub fn idle_step(last_arrival_ms: u64, pinged: bool, idle_ms: u64, now_ms: u64) 
     }
 }
 
+/// A leg's idle bookkeeping (its last arrival and whether the relay's ping is out) once this
+/// process's last pause, ended at `pause_end_ms`, is taken into account: a silence that spans
+/// the pause (the pause ended after the last arrival) did not happen while the process ran, so
+/// the leg is judged as if it had been quiet for half the window when the pause ended: the
+/// relay's ping goes out at once and the leg has the other half to answer it. Any other leg is
+/// as it was. (Without it a quiet pair that answers every ping was closed 4408 on SIGCONT.)
+pub fn after_pause(
+    last_arrival_ms: u64,
+    pinged: bool,
+    pause_end_ms: Option<u64>,
+    idle_ms: u64,
+) -> (u64, bool) {
+    match pause_end_ms {
+        Some(end) if end >= last_arrival_ms => {
+            let judged_from = end.saturating_sub(idle_ms / 2).max(last_arrival_ms);
+            if judged_from > last_arrival_ms {
+                (judged_from, false)
+            } else {
+                (last_arrival_ms, pinged)
+            }
+        }
+        _ => (last_arrival_ms, pinged),
+    }
+}
+
 /// Whether a leg may be read now: only while its peer's pending output is under `bound`.
 /// Above it, reading stops until the peer is writable again and drains below the bound, so a
 /// reader that does not read slows only the leg that sends to it (backpressure per direction).
@@ -210,6 +235,33 @@ mod tests {
             idle_step(100_000, false, idle, 121_000),
             IdleStep::Wait { until: 160_000 }
         );
+    }
+
+    #[test]
+    fn a_silence_that_spans_the_process_pause_gets_a_fresh_ping_and_half_a_window() {
+        let idle = 1_000;
+        // Heard at 10 000, pinged at 10 500, stopped from 10 600 to 30 600: on resume the leg
+        // is judged from 30 100, so the relay pings it now and closes it at 31 100 if it never
+        // answers.
+        let (from, pinged) = after_pause(10_000, true, Some(30_600), idle);
+        assert_eq!((from, pinged), (30_100, false));
+        assert_eq!(
+            idle_step(from, pinged, idle, 30_600),
+            IdleStep::Ping { then: 31_100 }
+        );
+        assert_eq!(idle_step(from, true, idle, 31_100), IdleStep::Silent);
+        // A pause shorter than half a window moves nothing closer, nor anything at all.
+        assert_eq!(
+            after_pause(10_000, false, Some(10_300), idle),
+            (10_000, false)
+        );
+        assert_eq!(
+            after_pause(10_000, true, Some(10_300), idle),
+            (10_000, true)
+        );
+        // A pause that ended before the last arrival, or none: as it was.
+        assert_eq!(after_pause(10_000, true, Some(9_000), idle), (10_000, true));
+        assert_eq!(after_pause(10_000, true, None, idle), (10_000, true));
     }
 
     #[test]

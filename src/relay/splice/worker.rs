@@ -38,7 +38,6 @@ use std::io;
 use std::io::IoSlice;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
@@ -53,7 +52,9 @@ use super::leg::{
     LegCounters, LegState, Output, ReadOutcome, StreamIn,
 };
 use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
-use super::timers::{idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers};
+use super::timers::{
+    after_pause, idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers,
+};
 use super::{Command, LegHandOff, Pair, SpliceTimings};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
@@ -120,6 +121,10 @@ pub struct Worker {
     /// A leg is being read (its turn, frames included): no other leg may be read until it
     /// ends (the rule of the loop, checked in debug builds).
     reading: bool,
+    /// The process's pauses: a leg whose silence spans one is not judged by it ([`Worker::fire`]).
+    pauses: Arc<crate::pause_clock::PauseClock>,
+    /// The worker's beat (a critical thread), set when it runs.
+    beat: Option<crate::liveness::Beat>,
 }
 
 impl Worker {
@@ -130,6 +135,7 @@ impl Worker {
         timings: SpliceTimings,
         clock: SharedClock,
         metrics: RelayMetrics,
+        pauses: Arc<crate::pause_clock::PauseClock>,
     ) -> io::Result<Worker> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
@@ -164,6 +170,8 @@ impl Worker {
             now_ms: 0,
             turn_controls: 0,
             reading: false,
+            pauses,
+            beat: None,
         })
     }
 
@@ -185,10 +193,13 @@ impl Worker {
         self.timings.output_bound
     }
 
-    /// The loop: wait for events or the next deadline, serve them, fire due timers.
-    pub fn run(mut self) {
+    /// The loop: wait for events or the next deadline, serve them, fire due timers. Beats once
+    /// a turn, and waits at most a beat period.
+    pub fn run(mut self, beat: crate::liveness::Beat) {
         let mut events = Events::with_capacity(EVENTS);
+        self.beat = Some(beat);
         loop {
+            self.beat();
             self.now_ms = self.clock.now_ms();
             let now = self.now();
             if let Some(stop_at) = self.stop_at {
@@ -203,10 +214,14 @@ impl Worker {
                     .into_iter()
                     .flatten()
                     .min()
-                    .map(|due| Duration::from_millis(due.saturating_sub(now)))
+                    .map_or(crate::liveness::BEAT_PERIOD, |due| {
+                        Duration::from_millis(due.saturating_sub(now))
+                    })
+                    .min(crate::liveness::BEAT_PERIOD)
             } else {
-                Some(Duration::ZERO)
+                Duration::ZERO
             };
+            let timeout = Some(timeout);
             let polled = self.poll.poll(&mut events, timeout);
             self.now_ms = self.clock.now_ms();
             match polled {
@@ -257,13 +272,20 @@ impl Worker {
         }
     }
 
+    /// One loop turn (or one wait of a parked worker): the thread is making progress.
+    fn beat(&self) {
+        if let Some(beat) = &self.beat {
+            beat.beat();
+        }
+    }
+
     fn live_legs(&self) -> usize {
         self.slots.iter().flatten().count()
     }
 
     /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker.
     fn guarded(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| body(self)));
+        let outcome = crate::threads::catch_panic(|| body(self));
         if outcome.is_err() {
             log::error!(
                 "orca_relay_splice_leg_panicked worker={} slot={}",
@@ -320,7 +342,10 @@ impl Worker {
         }
         let mut waiting = Vec::new();
         loop {
-            match self.inbox.recv() {
+            // A parked worker is waiting on purpose, and beats while it waits.
+            self.beat();
+            match self.inbox.recv_timeout(crate::liveness::BEAT_PERIOD) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                 Ok(Command::Unpark(pairs)) => {
                     self.take_back(pairs);
                     break;
@@ -1580,6 +1605,14 @@ impl Worker {
     fn fire(&mut self, key: LegKey, kind: TimerKind, now: u64) {
         let wedge_ms = self.timings.wedge_ms;
         let idle_ms = self.timings.idle_ms;
+        // Asked before the leg is borrowed; only an idle timer uses it.
+        let pause_end = match kind {
+            TimerKind::Idle => self
+                .pauses
+                .ended_ago_ms()
+                .map(|ago| now.saturating_sub(ago)),
+            TimerKind::Wedge | TimerKind::Linger => None,
+        };
         let Some(leg) = self.leg(key) else {
             return;
         };
@@ -1616,6 +1649,12 @@ impl Worker {
                     leg.last_arrival_ms = now;
                     leg.idle_pinged = false;
                 }
+                // This process's own pause is not the leg's silence: a silence that spans one
+                // is judged from a fresh ping, sent now, and half a window for its answer.
+                let (last_arrival, pinged) =
+                    after_pause(leg.last_arrival_ms, leg.idle_pinged, pause_end, idle_ms);
+                leg.last_arrival_ms = last_arrival;
+                leg.idle_pinged = pinged;
                 match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
                     IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
                     IdleStep::Ping { then } => {
