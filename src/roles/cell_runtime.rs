@@ -95,11 +95,25 @@ pub struct CellSetup<'a> {
 /// its own.
 pub struct CellParts {
     reaper: Reaper,
-    reaper_handle: (JoinHandle<()>, Standing),
+    /// `None` once a cell was built from the parts ([`CellRuntime::start`]).
+    reaper_handle: Option<(JoinHandle<()>, Standing)>,
     splice: Arc<SplicePlane>,
     connection_cap: u32,
     relay_threads: usize,
     quiesce: Arc<Quiesce>,
+}
+
+impl Drop for CellParts {
+    /// Parts no cell was built from (a next process whose handover failed, or a start that
+    /// failed after them): their critical threads are stood down and stopped before their
+    /// channels go, so their end is not taken for a failure (exit 70) while the process exits
+    /// with its own status.
+    fn drop(&mut self) {
+        if let Some((_, standing)) = self.reaper_handle.take() {
+            standing.stand_down();
+            self.splice.stop();
+        }
+    }
 }
 
 /// The cell-wide threads' state when they are stopped for a live handover: what they go on
@@ -297,7 +311,7 @@ impl CellRuntime {
             .map_err(|e| RunError(format!("cannot create the handover's eventfd: {e}")))?;
         Ok(CellParts {
             reaper,
-            reaper_handle,
+            reaper_handle: Some(reaper_handle),
             splice,
             connection_cap,
             relay_threads,
@@ -316,14 +330,18 @@ impl CellRuntime {
             .ws_listener
             .local_addr()
             .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-        let CellParts {
-            reaper,
-            reaper_handle,
-            splice,
-            connection_cap,
-            relay_threads,
-            quiesce,
-        } = setup.parts;
+        let mut parts = setup.parts;
+        let reaper_handle = parts
+            .reaper_handle
+            .take()
+            .ok_or_else(|| RunError("the cell's parts were used already".into()))?;
+        let (reaper, splice, quiesce) = (
+            parts.reaper.clone(),
+            parts.splice.clone(),
+            parts.quiesce.clone(),
+        );
+        let (connection_cap, relay_threads) = (parts.connection_cap, parts.relay_threads);
+        drop(parts);
         let liveness = setup.liveness.clone();
         let context = RelayContext::new(
             &config.cell_id,
