@@ -350,7 +350,11 @@ pub fn execute(command: Command) -> i32 {
             eprint!("{err}");
             code
         }
-        Command::Run => with_config(|config| crate::roles::run(config).map_err(|e| e.to_string())),
+        // A configuration refused at start will be refused at every start: the units do not
+        // restart the process for it (`RestartPreventExitStatus=`).
+        Command::Run => with_config_refusing(EXIT_CONFIG, |config| {
+            crate::roles::run(config).map_err(|e| e.to_string())
+        }),
         Command::Handover(options) => crate::handover_command::run(&options),
         Command::TakeOver(mut take_over) => {
             if take_over.fault == Some(crate::roles::handover::Fault::ExitAtStart) {
@@ -523,7 +527,16 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32
     }
 }
 
+/// `run`'s exit status for a configuration it refuses: `EX_CONFIG` of sysexits.h. A start that
+/// fails for any other reason (a database, a director, a port) exits 1 and is restarted.
+pub const EXIT_CONFIG: i32 = 78;
+
 fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
+    with_config_refusing(1, f)
+}
+
+/// As [`with_config`], exiting `refused` for a configuration it refuses.
+fn with_config_refusing(refused: i32, f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
     let config = match Config::from_env() {
         Ok(config) => config,
         Err(errors) => {
@@ -531,7 +544,7 @@ fn with_config(f: impl FnOnce(Config) -> Result<(), String>) -> i32 {
             for error in &errors.0 {
                 crate::logging::print_fatal(&format!("orca-relay: {error}"));
             }
-            return 1;
+            return refused;
         }
     };
     match f(config) {

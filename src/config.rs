@@ -227,6 +227,10 @@ pub struct Config {
     pub closing_connections_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
+    /// Under a service manager that keeps descriptors (systemd's `FileDescriptorStoreMax=`),
+    /// every listener and connection is kept in its store so that a crash costs a pause, not a
+    /// redial (SPEC §13, `crash_store`); `ORCA_RELAY_CRASH_STORE=0` turns it off.
+    pub crash_store: bool,
     /// A spliced leg from which nothing arrived for half of this is pinged by the relay; for
     /// all of it, its pair is closed 4408 (SPEC §12).
     pub splice_idle_ms: u64,
@@ -284,6 +288,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
     "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
+    "ORCA_RELAY_CRASH_STORE",
     "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
     "ORCA_RELAY_HTTP_CONNECTIONS_MAX",
@@ -534,6 +539,20 @@ pub fn is_id(value: &str, max_len: usize) -> bool {
 }
 
 /// A `0`/`1` switch; unset is `0`.
+/// A `0`/`1` flag that is `default` when unset.
+fn parse_flag_default(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    default: bool,
+) -> Result<bool, ConfigError> {
+    match get(lookup, name).as_deref() {
+        None => Ok(default),
+        Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(error(name, other, "0 or 1")),
+    }
+}
+
 fn parse_flag(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<bool, ConfigError> {
     match get(lookup, name).as_deref() {
         None | Some("0") => Ok(false),
@@ -834,6 +853,10 @@ impl Config {
             1,
             MAX_SPLICE_WORKERS,
         ) as u32;
+        let crash_store = r.check(
+            parse_flag_default(lookup, "ORCA_RELAY_CRASH_STORE", true),
+            true,
+        );
         // 2 minutes: the relay pings a leg quiet for 60 s (every endpoint answers a ping), and
         // endpoints' own keepalives of 30-60 s arrive well within it; a vanished phone frees
         // its places within it at the latest.
@@ -966,6 +989,7 @@ impl Config {
             pending_per_source_max,
             closing_connections_max,
             splice_workers,
+            crash_store,
             splice_idle_ms,
             http_idle_ms,
             http_connections_max,
@@ -1054,6 +1078,10 @@ impl Config {
             self.closing_connections_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
+        out.insert(
+            "ORCA_RELAY_CRASH_STORE",
+            if self.crash_store { "1" } else { "0" }.to_string(),
+        );
         out.insert("ORCA_RELAY_SPLICE_IDLE_MS", self.splice_idle_ms.to_string());
         out.insert("ORCA_RELAY_HTTP_IDLE_MS", self.http_idle_ms.to_string());
         out.insert(

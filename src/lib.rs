@@ -24,6 +24,7 @@ pub mod wake;
 // Floor 2: the only SQL, token checks, HTTP plumbing, the handover's transport, process
 // lifecycle.
 pub mod auth;
+pub mod crash_store;
 pub mod handover;
 pub mod http;
 pub mod lifecycle;

@@ -152,12 +152,46 @@ pub fn notify_barrier(timeout: Duration) -> io::Result<()> {
     }
 }
 
+/// One datagram with one descriptor to the socket named by a `NOTIFY_SOCKET` value, without
+/// waiting (`EAGAIN` when the manager's socket is full: the caller tries again). The crash
+/// store's `FDSTORE=1` messages go out this way.
+pub fn notify_with_fd(
+    socket: &OsStr,
+    message: &str,
+    fd: &impl std::os::fd::AsRawFd,
+) -> io::Result<()> {
+    let address = parse_notify_socket(socket).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("unsupported NOTIFY_SOCKET {socket:?}"),
+        )
+    })?;
+    let sender = UnixDatagram::unbound()?;
+    send_with_fd_flags(
+        &sender,
+        &address,
+        message.as_bytes(),
+        fd,
+        libc::MSG_DONTWAIT,
+    )
+}
+
 /// One datagram with one descriptor (`SCM_RIGHTS`) to the notify socket.
 fn send_with_fd(
     sender: &UnixDatagram,
     address: &NotifyAddress,
     message: &[u8],
     fd: &impl std::os::fd::AsRawFd,
+) -> io::Result<()> {
+    send_with_fd_flags(sender, address, message, fd, 0)
+}
+
+fn send_with_fd_flags(
+    sender: &UnixDatagram,
+    address: &NotifyAddress,
+    message: &[u8],
+    fd: &impl std::os::fd::AsRawFd,
+    flags: libc::c_int,
 ) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     // SAFETY: sockaddr_un is plain old data.
@@ -209,7 +243,8 @@ fn send_with_fd(
     }
     loop {
         // SAFETY: a message whose buffers live for the call.
-        let sent = unsafe { libc::sendmsg(sender.as_raw_fd(), &header, libc::MSG_NOSIGNAL) };
+        let sent =
+            unsafe { libc::sendmsg(sender.as_raw_fd(), &header, libc::MSG_NOSIGNAL | flags) };
         if sent >= 0 {
             return Ok(());
         }
@@ -348,64 +383,22 @@ pub fn watchdog_send_period(interval: Duration) -> Duration {
 // Listeners from systemd (LISTEN_FDS)
 // ---------------------------------------------------------------------------------------------
 
-/// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
-const LISTEN_FDS_START: i32 = 3;
-
-/// The named descriptors systemd passed, if they are meant for `our_pid`: `LISTEN_PID` must
-/// name it, `LISTEN_FDS` count them from 3, `LISTEN_FDNAMES` name them (colon-separated, in
-/// the same order). `Ok(empty)` when nothing was passed; `Err` names what is wrong.
-pub fn parse_listen_fds(
-    listen_pid: Option<&str>,
-    listen_fds: Option<&str>,
-    names: Option<&str>,
-    our_pid: u32,
-) -> Result<Vec<(i32, String)>, String> {
-    let Some(count) = listen_fds.map(str::trim).filter(|s| !s.is_empty()) else {
-        return Ok(Vec::new());
-    };
-    let pid = listen_pid.map(str::trim).unwrap_or("");
-    if pid.parse::<u32>().ok() != Some(our_pid) {
-        // Meant for another process (a parent that did not clear them): not ours.
-        return Ok(Vec::new());
-    }
-    let count: i32 = count
-        .parse()
-        .ok()
-        .filter(|n| (0..=64).contains(n))
-        .ok_or_else(|| format!("invalid LISTEN_FDS={count:?}: expected 0 to 64"))?;
-    let names: Vec<&str> = names.unwrap_or("").split(':').collect();
-    Ok((0..count)
-        .map(|index| {
-            let name = names
-                .get(index as usize)
-                .copied()
-                .filter(|n| !n.is_empty())
-                .unwrap_or("unknown");
-            (LISTEN_FDS_START + index, name.to_string())
-        })
-        .collect())
-}
-
-/// The listening sockets systemd passed by name (`ws`, `http`, from the optional socket units),
-/// taken over by this process (close-on-exec). A descriptor that is not a listening TCP socket
-/// is an error naming it.
-pub fn listeners_from_systemd() -> Result<Vec<(String, std::net::TcpListener)>, String> {
-    use std::os::fd::FromRawFd;
-    let passed = parse_listen_fds(
-        std::env::var("LISTEN_PID").ok().as_deref(),
-        std::env::var("LISTEN_FDS").ok().as_deref(),
-        std::env::var("LISTEN_FDNAMES").ok().as_deref(),
-        std::process::id(),
-    )?;
+/// The listening sockets the service manager passed by name (`ws`, `http`: from the optional
+/// socket units or the descriptor store, taken by `crash_store::Intake`). A descriptor that is
+/// not a listening TCP socket is an error naming it.
+pub fn listeners_from(
+    passed: std::collections::BTreeMap<String, std::os::fd::OwnedFd>,
+) -> Result<Vec<(String, std::net::TcpListener)>, String> {
+    use std::os::fd::AsRawFd;
     let mut listeners = Vec::new();
-    for (fd, name) in passed {
+    for (name, fd) in passed {
         let mut accepting: libc::c_int = 0;
         let mut length = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
         // SAFETY: getsockopt into an int we own; fails cleanly on a descriptor that is not a
         // socket.
         let ok = unsafe {
             libc::getsockopt(
-                fd,
+                fd.as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_ACCEPTCONN,
                 &mut accepting as *mut libc::c_int as *mut libc::c_void,
@@ -414,13 +407,11 @@ pub fn listeners_from_systemd() -> Result<Vec<(String, std::net::TcpListener)>, 
         } == 0;
         if !ok || accepting == 0 {
             return Err(format!(
-                "descriptor {fd} ({name}) from systemd is not a listening socket"
+                "descriptor {} ({name}) from systemd is not a listening socket",
+                fd.as_raw_fd()
             ));
         }
-        // SAFETY: F_SETFD on a descriptor systemd gave us.
-        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-        // SAFETY: systemd passed this descriptor to this process, which now owns it.
-        listeners.push((name, unsafe { std::net::TcpListener::from_raw_fd(fd) }));
+        listeners.push((name, std::net::TcpListener::from(fd)));
     }
     Ok(listeners)
 }
@@ -890,26 +881,6 @@ mod tests {
             watchdog_send_period(Duration::from_secs(30)),
             Duration::from_secs(15)
         );
-    }
-
-    #[test]
-    fn listen_fds_are_ours_only_and_named_in_order() {
-        let ours = 4242;
-        assert_eq!(parse_listen_fds(None, None, None, ours), Ok(vec![]));
-        assert_eq!(
-            parse_listen_fds(Some("4242"), Some("2"), Some("ws:http"), ours),
-            Ok(vec![(3, "ws".to_string()), (4, "http".to_string())])
-        );
-        assert_eq!(
-            parse_listen_fds(Some("4243"), Some("2"), Some("ws:http"), ours),
-            Ok(vec![]),
-            "another process's descriptors"
-        );
-        assert_eq!(
-            parse_listen_fds(Some("4242"), Some("2"), None, ours),
-            Ok(vec![(3, "unknown".to_string()), (4, "unknown".to_string())])
-        );
-        assert!(parse_listen_fds(Some("4242"), Some("lots"), None, ours).is_err());
     }
 
     #[test]

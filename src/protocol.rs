@@ -26,6 +26,9 @@ pub enum CloseCode {
     ProtocolError,
     /// Normal closure.
     Normal,
+    /// The relay restarted after a crash and could not resume this connection exactly (RFC 6455
+    /// "service restart"): reconnect.
+    ServiceRestart,
 }
 
 impl CloseCode {
@@ -40,6 +43,7 @@ impl CloseCode {
             CloseCode::TooBig => 1009,
             CloseCode::ProtocolError => 1002,
             CloseCode::Normal => 1000,
+            CloseCode::ServiceRestart => 1012,
         }
     }
 
@@ -54,10 +58,11 @@ impl CloseCode {
             CloseCode::TooBig => "MESSAGE_TOO_BIG",
             CloseCode::ProtocolError => "PROTOCOL_ERROR",
             CloseCode::Normal => "NORMAL",
+            CloseCode::ServiceRestart => "SERVICE_RESTART",
         }
     }
 
-    pub const ALL: [CloseCode; 9] = [
+    pub const ALL: [CloseCode; 10] = [
         CloseCode::BadOuterCredential,
         CloseCode::HostOffline,
         CloseCode::PeerDropped,
@@ -67,6 +72,7 @@ impl CloseCode {
         CloseCode::TooBig,
         CloseCode::ProtocolError,
         CloseCode::Normal,
+        CloseCode::ServiceRestart,
     ];
 }
 
@@ -218,7 +224,7 @@ mod tests {
         let codes: Vec<u16> = CloseCode::ALL.iter().map(|c| c.code()).collect();
         assert_eq!(
             codes,
-            vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1002, 1000]
+            vec![4401, 4404, 4408, 4409, 4429, 4503, 1009, 1002, 1000, 1012]
         );
     }
 }

@@ -381,9 +381,10 @@ fn check_config_reports_bad_and_missing_values_together() {
     );
     assert_eq!(stderr.lines().last(), Some("4 problems"), "{stderr}");
 
-    // `run` stops on the same problems, one line each.
+    // `run` stops on the same problems, one line each, with EX_CONFIG (78: the units do not
+    // restart a process for a configuration that will be refused again).
     let out = orca_relay(&env, &["run"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(78));
     let run_stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(run_stderr.lines().count(), 4, "{run_stderr}");
 }

@@ -247,7 +247,7 @@ fn run_to_exit_under_journald(args: &[&str], env: &[(&str, &str)]) -> (Option<i3
 fn under_journald_a_fatal_start_line_is_filed_as_an_error() {
     // A bad value: one line naming it, at priority 3 so that `journalctl -p err` shows it.
     let (code, text) = run_to_exit_under_journald(&["run"], &[("ORCA_RELAY_HTTP_IDLE_MS", "5")]);
-    assert_eq!(code, Some(1), "{text}");
+    assert_eq!(code, Some(78), "{text}");
     let line = text
         .lines()
         .find(|l| l.contains("ORCA_RELAY_HTTP_IDLE_MS"))

@@ -32,11 +32,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Exit 1 with exactly one non-empty stderr line containing every needle (besides
-/// `check-config`'s `1 problem` summary); nothing on stdout.
+/// Exit 1 (`run`: 78, EX_CONFIG) with exactly one non-empty stderr line containing every
+/// needle (besides `check-config`'s `1 problem` summary); nothing on stdout.
 fn refused_in_one_line(output: &Output, needles: &[&str], what: &str) -> String {
     let stderr = text(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{what}: {stderr}");
+    let refused = if what == "run" { 78 } else { 1 };
+    assert_eq!(output.status.code(), Some(refused), "{what}: {stderr}");
     let lines: Vec<&str> = stderr
         .lines()
         .filter(|l| !l.trim().is_empty() && l.trim() != "1 problem")

@@ -91,7 +91,8 @@ const COMMON: &[(&str, &str)] = &[
     ("Group", "orca-relay"),
     ("StateDirectory", "orca-relay"),
     ("Restart", "on-failure"),
-    ("RestartSec", "2"),
+    // A refused configuration exits 78 (EX_CONFIG): no restart loop for it.
+    ("RestartPreventExitStatus", "78"),
     ("KillSignal", "SIGTERM"),
     ("SendSIGKILL", "yes"),
     ("NoNewPrivileges", "yes"),
@@ -188,6 +189,29 @@ fn the_optional_socket_units_pass_named_listeners_to_the_cell() {
 fn director_unit_has_every_required_key() {
     let unit = Unit::load(DIRECTOR_UNIT);
     check_common(&unit, "/etc/orca-relay/director.env");
+    assert_eq!(unit.service("RestartSec"), "2");
+}
+
+/// Crash survival (SPEC §13): the cell keeps a descriptor per connection at the cap (and the
+/// listeners and its region) in systemd's store, is restarted within half a second, and a
+/// start that keeps failing stops being retried.
+#[test]
+fn the_cell_keeps_its_connections_through_a_crash() {
+    const SIZED_FOR_CAP: u64 = 10_000;
+    let unit = Unit::load(CELL_UNIT);
+    assert!(unit.number("FileDescriptorStoreMax") >= SIZED_FOR_CAP + 3);
+    assert_eq!(
+        unit.number("FileDescriptorStoreMax"),
+        unit.number("LimitNOFILE"),
+        "sized as the descriptors"
+    );
+    assert_eq!(unit.service("RestartSec"), "500ms");
+    assert_eq!(unit.value("Unit", "StartLimitIntervalSec"), "60");
+    assert_eq!(unit.value("Unit", "StartLimitBurst"), "20");
+    assert!(
+        unit.text.contains("FDSTORE=1"),
+        "FileDescriptorStoreMax= comment"
+    );
 }
 
 #[test]

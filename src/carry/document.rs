@@ -45,6 +45,11 @@ pub struct Document {
     pub cell: CellRecord,
     pub readiness: ReadinessRecord,
     pub connections: Vec<ConnectionRecord>,
+    /// The name of the running process's crash-store region, when it keeps one (the next
+    /// process removes it from the service manager's store once it has stored its own). Absent
+    /// from an older build, and without a store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crash_region: Option<String>,
 }
 
 /// The state document's second part: the spliced pairs and the metrics' totals, sent once the

@@ -18,6 +18,7 @@
 mod bytes;
 pub mod cell;
 pub mod connection;
+pub mod crash;
 pub mod document;
 pub mod pair;
 pub mod process;

@@ -646,6 +646,36 @@ impl<S: Peer> CellState<S> {
 
     /// Puts a carried control back in its seat (same host, same generation). False when the
     /// seat does not know it.
+    /// Seats a control a restarted process resumed after a crash, at the generation its record
+    /// (and its desktop) knows; `false` when a newer control of that host is seated already.
+    /// Nothing else of the crashed process's cell is carried: the seat has no invites and no
+    /// memory of other hosts.
+    pub fn resume_seat(&self, control: Control<S>) -> bool {
+        let mut inner = self.lock();
+        let seat = inner
+            .seats
+            .entry(control.relay_host_id.clone())
+            .or_insert_with(|| Seat {
+                user_id: control.user_id.clone(),
+                epoch: control.epoch,
+                generation: control.generation,
+                control: None,
+                phones: 0,
+                left_at_ms: None,
+                demoted: false,
+                invites: VecDeque::new(),
+            });
+        if seat.control.is_some() && seat.generation >= control.generation {
+            return false;
+        }
+        seat.generation = control.generation;
+        seat.user_id = control.user_id.clone();
+        seat.epoch = control.epoch;
+        seat.left_at_ms = None;
+        seat.control = Some(control);
+        true
+    }
+
     pub fn restore_control(&self, control: Control<S>) -> bool {
         let mut inner = self.lock();
         let Some(seat) = inner

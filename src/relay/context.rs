@@ -10,12 +10,15 @@ use super::park::Quiesce;
 use super::socket::{Reaper, Socket};
 use super::splice;
 use crate::auth::Verifier;
+use crate::carry::connection::ControlRecord;
+use crate::carry::crash::{CrashKind, IO_HOLDING};
 use crate::cell::bookings::Bookings;
 use crate::cell::mode::CellMode;
 use crate::cell::seats::{SeatLog, DEFAULT_RING_CAPACITY};
 use crate::cell::state::{CellState, ConnectionSlots};
 use crate::clock::SharedClock;
 use crate::config::Timings;
+use crate::crash_store::CrashStore;
 use crate::metrics::Registry;
 use crate::protocol::CloseCode;
 use crate::store::Store;
@@ -71,6 +74,8 @@ pub struct RelayContext {
     pub admission_failures: Arc<crate::logging::SharedThrottle>,
     /// A live handover's hold on the relay threads (`relay/park.rs`).
     pub quiesce: Arc<Quiesce>,
+    /// The crash store, under a service manager that keeps descriptors (`crash_store`).
+    pub crash: Option<Arc<CrashStore>>,
     /// The process's critical threads and its pause clock (`liveness.rs`).
     pub liveness: crate::liveness::Liveness,
     next_id: Arc<AtomicU64>,
@@ -197,6 +202,7 @@ impl RelayContext {
             thread_permits,
             admission_failures: Arc::default(),
             quiesce,
+            crash: None,
             liveness,
             next_id: Arc::new(AtomicU64::new(1)),
         }
@@ -220,6 +226,57 @@ impl RelayContext {
     pub fn close(&self, socket: &Arc<Socket>, code: CloseCode, reason: &str) {
         if socket.close(code, reason, &self.reaper) {
             self.metrics.close(code);
+        }
+    }
+
+    /// Keeps an admitted connection in the crash store (when there is one): its record in a
+    /// slot, its descriptor in the service manager's store. `holding`: not resumable yet (a leg
+    /// on its way to being spliced).
+    pub fn keep(
+        &self,
+        socket: &Socket,
+        kind: CrashKind,
+        control: Option<ControlRecord>,
+        host: Option<&str>,
+        holding: bool,
+    ) {
+        self.keep_as(socket, kind, control, host, holding, false)
+    }
+
+    /// [`RelayContext::keep`] for a connection whose descriptor the store holds already (a live
+    /// handover carried it): only its record is written (this process's memory; nothing is
+    /// sent).
+    pub fn keep_carried(
+        &self,
+        socket: &Socket,
+        kind: CrashKind,
+        control: Option<ControlRecord>,
+        host: Option<&str>,
+        holding: bool,
+    ) {
+        self.keep_as(socket, kind, control, host, holding, true)
+    }
+
+    fn keep_as(
+        &self,
+        socket: &Socket,
+        kind: CrashKind,
+        control: Option<ControlRecord>,
+        host: Option<&str>,
+        holding: bool,
+        stored: bool,
+    ) {
+        let Some(store) = &self.crash else {
+            return;
+        };
+        let mut record = crate::crash_store::record_of(kind, socket.id, socket.stream());
+        record.control = control;
+        record.relay_host_id = host.map(str::to_string);
+        if let Some(slot) = store.keep(socket.stream(), record, stored) {
+            if holding {
+                slot.set(IO_HOLDING);
+            }
+            socket.keep(slot);
         }
     }
 

@@ -19,6 +19,7 @@ use super::park::{InviteBucket, Stage};
 use super::socket::Socket;
 use crate::auth::HostClaims;
 use crate::carry::connection::{ClaimsRecord, ControlRecord};
+use crate::carry::crash::CrashKind;
 use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};
@@ -92,10 +93,7 @@ pub fn serve(
 
     let now = context.clock.now_ms();
     let statements_before = crate::store::thread_statements();
-    let lease_id = format!(
-        "control:{}:{}:{}",
-        context.cell_id, context.incarnation, socket.id
-    );
+    let lease_id = lease_id_of(context, &socket);
     // Reserve mode: a booking, then memory, without the database (SPEC §5.3).
     let reserve_path = if context.mode.raw_is_reserve() {
         if context
@@ -198,6 +196,20 @@ pub fn serve(
         finish(context, &claims, epoch, generation);
         return Served::Ended;
     }
+    // Acknowledged: from here a crash of this process costs the desktop a pause, not a redial.
+    context.keep(
+        &socket,
+        CrashKind::Control,
+        Some(ControlRecord {
+            claims: ClaimsRecord::from(&claims),
+            epoch,
+            generation,
+            admitted_via: admitted_via.into(),
+            lease_id: (admitted_via == AdmitPath::Database).then(|| lease_id_of(context, &socket)),
+        }),
+        None,
+        false,
+    );
     log::debug!(
         "orca_relay_control_admitted host={} epoch={epoch} generation={generation} path={}",
         claims.relay_host_id,
@@ -305,6 +317,14 @@ fn run(
     }
     finish(context, &claims, epoch, generation);
     Served::Ended
+}
+
+/// The activity lease id of a database-admitted control.
+fn lease_id_of(context: &RelayContext, socket: &Socket) -> String {
+    format!(
+        "control:{}:{}:{}",
+        context.cell_id, context.incarnation, socket.id
+    )
 }
 
 fn finish(context: &RelayContext, claims: &HostClaims, epoch: i64, generation: u64) {

@@ -24,6 +24,7 @@ use super::frames::{CloseAnswer, FrameKind, FrameParser, Parsed, MAX_HEADER_BYTE
 use super::park::{wait_readable, Quiesce, Waited};
 use super::socket::{drain_for_linger, Socket, CLOSE_LINGER};
 use crate::carry::connection::ReaderRecord;
+use crate::carry::crash::IO_READING;
 use crate::clock;
 use crate::pause_clock::PauseClock;
 use crate::protocol::CONTROL_MAX_FRAME_BYTES;
@@ -78,6 +79,11 @@ impl ControlFrames {
             parser: FrameParser::with_state(CONTROL_MAX_FRAME_BYTES, record.parser),
             message: record.message.unwrap_or_default(),
         }
+    }
+
+    /// Whether every byte read has been acted on: nothing buffered, no message open.
+    pub fn is_settled(&self) -> bool {
+        self.start == self.end && self.parser.open_message().is_none()
     }
 
     /// What a handover carries: the unread bytes, the parser, the message so far.
@@ -315,6 +321,13 @@ impl Reader {
                 Ok(ControlEvent::Protocol) => return ReadEvent::Protocol,
                 Err(needed) => needed,
             };
+            // Every message read so far was handed out and acted on (this is the next call):
+            // unless part of a frame waits here, a crash now loses nothing of this control's.
+            if self.frames.is_settled() {
+                if let Some(slot) = self.socket.crash_slot() {
+                    slot.clear(IO_READING);
+                }
+            }
             let until = match deadline {
                 Deadline::At(at) => at,
                 Deadline::Silence(silence) => self.silence_deadline(silence),
@@ -328,6 +341,9 @@ impl Reader {
                 Waited::Quiesce => return ReadEvent::Quiesce,
             }
             let space = self.frames.space(needed);
+            if let Some(slot) = self.socket.crash_slot() {
+                slot.set(IO_READING);
+            }
             let mut stream = self.socket.stream();
             match stream.read(space) {
                 Ok(0) => return ReadEvent::Gone,

@@ -15,6 +15,7 @@ use super::refuse::{close_pending, close_pending_socket};
 use super::socket::Socket;
 use super::splice::LegHandOff;
 use super::splice_reader::PendingLeg;
+use crate::carry::crash::CrashKind;
 use crate::protocol::{CloseCode, DataLegFirst};
 
 /// Checks a data leg's first frame on the acceptor's thread and, if it authenticates, passes
@@ -71,8 +72,16 @@ pub fn authenticate(context: &RelayContext, leg: PendingLeg, conn_id: &str, text
     };
     let (buffered, parser) = reader.into_parts();
     let hold = ConnectionHold::new(unit, context.metrics.connections("data"));
+    let socket = Socket::new_splice(id, stream);
+    context.keep(
+        &socket,
+        CrashKind::Data,
+        None,
+        Some(&pending.relay_host_id),
+        true,
+    );
     let leg = LegHandOff {
-        socket: Socket::new_splice(id, stream),
+        socket,
         buffered,
         parser,
         release: vec![Box::new(hold)],

@@ -33,6 +33,7 @@ use super::socket::{Socket, CLOSE_LINGER};
 use super::splice::{LegHandOff, Pair, Release};
 use super::splice_reader::PendingLeg;
 use crate::carry::connection::{ReaderRecord, WaitingPhoneRecord};
+use crate::carry::crash::CrashKind;
 use crate::cell::state::{random_token, Control, Pending, PhoneRefusal};
 use crate::protocol::{self, CloseCode, PhoneFirst, RelayToHost};
 use crate::threads::Permit;
@@ -153,6 +154,8 @@ pub fn authenticate(
     // From here on this phone holds one of the host's phone places.
     let place = PhonePlace::taken(&context.cell, relay_host_id);
     let hold = ConnectionHold::new(unit, context.metrics.connections("phone"));
+    // Kept from now on, holding (not resumable) until a splice worker has the pair.
+    context.keep(&socket, CrashKind::Phone, None, Some(relay_host_id), true);
     let (buffered, parser) = reader.into_parts();
     Some(AdmittedPhone {
         id,

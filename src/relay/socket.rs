@@ -52,7 +52,7 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
@@ -61,7 +61,9 @@ use tungstenite::Message;
 
 use super::closing::{self, ClosingBound, Verdict};
 use super::frames::CloseAnswer;
+use crate::carry::crash::{IO_HOLDING, IO_WRITING};
 use crate::clock;
+use crate::crash_store::CrashSlot;
 use crate::protocol::CloseCode;
 use crate::wake::Wake;
 
@@ -114,6 +116,12 @@ pub struct Socket {
     send_timeout_ms: AtomicU64,
     /// A handover's quiesce: while set, a write stops waiting and what is left is owed.
     interrupt: Option<Arc<Wake>>,
+    /// Its slot in the crash store, once this process keeps it there (`crash_store`): every
+    /// write marks it, and a socket kept in the service manager's store is shut down when it is
+    /// dropped (the manager's copy of the descriptor would otherwise hold the connection open).
+    /// While bytes are owed (see the module header) it stays marked `IO_WRITING`: they may end
+    /// half a frame already on the wire, and they are in no crash record.
+    crash: OnceLock<CrashSlot>,
 }
 
 fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
@@ -138,7 +146,36 @@ impl Socket {
             send_timeout_ms: AtomicU64::new(send_timeout.map_or(0, |t| t.as_millis() as u64)),
             interrupt,
             stream,
+            crash: OnceLock::new(),
         })
+    }
+
+    /// Keeps this connection's crash-store slot with it (once).
+    pub fn keep(&self, slot: CrashSlot) {
+        if self.is_closing() {
+            slot.set(IO_HOLDING);
+        }
+        if !lock_writer(&self.writer).owed.is_empty() {
+            slot.set(IO_WRITING);
+        }
+        let _ = self.crash.set(slot);
+    }
+
+    /// Its crash-store slot, if this process keeps it in one.
+    pub fn crash_slot(&self) -> Option<&CrashSlot> {
+        self.crash.get()
+    }
+
+    fn mark(&self, flags: u32) {
+        if let Some(slot) = self.crash.get() {
+            slot.set(flags);
+        }
+    }
+
+    fn unmark(&self, flags: u32) {
+        if let Some(slot) = self.crash.get() {
+            slot.clear(flags);
+        }
     }
 
     /// Wraps an upgraded control socket. Its reader is built by the caller
@@ -191,6 +228,7 @@ impl Socket {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.mark(IO_HOLDING);
         let mut writer = lock_writer(&self.writer);
         if writer.broken || self.interrupted() {
             return;
@@ -252,7 +290,9 @@ impl Socket {
             // Only text goes through here; anything else takes the ordinary path.
             _ => return self.send_locked(&mut writer, message).map(|()| true),
         };
+        self.mark(IO_WRITING);
         if send_without_waiting(&self.stream, &frame) {
+            self.unmark(IO_WRITING);
             self.bytes_out
                 .fetch_add(message.len() as u64, Ordering::Relaxed);
             Ok(true)
@@ -288,6 +328,9 @@ impl Socket {
         };
         let frame: [&[u8]; 2] = [&head[..head_len], payload];
         let started = clock::instant();
+        // A crash from here until the frame is out (and nothing is owed) would leave half of
+        // it on the wire, or lose it.
+        self.mark(IO_WRITING);
         if self.interrupted() {
             // A quiesce: nothing is written, the frame is owed whole after what is owed.
             writer.owe(&frame, 0, started);
@@ -307,7 +350,7 @@ impl Socket {
         }
         let deadline = self.send_timeout().map(|timeout| started + timeout);
         match write_waiting(&self.stream, &frame, deadline, self.interrupt.as_deref()) {
-            Wrote::All => {}
+            Wrote::All => self.unmark(IO_WRITING),
             Wrote::Interrupted(written) => writer.owe(&frame, written, started),
             Wrote::TimedOut(_) | Wrote::Failed => return Err(self.break_down(writer)),
         }
@@ -362,7 +405,10 @@ impl Socket {
         if writer.owed.is_empty() || self.interrupted() {
             return Ok(());
         }
-        self.write_owed(&mut writer).map(|_| ())
+        if self.write_owed(&mut writer)? {
+            self.unmark(IO_WRITING);
+        }
+        Ok(())
     }
 
     /// How long ago the write of what the socket owes began (0: nothing owed), for a
@@ -380,6 +426,7 @@ impl Socket {
             return;
         }
         let mut writer = lock_writer(&self.writer);
+        self.mark(IO_WRITING);
         let now = clock::instant();
         writer.owed = bytes;
         writer.owed_since = Some(now.checked_sub(age).unwrap_or(now));
@@ -403,6 +450,7 @@ impl Socket {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
         }
+        self.mark(IO_HOLDING);
         let sent = match self.writer.try_lock() {
             Ok(writer) if !writer.broken && !writer.owed.is_empty() => {
                 // Owed bytes go first: the reaper writes them and the close frame as the peer
@@ -488,7 +536,19 @@ impl Socket {
     /// Drops the TCP connection now (both directions); the reader thread wakes with an error.
     pub fn shutdown(&self) {
         self.closing.store(true, Ordering::Release);
+        self.mark(IO_HOLDING);
         let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+impl Drop for Socket {
+    /// A socket kept in the service manager's store is shut down as it goes: the manager's
+    /// copy of the descriptor would keep the connection open, and its peer would never see it
+    /// end. (Its slot, dropped next, clears the record and removes the copy.)
+    fn drop(&mut self) {
+        if self.crash.get().is_some() {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
     }
 }
 

@@ -69,11 +69,18 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     );
 
     // 1. Both listeners first: /health answers while the handshake runs.
+    // What the service manager passed: socket units' listeners, or after a crash everything
+    // the descriptor store kept (a handover's next process gets its own from the handover).
+    let mut intake = match &taker {
+        Some(_) => crate::crash_store::Intake::default(),
+        None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
+    };
+    let passed = std::mem::take(&mut intake.listeners);
     let handed = taker
         .as_mut()
         .map(|taker| taker.listeners(&config))
         .transpose()?;
-    let listeners = super::process::listeners(&config, handed, true)?;
+    let listeners = super::process::listeners(&config, handed, passed, true)?;
     let listening = listeners
         .listening()
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;
@@ -99,6 +106,10 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         &liveness,
     )?;
     let readiness = prober.readiness.clone();
+    // Copies of the listeners to keep in the descriptor store (the originals go to their
+    // servers).
+    let ws_kept = ws_listener.try_clone().ok();
+    let http_kept = http_listener.try_clone().ok();
     let built = CellRuntime::start(CellSetup {
         config: &config,
         clock: clock.clone(),
@@ -118,6 +129,8 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
         parts,
+        crash_store: super::process::crash_store_socket(&config),
+        first_connection_id: super::resume::first_connection_id(&intake),
         liveness: liveness.clone(),
     });
     let cell = Arc::new(match (built, &taker) {
@@ -125,6 +138,17 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         (Err(e), Some(taker)) => return Err(taker.fail(&e.0)),
         (Err(e), None) => return Err(e),
     });
+    if taker.is_none() {
+        // A start after a crash resumes what the store kept; any start keeps its listeners.
+        let kept: Vec<(&str, &std::net::TcpListener)> = [("ws", &ws_kept), ("http", &http_kept)]
+            .into_iter()
+            .filter_map(|(name, listener)| listener.as_ref().map(|listener| (name, listener)))
+            .collect();
+        super::resume::keep_and_resume(&cell.context, intake, &kept);
+    }
+    drop((ws_kept, http_kept));
+    // A listener the descriptor store keeps is shared with the manager, as a socket unit's is.
+    let http_shared = http_shared || cell.context.crash.is_some();
     let handler = {
         let process = super::process::ProcessRoutes {
             registry: registry.clone(),

@@ -36,6 +36,7 @@ use crate::cell::status_report::{self, PoolReport, ReportFn, StatusReport};
 use crate::cell::switch::{run_switch_watcher, AdmitMode, Switch};
 use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::crash_store::CrashStore;
 use crate::dead_man::claim_loop::{self, StoreRow};
 use crate::dead_man::reregister::Reregistration;
 use crate::dead_man::watchdog::Watchdog;
@@ -84,6 +85,12 @@ pub struct CellSetup<'a> {
     pub resume: Option<(CellRecord, Carry)>,
     /// What was built before the connections were known ([`CellRuntime::prepare`]).
     pub parts: CellParts,
+    /// Keep connections in the service manager's descriptor store (`crash_store`): its notify
+    /// socket, when there is a manager and `ORCA_RELAY_CRASH_STORE` is on.
+    pub crash_store: Option<std::ffi::OsString>,
+    /// The first connection id this process hands out (above every id kept in the store: a
+    /// store name `c<id>` must never stand for two connections).
+    pub first_connection_id: u64,
     /// The process's critical threads (every cell-wide thread is one) and its pause clock.
     pub liveness: Liveness,
 }
@@ -343,7 +350,7 @@ impl CellRuntime {
         let (connection_cap, relay_threads) = (parts.connection_cap, parts.relay_threads);
         drop(parts);
         let liveness = setup.liveness.clone();
-        let context = RelayContext::new(
+        let mut context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
             config.timings.clone(),
@@ -361,6 +368,14 @@ impl CellRuntime {
             quiesce,
             liveness.clone(),
         );
+        context.continue_ids_from(setup.first_connection_id);
+        if let Some(notify_socket) = &setup.crash_store {
+            // A slot for every connection the cap admits, and the pending plane's share.
+            let slots = connection_cap.saturating_add(config.pending_upgrades_max);
+            let store = CrashStore::start(slots, notify_socket.clone(), &setup.registry)
+                .map_err(|e| RunError(format!("cannot start the crash store: {e}")))?;
+            context.crash = Some(store);
+        }
         register_cell_metrics(&setup.registry, &setup.store, &context);
         let contact = Contact::new();
         let acceptor_stop = Wake::new()

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::carry::connection::ConnectionRecord;
+use crate::carry::crash::CrashKind;
 use crate::carry::document::{Document, ListenerIndices, PairsDocument};
 use crate::carry::pair::{LegRecord, PairEntry};
 use crate::carry::time::{Carry, Snapshot, Stamp};
@@ -514,6 +515,11 @@ impl InFlight<'_> {
             cell: cell.record(&snapshot, threads),
             readiness: cell.readiness().state_record(&snapshot),
             connections,
+            crash_region: cell
+                .context
+                .crash
+                .as_ref()
+                .map(|store| store.region_name().to_string()),
         };
         let sent = self.send_part(&mut document, &fds, "sent");
         // The buffers back where they were (a failed handover resumes from the deposits).
@@ -671,6 +677,11 @@ impl InFlight<'_> {
     /// stop that arrived since the decision (the next process drains at once).
     fn commit(&mut self) -> Result<(), String> {
         let (next, ready) = self.next.as_ref().ok_or("no new process")?;
+        // Every removal of a connection this process closed reaches the manager's store before
+        // the next process owns it (and this one exits without a word more).
+        if let Some(store) = &self.parts.cell.context.crash {
+            store.wait_sent(Duration::from_millis(500));
+        }
         let shutdown = &self.parts.shutdown;
         if !shutdown.commit_handover(ready.pid) {
             return Err(STOP_CAUSE.into());
@@ -1286,6 +1297,16 @@ impl Taker {
         if let Some(spares) = self.spares.take() {
             spares.release();
         }
+        // This process's crash-store region replaces the running one's in the manager's store
+        // (every carried connection's record is in it already).
+        if let Some(store) = &cell.context.crash {
+            if let Err(e) = store.keep_region() {
+                log::warn!("orca_relay_crash_store_region_not_kept error={e}");
+            }
+            if let Some(old) = &self.document.crash_region {
+                store.forget(old);
+            }
+        }
         cell.resume_threads()?;
         Ok((committed, after))
     }
@@ -1412,6 +1433,25 @@ impl Taker {
                         }
                         _ => None,
                     };
+                    // In this process's crash store (its own memory until the commit; the
+                    // descriptor is in the manager's store already).
+                    match &stage {
+                        Stage::Control { control, .. } => context.keep_carried(
+                            &socket,
+                            CrashKind::Control,
+                            Some(control.clone()),
+                            None,
+                            false,
+                        ),
+                        Stage::PhoneWaiting { phone, .. } => context.keep_carried(
+                            &socket,
+                            CrashKind::Phone,
+                            None,
+                            Some(&phone.relay_host_id),
+                            true,
+                        ),
+                        _ => {}
+                    }
                     if let Stage::Control { control, .. } = &stage {
                         let restored = context.cell.restore_control(crate::cell::state::Control {
                             socket: socket.clone(),
@@ -1504,6 +1544,13 @@ impl Taker {
                 };
                 let stream = std::net::TcpStream::from(self.take_fd(fd)?);
                 let socket = Socket::new_splice(record.id, stream);
+                // The worker writes the pair's records once it has it (`record_pair`).
+                let crash_kind = if kind == "phone" {
+                    CrashKind::Phone
+                } else {
+                    CrashKind::Data
+                };
+                context.keep_carried(&socket, crash_kind, None, None, true);
                 let mut release: Vec<crate::relay::splice::Release> =
                     vec![Box::new(context.carried_hold(kind))];
                 if let Some(host) = host {

@@ -7,6 +7,7 @@ pub mod combined;
 pub mod director;
 pub mod handover;
 pub mod process;
+pub mod resume;
 
 use crate::config::{Config, Role};
 pub use process::RunError;

@@ -28,12 +28,14 @@ impl fmt::Display for RunError {
 impl std::error::Error for RunError {}
 
 /// The process's two listeners: handed over by the running process (`handed`: a live
-/// handover's WebSocket and HTTP listeners), passed by systemd (`LISTEN_FDS` named `ws` and
-/// `http`, the optional socket units), or bound here. Returns the WebSocket listener and
-/// address, then the HTTP ones (`ws` is `None` for a director).
+/// handover's WebSocket and HTTP listeners), passed by the service manager (`passed`: named `ws`
+/// and `http`, from the optional socket units or the descriptor store: `crash_store::Intake`),
+/// or bound here. Returns the WebSocket listener and address, then the HTTP ones (`ws` is `None`
+/// for a director).
 pub fn listeners(
     config: &Config,
     handed: Option<Handed>,
+    passed: std::collections::BTreeMap<String, std::os::fd::OwnedFd>,
     with_ws: bool,
 ) -> Result<ListenerPair, RunError> {
     let (mut ws, mut http) = (None, None);
@@ -45,7 +47,7 @@ pub fn listeners(
         http = Some(handed.http);
         (ws_from_systemd, http_from_systemd) = handed.from_systemd;
     } else {
-        let passed = crate::lifecycle::listeners_from_systemd().map_err(RunError)?;
+        let passed = crate::lifecycle::listeners_from(passed).map_err(RunError)?;
         for (name, listener) in passed {
             match name.as_str() {
                 "ws" => {
@@ -929,6 +931,17 @@ pub fn finish_process(
     shutdown.close_signal_listener();
     crate::threads::join_logged("signals", signals);
     log::info!("orca_relay_shutdown_finished role={role}");
+}
+
+/// The service manager's notify socket, when this process keeps its connections in the
+/// manager's descriptor store (`crash_store`): `ORCA_RELAY_CRASH_STORE` on and a manager there
+/// (a live handover's next process has adopted the running one's). Making the store sends
+/// nothing: a handover's next process writes to the manager only once it owns the connections.
+pub fn crash_store_socket(config: &Config) -> Option<std::ffi::OsString> {
+    if !config.crash_store {
+        return None;
+    }
+    crate::lifecycle::notify_socket()
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 pub mod flood;
+pub mod manager;
 pub mod proxy;
 pub mod raw_http;
 

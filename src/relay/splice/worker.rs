@@ -56,6 +56,7 @@ use super::timers::{
     after_pause, idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers,
 };
 use super::{Command, LegHandOff, Pair, SpliceTimings};
+use crate::carry::crash::{CrashKind, IO_HOLDING, IO_READING, IO_WRITING};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
@@ -283,8 +284,63 @@ impl Worker {
         self.slots.iter().flatten().count()
     }
 
-    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker.
+    /// Runs `body` for `key`; a panic costs that leg and its peer, never the worker. Once it
+    /// is done, the pair's crash-store flags say what the legs hold ([`Worker::settle`]); the
+    /// reads and writes it made marked them as they went (`IO_READING` before a read,
+    /// `IO_WRITING` before a write).
     fn guarded(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
+        self.guarded_body(key, body);
+        self.settle(key);
+    }
+
+    /// The pair of `key` in the crash store once a handler is done: a leg is resumable after a
+    /// crash only if the process holds nothing of it (no partial frame, no unparsed frames, no
+    /// frame streaming through, no output or owed control frame, no message open, not
+    /// closing: otherwise `IO_HOLDING`), and its socket is at a frame boundary (otherwise
+    /// `IO_WRITING`: half a frame is on the wire, and no close frame may follow it).
+    fn settle(&mut self, key: LegKey) {
+        let peer = self.leg(key).and_then(|leg| leg.peer);
+        for key in std::iter::once(key).chain(peer) {
+            let Some(leg) = self.leg(key) else { continue };
+            let Some(slot) = leg.socket.crash_slot() else {
+                continue;
+            };
+            let holding = !leg.is_open()
+                || leg.peer.is_none()
+                || leg.filled > 0
+                || leg.unparsed
+                || leg.stream_in.is_some()
+                || !leg.output.is_empty()
+                || leg.controls.is_some()
+                || leg.parser.open_message().is_some();
+            let cut = !leg.cursor.at_boundary();
+            let flags = if holding { IO_HOLDING } else { 0 } | if cut { IO_WRITING } else { 0 };
+            slot.assign(flags);
+        }
+    }
+
+    /// Writes both legs' crash records as a pair (each names the other), once spliced.
+    fn record_pair(&mut self, phone: LegKey, host: LegKey) {
+        let ids = [phone, host].map(|key| self.leg(key).map(|leg| leg.socket.id));
+        for (key, peer_id) in [(phone, ids[1]), (host, ids[0])] {
+            let Some(leg) = self.leg(key) else { continue };
+            let Some(slot) = leg.socket.crash_slot() else {
+                continue;
+            };
+            let kind = if leg.kind == "phone" {
+                CrashKind::Phone
+            } else {
+                CrashKind::Data
+            };
+            let mut record =
+                crate::crash_store::record_of(kind, leg.socket.id, leg.socket.stream());
+            record.relay_host_id = Some(leg.host.to_string());
+            record.peer = peer_id;
+            slot.write(&record);
+        }
+    }
+
+    fn guarded_body(&mut self, key: LegKey, body: impl FnOnce(&mut Worker)) {
         let outcome = crate::threads::catch_panic(|| body(self));
         if outcome.is_err() {
             log::error!(
@@ -541,6 +597,7 @@ impl Worker {
                     leg.peer = Some(peer);
                 }
             }
+            self.record_pair(phone, host);
         }
         let keys: Vec<LegKey> = keys.into_iter().flatten().collect();
         for key in &keys {
@@ -743,6 +800,7 @@ impl Worker {
                 leg.peer = Some(peer);
             }
         }
+        self.record_pair(phone_key, host_key);
         let mut failed = false;
         for key in [phone_key, host_key] {
             if let Some(leg) = self.leg(key) {
@@ -1005,6 +1063,9 @@ impl Worker {
         if leg.output.is_empty() && leg.controls.is_none() {
             return;
         }
+        if let Some(slot) = leg.socket.crash_slot() {
+            slot.set(IO_WRITING);
+        }
         let flushed = match leg.controls.as_deref_mut() {
             Some(controls) => leg
                 .output
@@ -1112,6 +1173,9 @@ impl Worker {
                 owes_control = leg.controls.is_some();
                 // A control frame owed to the peer goes first: the frames are queued behind it.
                 if leg.output.is_empty() && !owes_control {
+                    if let Some(slot) = leg.socket.crash_slot() {
+                        slot.set(IO_WRITING);
+                    }
                     match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
@@ -1259,6 +1323,9 @@ impl Worker {
                 self.buf = work;
                 return false;
             };
+            if let Some(slot) = leg.socket.crash_slot() {
+                slot.set(IO_READING);
+            }
             let outcome = read_once(leg.socket.stream(), &mut work);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
@@ -1297,6 +1364,9 @@ impl Worker {
             work[..have].copy_from_slice(&leg.partial[..have]);
             let hangup = leg.hangup_seen;
             let space = work.len() - have;
+            if let Some(slot) = leg.socket.crash_slot() {
+                slot.set(IO_READING);
+            }
             let outcome = read_once(leg.socket.stream(), &mut work[have..]);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
