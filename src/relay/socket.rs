@@ -1260,6 +1260,54 @@ mod tests {
         assert!(bytes == expected, "the frames whole and in order");
     }
 
+    /// A socket kept in the crash store stays marked `IO_WRITING` while it owes bytes (half a
+    /// frame may be on the wire, and the owed bytes are in no record: a crash then must close
+    /// it 1012, never resume it), and is unmarked once what it owed is written.
+    #[test]
+    fn a_socket_that_owes_bytes_is_not_resumable_after_a_crash_until_they_are_written() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let interrupt = Wake::new().unwrap();
+        let socket = Socket::interruptible(1, ours, interrupt.clone());
+        socket.set_send_timeout(Duration::from_secs(60));
+        let registry = crate::metrics::Registry::new();
+        let store =
+            crate::crash_store::CrashStore::start(4, "/nonexistent/notify".into(), &registry)
+                .unwrap();
+        let record = crate::crash_store::record_of(
+            crate::carry::crash::CrashKind::Control,
+            1,
+            socket.stream(),
+        );
+        socket.keep(store.keep(socket.stream(), record, true).unwrap());
+        let flags = || socket.crash_slot().unwrap().flags();
+        socket.send(Message::text("at rest")).unwrap();
+        assert_eq!(flags() & IO_WRITING, 0, "a whole frame written: resumable");
+        interrupt.set();
+        socket.send(Message::text("during a quiesce")).unwrap();
+        assert_ne!(flags() & IO_WRITING, 0, "owed: not resumable");
+        interrupt.clear();
+        socket.flush_owed().unwrap();
+        assert_eq!(flags() & IO_WRITING, 0, "written: resumable again");
+        // A connection a handover carried with bytes owed, kept after they were given to it.
+        let record = crate::crash_store::record_of(
+            crate::carry::crash::CrashKind::Control,
+            2,
+            socket.stream(),
+        );
+        let (other, _) = {
+            let _ = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            listener.accept().unwrap()
+        };
+        let carried = Socket::interruptible(2, other, interrupt.clone());
+        carried.owe(b"owed".to_vec(), Duration::ZERO);
+        carried.keep(store.keep(carried.stream(), record, true).unwrap());
+        assert_ne!(carried.crash_slot().unwrap().flags() & IO_WRITING, 0);
+        let mut bytes = vec![0u8; 2 + "at rest".len() + 2 + "during a quiesce".len()];
+        peer.read_exact(&mut bytes).unwrap();
+    }
+
     #[test]
     fn a_frame_for_a_busy_writer_stays_owed_until_the_writer_is_free() {
         let (socket, mut peer) = socket_pair();
