@@ -244,6 +244,11 @@ fn bench(controls: usize, runs: usize) -> (u64, Vec<Run>) {
 }
 
 /// The slow-reader and backpressured rows, for this build and the baseline.
+/// The command's line (the figures keep its standard error after it), fit for a table cell.
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().replace('|', "/")
+}
+
 fn edge_rows(baseline: Option<(&Path, &str)>) {
     let mut builds: Vec<(String, Option<&Path>)> = vec![("this build".into(), None)];
     match baseline {
@@ -272,11 +277,7 @@ fn edge_rows(baseline: Option<(&Path, &str)>) {
             figures.took_ms,
             figures.moved,
             if figures.delivered { "yes" } else { "no" },
-            figures
-                .failure
-                .clone()
-                .unwrap_or_else(|| figures.line.clone())
-                .replace('|', "/")
+            first_line(figures.failure.as_deref().unwrap_or(figures.line.as_str()))
         );
     }
     println!();
@@ -295,7 +296,7 @@ fn edge_rows(baseline: Option<(&Path, &str)>) {
             figures.rss_before_kib / 1024,
             figures.rss_peak_kib / 1024,
             if figures.delivered { "yes" } else { "no" },
-            figures.line.replace('|', "/")
+            first_line(&figures.line)
         );
     }
     println!();
