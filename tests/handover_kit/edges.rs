@@ -660,7 +660,9 @@ fn ping_until_the_relay_blocks(stream: &std::net::TcpStream) -> (u64, Vec<u8>) {
 
 /// Whether a relay thread of process `pid` waits to write: in `poll(2)` (x86_64's syscall 7)
 /// with a timeout within the wedge window (10 s), where a thread waiting to read waits its
-/// silence window (75 s). Read from `/proc/<pid>/task/*/syscall`.
+/// silence window (75 s); or, in a build whose writes block (a baseline), in `write(2)`,
+/// `writev(2)`, `sendto(2)` or `sendmsg(2)` (1, 20, 44, 46). Read from
+/// `/proc/<pid>/task/*/syscall`.
 fn a_relay_thread_waits_to_write(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
@@ -672,9 +674,9 @@ fn a_relay_thread_waits_to_write(pid: u32) -> bool {
         let timeout = fields
             .get(3)
             .and_then(|arg| u64::from_str_radix(arg.trim_start_matches("0x"), 16).ok());
-        comm.starts_with("relay-")
-            && fields.first() == Some(&"7")
-            && timeout.is_some_and(|ms| ms <= 10_000)
+        let polling = fields.first() == Some(&"7") && timeout.is_some_and(|ms| ms <= 10_000);
+        let writing = matches!(fields.first(), Some(&("1" | "20" | "44" | "46")));
+        comm.starts_with("relay-") && (polling || writing)
     })
 }
 

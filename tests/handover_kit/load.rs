@@ -136,6 +136,9 @@ const SLOW_READ_PER_SECOND: usize = 4 * 1024;
 const SLOW_READ_CHUNK: usize = 1024;
 /// Their receive buffer.
 const SLOW_RECEIVE_BUFFER: usize = 4 * 1024;
+/// A stuck pair's end reads this much every so often, and nothing else until the load ends.
+const STUCK_SIP_EVERY: Duration = Duration::from_secs(10);
+const STUCK_SIP_BYTES: usize = 128 * 1024;
 /// A slow desktop's ping: an 8-byte sequence number and filler, the largest control payload.
 const SLOW_PING_BYTES: usize = 125;
 
@@ -684,6 +687,33 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             released = true;
             to_read.extend((0..conns.len()).filter(|&i| conns[i].stuck));
             to_read.extend(slow.iter().copied());
+        }
+        // A stuck end takes a sip now and then: one read of more than a segment, so its window
+        // opens for a moment. (A window shut for 30 s is the relay's TCP_USER_TIMEOUT on a
+        // spliced leg: the kernel resets the connection, as it should a peer that vanished.)
+        let mut sipping = Vec::new();
+        if !finishing {
+            for i in 0..conns.len() {
+                if conns[i].stuck && !conns[i].closed {
+                    let since = *conns[i].budget_at.get_or_insert(now);
+                    if now.saturating_duration_since(since) >= STUCK_SIP_EVERY {
+                        conns[i].budget_at = Some(now);
+                        sipping.push(i);
+                    }
+                }
+            }
+        }
+        for &i in &sipping {
+            read_conn(
+                &mut conns[i],
+                &mut scratch,
+                Some(STUCK_SIP_BYTES),
+                &shared,
+                &spec,
+                now,
+                mark,
+                origin,
+            );
         }
         // A slow desktop reads a chunk whenever its allowance has one (no edge comes for the
         // bytes it left unread).
