@@ -693,11 +693,11 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
         // spliced leg: the kernel resets the connection, as it should a peer that vanished.)
         let mut sipping = Vec::new();
         if !finishing {
-            for i in 0..conns.len() {
-                if conns[i].stuck && !conns[i].closed {
-                    let since = *conns[i].budget_at.get_or_insert(now);
+            for (i, conn) in conns.iter_mut().enumerate() {
+                if conn.stuck && !conn.closed {
+                    let since = *conn.budget_at.get_or_insert(now);
                     if now.saturating_duration_since(since) >= STUCK_SIP_EVERY {
-                        conns[i].budget_at = Some(now);
+                        conn.budget_at = Some(now);
                         sipping.push(i);
                     }
                 }
