@@ -16,7 +16,24 @@
 //! bench started again with `ORCA_RELAY_LOAD_HELPER`), so the stalls it sees are the relay's.
 //! Every run also checks that nothing was closed, lost or reordered.
 //!
-//! Options: `--controls 100,1000,5000` (the sizes), `--runs 3`.
+//! Then the edges of issue 31, each on this build and on a **baseline** built from another
+//! revision (`main` unless `--baseline-rev REV`, or an existing binary with `--baseline PATH`;
+//! built once into `target/handover-baseline/<commit>/`):
+//!
+//! - **slow reader**: a desktop whose control reads nothing through a 4 KiB receive buffer has
+//!   its relay thread blocked writing a pong to it, and a phone's `conn-open` waiting behind
+//!   it; one handover: how long it took, what it moved, whether every pong and the `conn-open`
+//!   reached the desktop and the pair was spliced;
+//! - **backpressured**: 8 pairs whose ends read nothing (about 1.25 MiB of output waiting each
+//!   way) beside 20 streaming pairs; one handover: how long it took, how long streams were
+//!   held, the streaming pairs' longest pause, the running process's memory before and at its
+//!   peak while handing over, whether every byte arrived.
+//!
+//! Options: `--controls 100,1000,5000` (the sizes), `--runs 3`, `--only sizes|edges`,
+//! `--baseline PATH`, `--baseline-rev REV`; `--soak [N]` runs only the issue's soak (2,000
+//! controls, 200 streaming pairs, 50 slow desktops, 8 stuck pairs, a newcomer every 20 ms, `N`
+//! handovers in a row, 20 by default, then a next process stopped after `ready`) and prints
+//! its figures and whichever bound they broke.
 
 #[path = "../tests/handover_kit/mod.rs"]
 mod handover_kit;
@@ -25,6 +42,9 @@ mod harness;
 
 use std::time::Duration;
 
+use std::path::{Path, PathBuf};
+
+use handover_kit::edges::{self, SoakSpec};
 use handover_kit::load::{Identity, Spec};
 use handover_kit::remote::RemoteLoad;
 use handover_kit::{build_with_note, hand_over};
@@ -59,6 +79,35 @@ fn main() {
     let runs: usize = option("--runs").map_or(3, |runs| runs.parse().expect("--runs: a number"));
     handover_kit::raise_fd_limit();
     handover_kit::adopt_orphans();
+    if let Some(at) = args.iter().position(|arg| arg == "--soak") {
+        let handovers = args.get(at + 1).and_then(|n| n.parse().ok()).unwrap_or(20);
+        let next = build_with_note("soak");
+        let figures = edges::soak(&SoakSpec::issue(handovers, "handover"), None, Some(&next));
+        println!();
+        println!("{}", figures.summary());
+        if figures.over_bounds.is_empty() {
+            println!("every bound of issue 31 held");
+        }
+        return;
+    }
+    let only = option("--only");
+    if only.as_deref() != Some("sizes") {
+        let baseline = match option("--baseline") {
+            Some(path) => Some((PathBuf::from(&path), path)),
+            None => {
+                let rev = option("--baseline-rev").unwrap_or_else(|| "main".into());
+                baseline_binary(&rev).map(|path| (path, rev))
+            }
+        };
+        edge_rows(
+            baseline
+                .as_ref()
+                .map(|(path, name)| (path.as_path(), name.as_str())),
+        );
+        if only.as_deref() == Some("edges") {
+            return;
+        }
+    }
     let mut table = Vec::new();
     for &controls in &sizes {
         let (baseline, results) = bench(controls, runs);
@@ -192,6 +241,119 @@ fn bench(controls: usize, runs: usize) -> (u64, Vec<Run>) {
     assert!(finished.violations.is_empty(), "{:?}", finished.violations);
     assert_eq!(finished.messages_received, finished.messages_sent);
     (baseline, results)
+}
+
+/// The slow-reader and backpressured rows, for this build and the baseline.
+/// The command's line (the figures keep its standard error after it), fit for a table cell.
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().replace('|', "/")
+}
+
+fn edge_rows(baseline: Option<(&Path, &str)>) {
+    let mut builds: Vec<(String, Option<&Path>)> = vec![("this build".into(), None)];
+    match baseline {
+        Some((path, name)) => builds.push((format!("baseline {name}"), Some(path))),
+        None => eprintln!("no baseline: the edge rows show this build only"),
+    }
+    let mut slow = Vec::new();
+    let mut backpressured = Vec::new();
+    for (name, binary) in &builds {
+        eprintln!("{name}: slow reader");
+        slow.push((name.clone(), edges::slow_reader(*binary, None)));
+        eprintln!("{name}: backpressured");
+        backpressured.push((
+            name.clone(),
+            edges::backpressured(*binary, None, 8, 20, "handover"),
+        ));
+    }
+    println!();
+    println!("slow reader: a desktop's relay thread blocked writing to it, a phone's conn-open behind it");
+    println!();
+    println!("| build | handover | connections moved | everything delivered | outcome |");
+    println!("|---|---:|---:|---|---|");
+    for (name, figures) in &slow {
+        println!(
+            "| {name} | {} ms | {} | {} | {} |",
+            figures.took_ms,
+            figures.moved,
+            if figures.delivered { "yes" } else { "no" },
+            first_line(figures.failure.as_deref().unwrap_or(figures.line.as_str()))
+        );
+    }
+    println!();
+    println!("backpressured: 8 pairs whose ends read nothing (about 1.25 MiB waiting each way), 20 streaming pairs");
+    println!();
+    println!(
+        "| build | handover | streams held | stream pause | running process RSS (before -> peak) | every byte arrived | outcome |"
+    );
+    println!("|---|---:|---:|---:|---:|---|---|");
+    for (name, figures) in &backpressured {
+        println!(
+            "| {name} | {} ms | {} ms | {} ms | {} -> {} MiB | {} | {} |",
+            figures.took_ms,
+            figures.paused_ms,
+            figures.stream_pause_ms,
+            figures.rss_before_kib / 1024,
+            figures.rss_peak_kib / 1024,
+            if figures.delivered { "yes" } else { "no" },
+            first_line(&figures.line)
+        );
+    }
+    println!();
+}
+
+/// The release binary of revision `rev` of this repository, built once into
+/// `target/handover-baseline/<commit>/` (`git archive`, then `cargo build --release`); `None`
+/// (with the reason) when the revision or the build is not to be had.
+fn baseline_binary(rev: &str) -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(root)
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+    };
+    let Some(commit) = git(&["rev-parse", "--verify", &format!("{rev}^{{commit}}")])
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    else {
+        eprintln!("no baseline: revision {rev} is not in this repository");
+        return None;
+    };
+    let dir = root.join("target/handover-baseline").join(&commit);
+    let binary = dir.join("target/release/orca-relay");
+    if binary.is_file() {
+        return Some(binary);
+    }
+    let source = dir.join("source");
+    let _ = std::fs::remove_dir_all(&source);
+    std::fs::create_dir_all(&source).ok()?;
+    eprintln!(
+        "building the baseline {rev} ({commit}) into {}",
+        dir.display()
+    );
+    let archived = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "git -C '{}' archive --format=tar {commit} | tar -x -C '{}'",
+            root.display(),
+            source.display()
+        ))
+        .status()
+        .is_ok_and(|status| status.success());
+    let built = archived
+        && std::process::Command::new(env!("CARGO"))
+            .args(["build", "--release", "--bin", "orca-relay"])
+            .current_dir(&source)
+            .env("CARGO_TARGET_DIR", dir.join("target"))
+            .status()
+            .is_ok_and(|status| status.success());
+    if !built || !binary.is_file() {
+        eprintln!("no baseline: building {rev} failed");
+        return None;
+    }
+    Some(binary)
 }
 
 fn clock_sleep(duration: Duration) {

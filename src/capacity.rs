@@ -155,6 +155,19 @@ pub struct Limits {
     pub memory_bytes: Option<u64>,
 }
 
+impl Limits {
+    /// The limits as they would read without `tasks` of another process and `descriptors` of
+    /// this one counted: the running process a live handover takes over from shares the
+    /// machine's and the cgroup's task counts until it exits, the handover's own descriptors
+    /// are closed at the commit, and the next process plans as a fresh start does.
+    pub fn without(mut self, tasks: u64, descriptors: u64) -> Limits {
+        self.tasks_on_machine = self.tasks_on_machine.saturating_sub(tasks);
+        self.cgroup_pids_current = self.cgroup_pids_current.saturating_sub(tasks);
+        self.descriptors_in_use = self.descriptors_in_use.saturating_sub(descriptors);
+        self
+    }
+}
+
 /// What the process keeps for itself, beyond what it uses at the time of the reading: HTTP
 /// connections and workers, the database pool, rejection threads, role threads started later,
 /// malloc arenas, the glibc stack cache.
@@ -356,8 +369,14 @@ pub struct Plan {
     /// The resource the cap was lowered for, when it was.
     pub lowered_by: Option<Resource>,
     /// Relay threads at most at once (controls, pending upgrades, legs not yet spliced): the
-    /// threaded figure, so a spawn never gets near the map or task limits.
+    /// threaded figure, so a spawn never gets near the map or task limits, and at most what
+    /// the task limits hold for two processes ([`Plan::handover_threads`]).
     pub relay_threads: u64,
+    /// Relay threads the task limits hold when a live handover runs two processes of this
+    /// one's size (the next one has a relay thread for every carried connection waiting before
+    /// the running one's end at its exit), and the task limit that gives it; `None`: no task
+    /// limit. The machine's maps are per process and are not halved.
+    pub handover_threads: Option<(u64, Resource)>,
     /// The RSS the process can reach at `cap` ([`MemoryBounds::rss_at`]), and the memory it
     /// has (`None`: unknown, not checked).
     pub rss_at_cap: u64,
@@ -463,6 +482,7 @@ pub fn plan(limits: &Limits, needs: Needs) -> Plan {
     reserve.threads += needs.http_connections_max;
     reserve.maps += needs.http_connections_max * MAPS_PER_THREAD;
     let capacity = compute(limits, reserve, MAPS_PER_THREAD);
+    let handover_threads = handover_threads(limits, reserve.threads);
     let ceiling = capacity.descriptors;
     let (mut cap, mut lowered_by) = if needs.configured_cap > ceiling {
         (ceiling, Some(Resource::Descriptors))
@@ -477,7 +497,10 @@ pub fn plan(limits: &Limits, needs: Needs) -> Plan {
         }
     }
     Plan {
-        relay_threads: capacity.threaded,
+        relay_threads: handover_threads.map_or(capacity.threaded, |(threads, _)| {
+            threads.min(capacity.threaded)
+        }),
+        handover_threads,
         capacity,
         ceiling,
         cap,
@@ -489,21 +512,85 @@ pub fn plan(limits: &Limits, needs: Needs) -> Plan {
     }
 }
 
+/// Relay threads the task limits (`kernel.threads-max`, `kernel.pid_max`, the cgroup's
+/// `pids.max`, `RLIMIT_NPROC`) hold when two processes of this one's size run at once: every
+/// task of this process (`process_threads` now, its `reserve`, its relay threads) counted
+/// twice, the rest of what each limit counts once. `None`: no task limit.
+fn handover_threads(limits: &Limits, reserve: u64) -> Option<(u64, Resource)> {
+    let own = limits.process_threads;
+    [
+        (
+            Resource::KernelThreads,
+            limits.threads_max,
+            limits.tasks_on_machine,
+        ),
+        (
+            Resource::PidSpace,
+            limits.pid_max.map(|max| max.saturating_sub(RESERVED_PIDS)),
+            limits.tasks_on_machine,
+        ),
+        (
+            Resource::CgroupPids,
+            limits.cgroup_pids_max,
+            limits.cgroup_pids_current,
+        ),
+        (
+            Resource::UserProcesses,
+            limits.nproc,
+            limits.process_threads,
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(resource, limit, in_use)| {
+        let left = limit?
+            .saturating_sub(in_use)
+            .saturating_sub(own)
+            .saturating_sub(2 * reserve);
+        Some((left / 2, resource))
+    })
+    .min_by_key(|(threads, _)| *threads)
+}
+
 impl Plan {
+    /// The resource that bounds the relay threads.
+    pub fn threads_limited_by(&self) -> Resource {
+        match self.handover_threads {
+            Some((threads, resource)) if threads < self.capacity.threaded => resource,
+            _ => self.capacity.threaded_limiting,
+        }
+    }
+
     /// The `key=value` fields of the start-up line and `check-config`.
     pub fn summary(&self) -> String {
         format!(
-            "connections={} limited_by={} cap={} relay_threads={} threads_limited_by={} rss_at_cap={} memory={} per_connection_bytes={}",
+            "connections={} limited_by={} cap={} relay_threads={} threads_limited_by={}{} rss_at_cap={} memory={} per_connection_bytes={}",
             self.ceiling,
             Resource::Descriptors,
             self.cap,
             self.relay_threads,
-            self.capacity.threaded_limiting,
+            self.threads_limited_by(),
+            if self.threads_limited_by().per_thread()
+                && self.threads_limited_by() != Resource::MemoryMaps
+            {
+                " threads_counted=twice_for_handover"
+            } else {
+                ""
+            },
             self.rss_at_cap,
             self.memory_bytes
                 .map_or_else(|| "unknown".to_string(), |m| m.to_string()),
             self.memory.per_connection
         )
+    }
+
+    /// The live handover's task arithmetic as `check-config` prints it.
+    pub fn handover_figure(&self) -> String {
+        match self.handover_threads {
+            Some((threads, resource)) => format!(
+                "live handover: both processes' tasks at once (every task of this one twice): {resource} holds {threads} relay threads each"
+            ),
+            None => "live handover: no task limit binds two processes at once".to_string(),
+        }
     }
 
     /// The memory arithmetic as `check-config` prints it.
@@ -559,6 +646,17 @@ fn read_number(path: &Path) -> io::Result<Option<u64>> {
         "max" => Ok(None),
         value => value.parse().map(Some).map_err(|_| invalid(path, &text)),
     }
+}
+
+/// The tasks (threads) of process `pid` (`/proc/<pid>/status`).
+pub fn process_tasks(pid: u32) -> io::Result<u64> {
+    let path = PathBuf::from(format!("/proc/{pid}/status"));
+    let status = read_bounded(&path, SMALL_FILE_BYTES)?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|value| value.trim().parse().ok())
+        .ok_or_else(|| invalid(&path, &status))
 }
 
 /// `getrlimit`'s soft limit; `None` for `RLIM_INFINITY`.
@@ -1002,6 +1100,39 @@ mod tests {
         assert_eq!(plan_with_memory(Some(100 * MIB), 1_000).cap, 1);
     }
 
+    /// A live handover runs two processes of the same size: the task limits hold every task
+    /// of this process twice (the rest of what they count once), and the relay threads are
+    /// bounded by that; the maps are per process and stay whole. The cell unit's `TasksMax=`
+    /// (23,040) holds its sizing (10,000 controls and 256 pending upgrades) that way.
+    #[test]
+    fn the_task_limits_hold_two_processes_for_a_handover() {
+        let mut limits = machine();
+        limits.cgroup_pids_max = Some(11_520);
+        limits.cgroup_pids_current = 40;
+        limits.process_threads = 40;
+        let halved = plan(&limits, needs(10_000));
+        // (11,520 - 40 in the cgroup - 40 of ours - 2 x 1,152 reserved) / 2.
+        assert_eq!(halved.handover_threads, Some((4_568, Resource::CgroupPids)));
+        assert_eq!(halved.relay_threads, 4_568);
+        assert!(halved
+            .summary()
+            .contains("threads_limited_by=pids.max threads_counted=twice_for_handover"));
+        assert!(halved.handover_figure().contains("pids.max holds 4568"));
+        limits.cgroup_pids_max = Some(23_040);
+        let unit = plan(&limits, needs(10_000));
+        assert!(unit.relay_threads >= 10_000 + 256, "{}", unit.summary());
+        // No task limit: the maps alone.
+        let unlimited = Limits {
+            threads_max: None,
+            pid_max: None,
+            ..machine()
+        };
+        let plan = plan(&unlimited, needs(10_000));
+        assert_eq!(plan.handover_threads, None);
+        assert_eq!(plan.relay_threads, plan.capacity.threaded);
+        assert_eq!(plan.threads_limited_by(), Resource::MemoryMaps);
+    }
+
     fn plan_with_memory(memory: Option<u64>, cap: u64) -> Plan {
         let mut limits = machine();
         limits.memory_bytes = memory;
@@ -1040,11 +1171,21 @@ mod tests {
             "descriptors reserved: 906 = 266 process and database pool + 256 pending + 256 closing + 128 HTTP"
         );
         assert_eq!(plan.lowered_by, Some(Resource::Descriptors));
-        // Maps bind the threads: (65,530 - 200 - reserve) / 4, the reserve holding the HTTP
-        // threads' maps too.
+        // Maps bind one process's threads: (65,530 - 200 - reserve) / 4, the reserve holding
+        // the HTTP threads' maps too.
         assert_eq!(plan.capacity.threaded_limiting, Resource::MemoryMaps);
-        assert_eq!(plan.relay_threads, plan.capacity.threaded);
-        assert!(plan.relay_threads < (65_530 - 200 - 1024 * MAPS_PER_THREAD) / MAPS_PER_THREAD);
+        assert_eq!(plan.capacity.threaded, (65_530 - 200 - 5_242) / 4);
+        // The task ids bind two of them (a handover): (32,768 - 300 reserved - 300 on the
+        // machine - 20 of ours - 2 x 1,152 reserved) / 2.
+        assert_eq!(
+            plan.handover_threads,
+            Some((14_922, Resource::PidSpace)),
+            "{}",
+            plan.summary()
+        );
+        assert_eq!(plan.relay_threads, 14_922);
+        assert_eq!(plan.threads_limited_by(), Resource::PidSpace);
+        assert!(plan.summary().contains("threads_limited_by=kernel.pid_max"));
         let kept = super::plan(&machine(), needs(1_000));
         assert_eq!((kept.cap, kept.lowered_by), (1_000, None));
         assert!(kept

@@ -502,6 +502,7 @@ pub fn check_config(lookup: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> (i32
                             plan.memory_figure(),
                             crate::capacity::Resource::Memory.how_to_raise()
                         );
+                        let _ = writeln!(out, "  {}", plan.handover_figure());
                     }
                     Err(e) => {
                         let _ = writeln!(out, "effective capacity: unknown ({e})");

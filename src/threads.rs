@@ -49,6 +49,105 @@ where
         .spawn(f)
 }
 
+/// A job for a spare thread.
+pub type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads started ahead of need, each to run one job once they are released: a handover's
+/// next process starts a relay thread for every connection it will take before anything
+/// pauses, queues each connection's job without waking anyone while the connections wait, and
+/// releases them all at the commit. A spare without a job ends then (or when the `Spares` are
+/// dropped).
+pub struct Spares {
+    shared: std::sync::Arc<SparesShared>,
+    count: usize,
+}
+
+struct SparesShared {
+    state: std::sync::Mutex<SparesState>,
+    released: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct SparesState {
+    jobs: std::collections::VecDeque<(String, Job)>,
+    released: bool,
+}
+
+impl Spares {
+    /// Starts up to `count` spare threads of `stack_bytes` (fewer if a spawn fails: a job then
+    /// gets a thread of its own, or fails to as it would have).
+    pub fn start(count: usize, stack_bytes: usize) -> Spares {
+        let shared = std::sync::Arc::new(SparesShared {
+            state: std::sync::Mutex::new(SparesState::default()),
+            released: std::sync::Condvar::new(),
+        });
+        let mut started = 0;
+        for _ in 0..count {
+            let shared = shared.clone();
+            let spawned = spawn_with_stack("relay-spare", stack_bytes, move || {
+                let job = {
+                    let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+                    while !state.released {
+                        state = shared
+                            .released
+                            .wait(state)
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                    state.jobs.pop_front()
+                };
+                if let Some((name, job)) = job {
+                    name_this_thread(&name);
+                    job();
+                }
+            });
+            if spawned.is_err() {
+                break;
+            }
+            started += 1;
+        }
+        Spares {
+            shared,
+            count: started,
+        }
+    }
+
+    /// Queues `job` for a spare (named `name` from then on), to run once released; gives the
+    /// job back when every spare has one already.
+    pub fn queue(&self, name: String, job: Job) -> Result<(), Job> {
+        let mut state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.jobs.len() >= self.count || state.released {
+            return Err(job);
+        }
+        state.jobs.push_back((name, job));
+        Ok(())
+    }
+
+    /// Every spare takes its job (or ends without one).
+    pub fn release(&self) {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .released = true;
+        self.shared.released.notify_all();
+    }
+}
+
+impl Drop for Spares {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Names the calling thread as the kernel shows it (`top -H`, `/proc/<pid>/task/*/comm`; at
+/// most 15 bytes).
+fn name_this_thread(name: &str) {
+    let mut bytes: Vec<u8> = name.bytes().filter(|b| *b != 0).take(15).collect();
+    bytes.push(0);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, bytes.as_ptr() as libc::c_ulong, 0, 0, 0) };
+}
+
 /// A thread whose end can be waited for with a deadline ([`Watched::join_within`]): for threads
 /// that may be inside a database call when the process stops (the readiness prober, the feed
 /// lister), whose exit must not wait on a database that stopped answering.

@@ -236,6 +236,8 @@ fn the_command_says_committed_when_the_running_relay_exits_before_reporting() {
     let captured = Captured {
         cell: read("cell.json"),
         pairs: read("pairs.json"),
+        cell_raw: Vec::new(),
+        pairs_raw: Vec::new(),
     };
     let notes: Value = serde_json::from_slice(&read("notes.json")).unwrap();
     let cell: Value = serde_json::from_slice(&captured.cell).unwrap();

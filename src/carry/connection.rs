@@ -124,4 +124,31 @@ pub struct ConnectionRecord {
     pub fd: usize,
     pub id: u64,
     pub stage: StageRecord,
+    /// Since state version 3: bytes owed to the socket before anything else (the rest of a
+    /// frame whose write the quiesce interrupted, and frames sent during it), and how long ago
+    /// their write began (its deadline goes on from there). Version 2 and before: none (a
+    /// write finished before its thread deposited).
+    #[serde(default, with = "super::bytes::base64_bytes")]
+    pub owed: Vec<u8>,
+    #[serde(default)]
+    pub owed_age_ms: u64,
+}
+
+impl ConnectionRecord {
+    /// Its byte buffers, in the order a document lists them ([`super::Carried`]).
+    pub(super) fn byte_fields(&mut self) -> Vec<&mut Vec<u8>> {
+        let mut fields = vec![&mut self.owed];
+        match &mut self.stage {
+            StageRecord::Upgrading { received, .. } => fields.push(received),
+            StageRecord::FirstFrame { reader, .. }
+            | StageRecord::Control { reader, .. }
+            | StageRecord::PhoneWaiting { reader, .. } => {
+                fields.push(&mut reader.buffered);
+                if let Some(message) = reader.message.as_mut() {
+                    fields.push(message);
+                }
+            }
+        }
+        fields
+    }
 }

@@ -2,7 +2,8 @@
 //! connection a relay thread or the pending loop deposited, the cell's and the process's state),
 //! sent while streams still flow, and [`PairsDocument`] (the spliced pairs and the metrics'
 //! totals), sent once the splice workers are parked. Descriptors travel beside a document (by
-//! index into the message's descriptors), never inside it.
+//! index into the message's descriptors), never inside it; so do, since state version 3, the
+//! connections' and legs' byte buffers ([`super::Carried`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +64,32 @@ pub struct PairsDocument {
     pub snapshot_machine_ms: Option<u64>,
     pub metrics: Vec<SeriesRecord>,
     pub pairs: Vec<PairEntry>,
+}
+
+impl super::Carried for Document {
+    fn byte_fields(&mut self) -> Vec<&mut Vec<u8>> {
+        self.connections
+            .iter_mut()
+            .flat_map(ConnectionRecord::byte_fields)
+            .collect()
+    }
+
+    fn version(&self) -> u32 {
+        self.v
+    }
+}
+
+impl super::Carried for PairsDocument {
+    fn byte_fields(&mut self) -> Vec<&mut Vec<u8>> {
+        self.pairs
+            .iter_mut()
+            .flat_map(|entry| entry.pair.byte_fields())
+            .collect()
+    }
+
+    fn version(&self) -> u32 {
+        self.v
+    }
 }
 
 impl Document {

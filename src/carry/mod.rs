@@ -6,7 +6,9 @@
 //! (`cell`) and of the process's own (`process`: readiness clocks, metric totals); the live
 //! handover's two documents (`document`); carried time (`time`: a deadline as the time left, a
 //! moment as its age, the travel measured on the machine's monotonic clock); and the encoding
-//! (JSON, byte buffers as base64: `bytes`), read back only in a version this build knows.
+//! (JSON; byte buffers beside it, raw, in the order the document lists them: [`Carried`];
+//! base64 inside it in the versions before 3: `bytes`), read back only in a version this build
+//! knows.
 //!
 //! Never: moves a record (the transports do: the handover's unix socket, `handover/`), or knows
 //! what a record describes beyond its fields (each owner builds its record and restores itself
@@ -36,10 +38,90 @@ pub mod time;
 ///    at the handover); the pair's desktop for both legs. Later, without a new version (an
 ///    optional field each side may ignore): `snapshotMachineMs`, the snapshot on the machine's
 ///    monotonic clock (absent: the travel is measured on the two wall clocks, as before).
-pub const STATE_VERSION: u32 = 2;
+/// 3. Byte buffers travel beside the document, raw, not inside it as base64 ([`Carried`]: a
+///    connection's reader bytes, a head arriving, a leg's bytes not acted on and its pending
+///    output; inside the document each is `""`, its bytes come in the document's order); a
+///    connection carries the bytes owed to its socket (`owed`, `owedAgeMs`: a write the
+///    quiesce interrupted, frames sent during it; versions 1 and 2: none).
+pub const STATE_VERSION: u32 = 3;
 
 /// The versions this build reads (every one from the first).
-pub const READS: &[u32] = &[1, 2];
+pub const READS: &[u32] = &[1, 2, 3];
+
+/// The first version whose byte buffers travel beside the document.
+const RAW_BYTES_SINCE: u32 = 3;
+
+/// The most one byte buffer beside a document may weigh: more than any connection holds in one
+/// (a leg's output at its bound, a control's 1 MiB frame and message); a longer one announced
+/// is refused before anything is allocated for it.
+pub const MAX_CARRIED_BUFFER: usize = 16 << 20;
+
+/// A document whose byte buffers travel beside it, raw (state version 3 on): each buffer is
+/// taken out before the document is written (left empty in it, `""`) and sent after it in the
+/// order of [`Carried::byte_fields`]; the reader puts each back in the same order. No buffer is
+/// copied on the way (the writer's are moved out and back; the reader's are received into
+/// their final place).
+pub trait Carried {
+    /// Every byte buffer of the document, always in the same order.
+    fn byte_fields(&mut self) -> Vec<&mut Vec<u8>>;
+    /// The document's state version.
+    fn version(&self) -> u32;
+}
+
+/// Takes `document`'s byte buffers out and writes it down: (the document, the buffers in its
+/// order). The caller sends both, then puts the buffers back with [`put_back`] (a failed
+/// handover resumes from them).
+pub fn write_parts<T: serde::Serialize + Carried>(
+    document: &mut T,
+) -> Result<(Vec<u8>, Vec<Vec<u8>>), String> {
+    let buffers: Vec<Vec<u8>> = document
+        .byte_fields()
+        .into_iter()
+        .map(std::mem::take)
+        .collect();
+    match write_document(document) {
+        Ok(bytes) => Ok((bytes, buffers)),
+        Err(e) => {
+            put_back(document, buffers);
+            Err(e)
+        }
+    }
+}
+
+/// Puts the buffers [`write_parts`] took back into `document`.
+pub fn put_back<T: Carried>(document: &mut T, buffers: Vec<Vec<u8>>) {
+    for (field, buffer) in document.byte_fields().into_iter().zip(buffers) {
+        *field = buffer;
+    }
+}
+
+/// Reads a document of any version this build knows, with the byte buffers that came beside it
+/// (none before version 3, whose buffers are inside it).
+pub fn read_parts<T: serde::de::DeserializeOwned + Carried>(
+    bytes: &[u8],
+    buffers: Vec<Vec<u8>>,
+    reads: &[u32],
+) -> Result<T, String> {
+    let mut document: T = read_document(bytes, reads)?;
+    if document.version() < RAW_BYTES_SINCE {
+        if !buffers.is_empty() {
+            return Err(format!(
+                "byte buffers beside a state document of version {}",
+                document.version()
+            ));
+        }
+        return Ok(document);
+    }
+    let fields = document.byte_fields().len();
+    if fields != buffers.len() {
+        return Err(format!(
+            "the state document lists {fields} byte buffers, {} came",
+            buffers.len()
+        ));
+    }
+    put_back(&mut document, buffers);
+    Ok(document)
+}
 
 /// The most a state document may weigh (pending output is bounded per leg; this bounds a
 /// document that lies about its size).

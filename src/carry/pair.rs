@@ -89,7 +89,7 @@ pub struct ControlFrameRecord {
 
 /// A pair as a live handover carries it. A leg whose peer has ended travels alone (it is
 /// closing).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PairRecord {
     /// The desktop the pair belongs to (the phone's place among its phones; its pairs close
@@ -97,6 +97,23 @@ pub struct PairRecord {
     pub relay_host_id: Option<String>,
     pub phone: Option<LegRecord>,
     pub host: Option<LegRecord>,
+}
+
+impl PairRecord {
+    /// Its legs' byte buffers (the bytes not acted on, the pending output), in the order a
+    /// document lists them ([`super::Carried`]). A cursor's header and the owed control frames
+    /// (a few bytes each) stay in the document.
+    pub(super) fn byte_fields(&mut self) -> Vec<&mut Vec<u8>> {
+        let mut fields = Vec::new();
+        for leg in [self.phone.as_mut(), self.host.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            fields.push(&mut leg.partial);
+            fields.push(&mut leg.output);
+        }
+        fields
+    }
 }
 
 /// A spliced pair: its legs' descriptors' indices and the pair as the worker had it.

@@ -5,9 +5,9 @@
 //! chunked transfer of a large document and many descriptors. The decisions (quiesce, commit,
 //! rollback) live with the roles (`roles/handover.rs`); the command in `handover_command.rs`.
 //!
-//! Every message is one kind byte and a JSON body (or raw bytes for a document's chunks);
-//! descriptors travel with [`Kind::Fds`] messages, at most [`wire::MAX_FDS`] each, in the order
-//! the state document numbers them.
+//! Every message is one kind byte and a JSON body (or raw bytes for a document's chunks and the
+//! byte buffers beside it, [`Kind::Raw`]); descriptors travel with [`Kind::Fds`] messages, at
+//! most [`wire::MAX_FDS`] each, in the order the state document numbers them.
 
 pub mod wire;
 
@@ -20,9 +20,19 @@ use serde::{Deserialize, Serialize};
 
 use wire::{Channel, WireError};
 
+use crate::clock;
+
 /// From the moment the running process accepts a handover to the next process's confirmation
 /// (SPEC §12): past it, the running process takes everything back.
 pub const HANDOVER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A next process that has said nothing (no message, no [`Kind::Alive`], no byte of a
+/// transfer taken) for this long after its `ready` is abandoned: the running process rolls
+/// back at once, whatever is left of [`HANDOVER_TIMEOUT`] (issue 31).
+pub const SILENCE: Duration = Duration::from_secs(2);
+
+/// How often the next process says it is alive, from its `ready` to the outcome.
+pub const BEAT: Duration = Duration::from_millis(250);
 
 /// The file name of the running process's handover socket in `ORCA_RELAY_DATA_DIR`.
 pub const SOCKET_NAME: &str = "handover.sock";
@@ -73,6 +83,17 @@ pub enum Kind {
     /// (the running process parks its splice workers only now, so streams pause only for the
     /// pairs' part of the transfer).
     Built = 15,
+    /// running → next: a chunk of the byte buffers beside a document (state version 3 on),
+    /// after its last [`Kind::Chunk`].
+    Raw = 16,
+    /// running → next, after `ready`: what the running process holds ([`Prepare`]), for the
+    /// next one to have its threads waiting before anything pauses.
+    Prepare = 17,
+    /// next → running: prepared; the running process may quiesce.
+    Prepared = 18,
+    /// next → running, every [`BEAT`] from `ready` to the outcome: alive ([`Alive`]). A next
+    /// process silent for [`SILENCE`] is abandoned.
+    Alive = 19,
 }
 
 impl Kind {
@@ -80,7 +101,7 @@ impl Kind {
         use Kind::*;
         [
             Begin, Accepted, Refused, Abort, Outcome, Ready, Failed, Transfer, Fds, Chunk, End,
-            Confirm, Committed, Rollback, Built,
+            Confirm, Committed, Rollback, Built, Raw, Prepare, Prepared, Alive,
         ]
         .into_iter()
         .find(|kind| *kind as u8 == value)
@@ -115,6 +136,10 @@ pub struct Running {
     pub role: String,
     pub cell_id: String,
     pub listening: Listening,
+    /// Its pid: until it exits its tasks share the machine's and the cgroup's counts with the
+    /// next process, which plans its capacity without them (a fresh start's plan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
 }
 
 impl Running {
@@ -188,6 +213,29 @@ pub struct Ready {
     pub reads: Vec<u32>,
 }
 
+/// What the running process holds, told to the next one before anything pauses: it starts a
+/// relay thread for each connection that will need one, waiting, so that none is started
+/// while the connections are paused.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Prepare {
+    /// Connections on relay threads (controls, phones waiting for their data leg).
+    pub threads: usize,
+    /// Database connections the running process has open: the next one opens as many before
+    /// it takes over, so that its first admissions do not wait for connects (and are not shed
+    /// under pool pressure for it).
+    #[serde(default)]
+    pub pool_open: u32,
+}
+
+/// A next process's sign of life: when, on the machine's monotonic clock
+/// (`clock::machine_ms`, the same in both processes), it was sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Alive {
+    pub machine_ms: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Transfer {
@@ -201,6 +249,10 @@ pub struct Transfer {
     pub watchdog_usec: Option<u64>,
     pub from_pid: u32,
     pub from_version: String,
+    /// Since state version 3: the lengths of the byte buffers sent raw after the document
+    /// ([`Kind::Raw`]), in its order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub raw: Vec<usize>,
 }
 
 /// Why a receive failed: the transport, or a message that was not the one expected.
@@ -251,22 +303,32 @@ pub fn body<T: DeserializeOwned>(message: &wire::Message) -> Result<T, WireError
     serde_json::from_slice(&message.payload).map_err(|_| WireError::Malformed("bad body"))
 }
 
-/// Sends the descriptors in batches, then the document in chunks, then `End`.
+/// Sends the descriptors in batches, then the document in chunks, then the byte buffers beside
+/// it (their lengths are `header.raw`), then `End`. Each message has until `step` from when it
+/// is begun (a receiver that takes nothing for that long is not there), and the whole transfer
+/// until `deadline`.
 pub fn send_transfer(
     channel: &Channel,
     header: &Transfer,
     document: &[u8],
     fds: &[RawFd],
-    deadline: Instant,
+    raw: &[Vec<u8>],
+    (step, deadline): (Duration, Instant),
 ) -> Result<(), WireError> {
-    send(channel, Kind::Transfer, header, deadline)?;
+    let by = || (clock::instant() + step).min(deadline);
+    send(channel, Kind::Transfer, header, by())?;
     for batch in fds.chunks(wire::MAX_FDS) {
-        channel.send(Kind::Fds as u8, &[], batch, deadline)?;
+        channel.send(Kind::Fds as u8, &[], batch, by())?;
     }
     for chunk in document.chunks(wire::MAX_PAYLOAD) {
-        channel.send(Kind::Chunk as u8, chunk, &[], deadline)?;
+        channel.send(Kind::Chunk as u8, chunk, &[], by())?;
     }
-    channel.send(Kind::End as u8, &[], &[], deadline)
+    for buffer in raw {
+        for chunk in buffer.chunks(wire::MAX_PAYLOAD) {
+            channel.send(Kind::Raw as u8, chunk, &[], by())?;
+        }
+    }
+    channel.send(Kind::End as u8, &[], &[], by())
 }
 
 /// The most descriptors a transfer may announce: Linux's ceiling on a process's open files
@@ -277,20 +339,23 @@ pub const MAX_TRANSFER_FDS: usize = 1 << 20;
 /// The most of an announced document allocated before its chunks arrive.
 const PREALLOCATE_DOCUMENT: usize = 16 << 20;
 
-/// What arrived: the header, the document, the descriptors in order.
+/// What arrived: the header, the document, the descriptors in order, the byte buffers beside
+/// the document in its order.
 pub struct Received {
     pub header: Transfer,
     pub document: Vec<u8>,
     pub fds: Vec<OwnedFd>,
+    pub raw: Vec<Vec<u8>>,
 }
 
 /// Receives a transfer (after its header). `on_fds` is told how many descriptors have arrived
 /// after each batch (a test fault stops half-way). The document is bounded by its announced
-/// size, itself bounded by `max_document`.
+/// size, itself bounded by `max_document`; each byte buffer beside it by `max_buffer`, and
+/// given its memory only once its bytes begin to arrive.
 pub fn receive_transfer(
     channel: &Channel,
     header: Transfer,
-    max_document: usize,
+    (max_document, max_buffer): (usize, usize),
     deadline: Instant,
     mut on_fds: impl FnMut(usize),
 ) -> Result<Received, ProtocolError> {
@@ -302,12 +367,46 @@ pub fn receive_transfer(
             "more descriptors than a process holds",
         ));
     }
+    if header.raw.iter().any(|len| *len > max_buffer) {
+        return Err(ProtocolError::Unexpected("a byte buffer too large"));
+    }
     // Memory grows with what arrives, not with what the header announces.
     let mut document = Vec::with_capacity(header.document_bytes.min(PREALLOCATE_DOCUMENT));
     let mut fds = Vec::with_capacity(header.fds);
+    // The buffers in order; empty ones are complete at once.
+    let mut raw: Vec<Vec<u8>> = Vec::new();
+    let next_to_fill = |raw: &mut Vec<Vec<u8>>| {
+        while raw.len() < header.raw.len() && header.raw[raw.len()] == 0 {
+            raw.push(Vec::new());
+        }
+    };
+    next_to_fill(&mut raw);
     loop {
         let (kind, message) = receive(channel, deadline)?;
         match kind {
+            Kind::Raw => {
+                // The buffer being filled: the last one begun, unless it is complete.
+                let filling = raw
+                    .last()
+                    .is_some_and(|last| last.len() < header.raw[raw.len() - 1]);
+                if !filling {
+                    if raw.len() == header.raw.len() {
+                        return Err(ProtocolError::Unexpected("more bytes than announced"));
+                    }
+                    raw.push(Vec::with_capacity(header.raw[raw.len()]));
+                }
+                let at = raw.len() - 1;
+                let left = header.raw[at] - raw[at].len();
+                if message.payload.len() > left {
+                    return Err(ProtocolError::Unexpected(
+                        "a byte buffer longer than announced",
+                    ));
+                }
+                raw[at].extend_from_slice(&message.payload);
+                if raw[at].len() == header.raw[at] {
+                    next_to_fill(&mut raw);
+                }
+            }
             Kind::Fds => {
                 fds.extend(message.fds);
                 if fds.len() > header.fds {
@@ -331,7 +430,12 @@ pub fn receive_transfer(
             _ => return Err(ProtocolError::Unexpected("not part of a transfer")),
         }
     }
-    if fds.len() != header.fds || document.len() != header.document_bytes {
+    let buffers_whole = raw.len() == header.raw.len()
+        && raw
+            .iter()
+            .zip(&header.raw)
+            .all(|(got, len)| got.len() == *len);
+    if fds.len() != header.fds || document.len() != header.document_bytes || !buffers_whole {
         return Err(ProtocolError::Unexpected(
             "a transfer shorter than announced",
         ));
@@ -340,6 +444,7 @@ pub fn receive_transfer(
         header,
         document,
         fds,
+        raw,
     })
 }
 
@@ -407,12 +512,21 @@ mod tests {
             watchdog_usec: None,
             from_pid: 1,
             from_version: version(),
+            raw: vec![0, 70_000, 3, 0],
         };
+        let raw: Vec<Vec<u8>> = header
+            .raw
+            .iter()
+            .enumerate()
+            .map(|(i, len)| vec![i as u8; *len])
+            .collect();
         let sender = {
             let document = document.clone();
             let header = header.clone();
+            let raw = raw.clone();
             crate::threads::spawn("test-sender", move || {
-                send_transfer(&a, &header, &document, &fds, soon()).unwrap();
+                let limits = (Duration::from_secs(5), soon());
+                send_transfer(&a, &header, &document, &fds, &raw, limits).unwrap();
                 drop(sockets);
             })
             .unwrap()
@@ -421,11 +535,13 @@ mod tests {
         assert_eq!(kind, Kind::Transfer);
         let header: Transfer = body(&message).unwrap();
         let mut batches = Vec::new();
-        let received = receive_transfer(&b, header, 1 << 20, soon(), |n| batches.push(n)).unwrap();
+        let received =
+            receive_transfer(&b, header, (1 << 20, 1 << 20), soon(), |n| batches.push(n)).unwrap();
         sender.join().unwrap();
         assert_eq!(received.document, document);
         assert_eq!(received.fds.len(), 450);
         assert_eq!(batches, vec![200, 400, 450]);
+        assert_eq!(received.raw, raw, "the byte buffers, whole and in order");
     }
 
     /// The header comes from the other process: a count of descriptors no process could hold
@@ -443,8 +559,9 @@ mod tests {
             watchdog_usec: None,
             from_pid: 1,
             from_version: version(),
+            raw: Vec::new(),
         };
-        let result = receive_transfer(&b, header, 1 << 20, soon(), |_| {});
+        let result = receive_transfer(&b, header, (1 << 20, 1 << 20), soon(), |_| {});
         assert!(
             matches!(result, Err(ProtocolError::Unexpected(_))),
             "{:?}",

@@ -450,6 +450,22 @@ impl Channel {
         Channel { fd }
     }
 
+    /// Another handle on the same socket (a thread of its own sends on it; each message stays
+    /// whole).
+    pub fn try_clone(&self) -> io::Result<Channel> {
+        Ok(Channel {
+            fd: self.fd.try_clone()?,
+        })
+    }
+
+    /// The pid of the process at the other end (`SO_PEERCRED`), when the kernel says.
+    pub fn peer_pid(&self) -> Option<u32> {
+        peer_credentials(self.fd.as_raw_fd())
+            .ok()
+            .and_then(|peer| u32::try_from(peer.pid).ok())
+            .filter(|pid| *pid > 0)
+    }
+
     pub fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }

@@ -186,6 +186,12 @@ impl Quiesce {
         self.wake.raw_fd()
     }
 
+    /// The flag a relay socket's write polls beside the socket (`Socket::interruptible`): set
+    /// while quiescing, so no write waits on a peer past the quiesce's start.
+    pub fn interrupt(&self) -> Arc<Wake> {
+        self.wake.clone()
+    }
+
     /// Deposits a connection. If no handover is quiescing any more (it ended while this thread
     /// was on its way), the connection is given back for the caller to resume: a deposit is
     /// either taken by the handover or never made.
@@ -321,6 +327,25 @@ impl ParkedConn {
             ParkedConn::Socket(socket) => socket.stream().as_raw_fd(),
         }
     }
+
+    /// What the socket owes (a write the quiesce interrupted, frames sent during it) and how
+    /// long ago that write began, taken out for a handover's record ([`ParkedConn::give_back_owed`]
+    /// puts it back). A pending connection owes nothing.
+    pub fn take_owed(&self, now: Instant) -> (Vec<u8>, u64) {
+        match self {
+            ParkedConn::Pending(_) => (Vec::new(), 0),
+            ParkedConn::Socket(socket) => {
+                let age = socket.owed_age_ms(now);
+                (socket.take_owed(), age)
+            }
+        }
+    }
+
+    pub fn give_back_owed(&self, owed: Vec<u8>, age_ms: u64) {
+        if let ParkedConn::Socket(socket) = self {
+            socket.owe(owed, Duration::from_millis(age_ms));
+        }
+    }
 }
 
 impl From<&crate::auth::HostClaims> for ClaimsRecord {
@@ -418,6 +443,94 @@ fn deadline_in(left_ms: u64, now: Instant) -> Instant {
 }
 
 impl Stage {
+    /// The record of this stage at `now`, its byte buffers moved into it (no copy): a
+    /// handover sends the record, then gives the buffers back ([`Stage::give_back`]).
+    pub fn lend(&mut self, now: Instant) -> StageRecord {
+        let mut record = self.record_without_bytes(now);
+        match (self, &mut record) {
+            (Stage::Upgrading { received, .. }, StageRecord::Upgrading { received: lent, .. }) => {
+                *lent = std::mem::take(received)
+            }
+            (Stage::FirstFrame { reader, .. }, StageRecord::FirstFrame { reader: lent, .. })
+            | (Stage::Control { reader, .. }, StageRecord::Control { reader: lent, .. })
+            | (
+                Stage::PhoneWaiting { reader, .. },
+                StageRecord::PhoneWaiting { reader: lent, .. },
+            ) => *lent = std::mem::take(reader),
+            _ => {}
+        }
+        record
+    }
+
+    /// Takes back the byte buffers [`Stage::lend`] moved into `record`.
+    pub fn give_back(&mut self, record: StageRecord) {
+        match (self, record) {
+            (Stage::Upgrading { received, .. }, StageRecord::Upgrading { received: lent, .. }) => {
+                *received = lent
+            }
+            (Stage::FirstFrame { reader, .. }, StageRecord::FirstFrame { reader: lent, .. })
+            | (Stage::Control { reader, .. }, StageRecord::Control { reader: lent, .. })
+            | (
+                Stage::PhoneWaiting { reader, .. },
+                StageRecord::PhoneWaiting { reader: lent, .. },
+            ) => *reader = lent,
+            _ => {}
+        }
+    }
+
+    /// The record of this stage at `now` without its byte buffers (their fields empty).
+    fn record_without_bytes(&self, now: Instant) -> StageRecord {
+        let bare = |reader: &ReaderRecord| ReaderRecord {
+            buffered: Vec::new(),
+            parser: reader.parser,
+            message: reader.message.as_ref().map(|_| Vec::new()),
+        };
+        match self {
+            Stage::Upgrading { deadline, .. } => StageRecord::Upgrading {
+                received: Vec::new(),
+                deadline_left_ms: left_ms(*deadline, now),
+            },
+            Stage::FirstFrame {
+                path,
+                claims,
+                reader,
+                text,
+                deadline,
+            } => StageRecord::FirstFrame {
+                path: path.clone(),
+                claims: claims.clone(),
+                reader: bare(reader),
+                text: text.clone(),
+                deadline_left_ms: left_ms(*deadline, now),
+            },
+            Stage::Control {
+                control,
+                reader,
+                silence_deadline,
+                invites,
+            } => StageRecord::Control {
+                control: control.clone(),
+                reader: bare(reader),
+                silence_left_ms: left_ms(*silence_deadline, now),
+                invites: Some(InviteRateRecord {
+                    available: invites.available,
+                    refilled_ago_ms: now
+                        .saturating_duration_since(invites.refilled_at)
+                        .as_millis() as u64,
+                }),
+            },
+            Stage::PhoneWaiting {
+                phone,
+                reader,
+                attach_deadline,
+            } => StageRecord::PhoneWaiting {
+                phone: phone.clone(),
+                reader: bare(reader),
+                attach_left_ms: left_ms(*attach_deadline, now),
+            },
+        }
+    }
+
     /// The record of this stage at `now` (deadlines as the time left).
     pub fn record(&self, now: Instant) -> StageRecord {
         match self {

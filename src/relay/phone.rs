@@ -120,7 +120,10 @@ pub fn authenticate(
         );
         return None;
     };
-    let socket = Socket::new_splice(id, stream);
+    // Its relay thread writes it (relay-hello) until the pair is spliced: a quiesce
+    // interrupts a write to a phone that does not read (the rest is owed, and the splice
+    // worker writes it first).
+    let socket = Socket::interruptible(id, stream, context.quiesce.interrupt());
     let (attach_tx, attach_rx) = sync_channel::<Attach>(ATTACH_CHANNEL);
     let admitted = context.cell.admit_phone(
         relay_host_id,
@@ -206,9 +209,7 @@ pub fn serve(
     } = admission;
     // The pending loop read it without blocking; this thread writes with the wedge window.
     let _ = socket.stream().set_nonblocking(false);
-    let _ = socket
-        .stream()
-        .set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
+    socket.set_send_timeout(Duration::from_millis(context.timings.wedge_ms));
     let attach_deadline_ms = context.timings.attach_deadline_ms;
     let open = RelayToHost::ConnOpen {
         conn_id: conn_id.clone(),

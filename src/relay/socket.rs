@@ -6,17 +6,30 @@
 //!   `relay/control_reader.rs`; a splice leg's first frame is read by the pending loop's
 //!   `relay/splice_reader.rs`), both over the pure frame parser of `relay/frames.rs`, so that a
 //!   live handover can carry what they hold;
-//! - the **writer** (a tungstenite `WebSocketContext`) sits behind a mutex in [`Socket`]; every
-//!   frame this process sends on the connection (the pinger, the cell logic, close frames) goes
-//!   through it, so frames never interleave. Data frames are written under that mutex straight
-//!   from the message (header and payload in one vectored write) rather than copied through
-//!   tungstenite's out buffer; control and close frames go through the writer context.
+//! - the **writer** sits behind a mutex in [`Socket`]; every frame this process sends on the
+//!   connection (the pinger, the cell logic, close frames) goes through it, so frames never
+//!   interleave. Frames are encoded here (`relay/frames.rs`' server header) and written
+//!   straight from the message, header and payload in one vectored write.
 //!
 //! The control reader's replies (pong, close) are written through the same mutex.
 //! [`Socket::send`] has one deadline for the whole call (the wedge window from its start,
 //! checked before each write, never a fresh timeout per write); a writer that misses it marks
 //! the socket broken and shuts the connection down, so the connection's thread ends and
 //! releases what it holds.
+//!
+//! **A write never waits on its peer past a handover's quiesce.** A socket made with an
+//! *interrupt* ([`Socket::interruptible`]: the quiesce's eventfd) never blocks in `write`: it
+//! writes without waiting and, when the peer's buffer is full, polls for room beside the
+//! interrupt. When the quiesce begins, a write in progress stops where it is and the rest of
+//! its frame is kept in the writer as **owed** bytes; a frame sent while the quiesce lasts is
+//! owed whole, nothing written. Owed bytes go to the socket first, before anything else: the
+//! next send writes them before its own frame, a resumed connection's thread writes them before
+//! it reads ([`Socket::flush_owed`]), a handover carries them ([`Socket::owed`],
+//! [`Socket::owe`]), a pair handed to a splice worker takes them as the start of its output
+//! ([`Socket::take_owed`]), and the writers that never wait (the pinger, the drain, `close`)
+//! treat a socket that owes bytes as busy. So a thread blocked on a slow desktop, or waiting
+//! for the writer another thread holds, reaches its frame boundary within the CPU work of the
+//! frames it has read (ARCHITECTURE.md "Live handover").
 //!
 //! Cell-wide threads (the pinger, the lease renewer, the drain) never wait on one socket:
 //! [`Socket::try_send`] skips a socket another thread is writing, and otherwise writes the
@@ -34,19 +47,16 @@
 //! `ORCA_RELAY_CLOSING_CONNECTIONS_MAX`, is closed at once instead.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
-use tungstenite::protocol::frame::coding::{Data, OpCode};
-use tungstenite::protocol::frame::FrameHeader;
-use tungstenite::protocol::{CloseFrame, Role, WebSocketConfig, WebSocketContext};
 use tungstenite::Message;
 
 use super::closing::{self, ClosingBound, Verdict};
@@ -55,6 +65,7 @@ use crate::carry::crash::{IO_HOLDING, IO_WRITING};
 use crate::clock;
 use crate::crash_store::CrashSlot;
 use crate::protocol::CloseCode;
+use crate::wake::Wake;
 
 /// How long a rejected or closed peer has to answer our close frame before the TCP connection
 /// is dropped (SPEC §5.2: within 1 s).
@@ -73,8 +84,25 @@ pub enum SendError {
 }
 
 struct Writer {
-    context: WebSocketContext,
     broken: bool,
+    /// Bytes owed to the socket before anything else (see the module header): the rest of a
+    /// frame a quiesce interrupted, then frames sent while it lasted. Empty: nothing owed.
+    owed: Vec<u8>,
+    /// When the write of the first owed byte's frame began: its deadline runs from then.
+    owed_since: Option<Instant>,
+}
+
+impl Writer {
+    /// `parts` (one frame), from byte `from` on, owed after what is owed already.
+    fn owe(&mut self, parts: &[&[u8]], from: usize, since: Instant) {
+        let mut skip = from;
+        for part in parts {
+            let cut = skip.min(part.len());
+            self.owed.extend_from_slice(&part[cut..]);
+            skip -= cut;
+        }
+        self.owed_since.get_or_insert(since);
+    }
 }
 
 /// The shared side of a connection: the descriptor and the one writer.
@@ -84,12 +112,15 @@ pub struct Socket {
     writer: Mutex<Writer>,
     closing: AtomicBool,
     bytes_out: AtomicU64,
-    /// The send timeout the socket was given (the wedge window): the deadline of one whole
-    /// [`Socket::send`].
-    send_timeout: Option<Duration>,
+    /// The deadline of one whole [`Socket::send`] (the wedge window), ms; 0: none.
+    send_timeout_ms: AtomicU64,
+    /// A handover's quiesce: while set, a write stops waiting and what is left is owed.
+    interrupt: Option<Arc<Wake>>,
     /// Its slot in the crash store, once this process keeps it there (`crash_store`): every
     /// write marks it, and a socket kept in the service manager's store is shut down when it is
     /// dropped (the manager's copy of the descriptor would otherwise hold the connection open).
+    /// While bytes are owed (see the module header) it stays marked `IO_WRITING`: they may end
+    /// half a frame already on the wire, and they are in no crash record.
     crash: OnceLock<CrashSlot>,
 }
 
@@ -99,25 +130,21 @@ fn lock_writer(writer: &Mutex<Writer>) -> MutexGuard<'_, Writer> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn writer_config() -> WebSocketConfig {
-    // The writer never reads: give it the smallest read buffer tungstenite accepts.
-    WebSocketConfig::default()
-        .read_buffer_size(0)
-        .write_buffer_size(0)
-}
-
 impl Socket {
     /// The shared side of an upgraded stream: the descriptor and its one writer.
-    fn wrap(id: u64, stream: TcpStream) -> Arc<Socket> {
+    fn wrap(id: u64, stream: TcpStream, interrupt: Option<Arc<Wake>>) -> Arc<Socket> {
+        let send_timeout = stream.write_timeout().ok().flatten();
         Arc::new(Socket {
             id,
             writer: Mutex::new(Writer {
-                context: WebSocketContext::new(Role::Server, Some(writer_config())),
                 broken: false,
+                owed: Vec::new(),
+                owed_since: None,
             }),
             closing: AtomicBool::new(false),
             bytes_out: AtomicU64::new(0),
-            send_timeout: stream.write_timeout().ok().flatten(),
+            send_timeout_ms: AtomicU64::new(send_timeout.map_or(0, |t| t.as_millis() as u64)),
+            interrupt,
             stream,
             crash: OnceLock::new(),
         })
@@ -127,6 +154,9 @@ impl Socket {
     pub fn keep(&self, slot: CrashSlot) {
         if self.is_closing() {
             slot.set(IO_HOLDING);
+        }
+        if !lock_writer(&self.writer).owed.is_empty() {
+            slot.set(IO_WRITING);
         }
         let _ = self.crash.set(slot);
     }
@@ -149,15 +179,40 @@ impl Socket {
     }
 
     /// Wraps an upgraded control socket. Its reader is built by the caller
-    /// (`relay/control_reader.rs`).
+    /// (`relay/control_reader.rs`). Its writes block (within the send timeout) and are never
+    /// interrupted: the relay's own sockets are made with [`Socket::interruptible`].
     pub fn new_control(id: u64, stream: TcpStream) -> Arc<Socket> {
-        Socket::wrap(id, stream)
+        Socket::wrap(id, stream, None)
     }
 
     /// Wraps an upgraded splice leg (phone or host data). Its reader is built by the caller
     /// (`relay/splice_reader.rs`), which forwards frames as they are.
     pub fn new_splice(id: u64, stream: TcpStream) -> Arc<Socket> {
-        Socket::wrap(id, stream)
+        Socket::wrap(id, stream, None)
+    }
+
+    /// Wraps an upgraded socket that relay threads write (a control, a phone until its pair is
+    /// spliced): a write stops waiting when `interrupt` (a handover's quiesce) is set, and the
+    /// rest of its frame is owed (see the module header).
+    pub fn interruptible(id: u64, stream: TcpStream, interrupt: Arc<Wake>) -> Arc<Socket> {
+        Socket::wrap(id, stream, Some(interrupt))
+    }
+
+    /// The deadline of one whole [`Socket::send`] from now on (the wedge window).
+    pub fn set_send_timeout(&self, timeout: Duration) {
+        self.send_timeout_ms
+            .store(timeout.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn send_timeout(&self) -> Option<Duration> {
+        match self.send_timeout_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt.as_ref().is_some_and(|wake| wake.is_set())
     }
 
     pub fn stream(&self) -> &TcpStream {
@@ -166,24 +221,24 @@ impl Socket {
 
     /// The peer sent a close frame (with `code`, if it carried one): answer it (once) with the
     /// same code, as RFC 6455 §5.5.1 says an endpoint "typically" does (a library reports the
-    /// answer's code as the close's: an empty answer reads as 1005), and stop sending.
+    /// answer's code as the close's: an empty answer reads as 1005), and stop sending. What is
+    /// owed goes first; the answer waits at most [`CLOSE_LINGER`] for the peer (and not past a
+    /// quiesce: the connection is closing, it is not carried).
     pub fn acknowledge_close(&self, code: Option<u16>) {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
         }
         self.mark(IO_HOLDING);
         let mut writer = lock_writer(&self.writer);
-        if !writer.broken {
-            let _ = self.stream.set_write_timeout(Some(CLOSE_LINGER));
-            let mut stream = Retrying(&self.stream, Deadline::after(Some(CLOSE_LINGER)));
-            let frame = code.map(|code| CloseFrame {
-                code: code.into(),
-                reason: "".into(),
-            });
-            let _ = writer
-                .context
-                .close(&mut stream, frame)
-                .and_then(|()| writer.context.flush(&mut stream));
+        if writer.broken || self.interrupted() {
+            return;
+        }
+        let frame = crate::relay::frames::close_frame(code, "");
+        let owed = std::mem::take(&mut writer.owed);
+        let deadline = Some(clock::instant() + CLOSE_LINGER);
+        let interrupt = self.interrupt.as_deref();
+        if write_waiting(&self.stream, &[&owed, &frame], deadline, interrupt) != Wrote::All {
+            writer.broken = true;
         }
     }
 
@@ -225,6 +280,10 @@ impl Socket {
         if self.is_closing() {
             return Err(SendError::Closed);
         }
+        if !writer.owed.is_empty() {
+            // Its thread writes what is owed first: skipped, like a busy writer.
+            return Ok(false);
+        }
         let frame = match &message {
             Message::Text(text) => server_frame(0x81, text.as_bytes()),
             Message::Binary(payload) => server_frame(0x82, payload),
@@ -258,48 +317,128 @@ impl Socket {
             return Err(SendError::Wedged);
         }
         // A close frame may have gone out while this sender waited for the lock: nothing may
-        // follow it (tungstenite's writer used to refuse; data frames now bypass it).
+        // follow it.
         if self.is_closing() {
             return Err(SendError::Closed);
         }
         let len = message.len() as u64;
-        // A crash from here until the frame is out would leave half of it on the wire.
-        self.mark(IO_WRITING);
-        let deadline = Deadline::after(self.send_timeout);
-        let mut stream = Retrying(&self.stream, deadline);
-        let result = match &message {
-            // Data frames go out as header + payload in one vectored write, straight from the
-            // message: tungstenite would first copy the payload into its out buffer, one more
-            // pass over every spliced byte. Server frames are unmasked, so the payload is sent
-            // as it is.
-            Message::Binary(payload) => {
-                write_data_frame(&self.stream, deadline, Data::Binary, true, payload)
-            }
-            Message::Text(text) => {
-                write_data_frame(&self.stream, deadline, Data::Text, true, text.as_bytes())
-            }
-            _ => writer
-                .context
-                .write(&mut stream, message)
-                .and_then(|()| writer.context.flush(&mut stream))
-                .map_err(|_| ()),
+        let (head, head_len, payload) = match encode(&message) {
+            Some(encoded) => encoded,
+            None => return Err(SendError::Closed),
         };
-        match result {
-            Ok(()) => {
-                self.unmark(IO_WRITING);
-                self.bytes_out.fetch_add(len, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(_) => {
-                // The deadline passed or the write failed, perhaps in the middle of a frame:
-                // nothing more can reach the peer. Shut the connection down (a close frame
-                // cannot follow half a frame, and the writer is stuck), so its reader ends and
-                // the connection releases its seat and unit now, not at its silence.
-                writer.broken = true;
-                self.shutdown();
-                Err(SendError::Wedged)
+        let frame: [&[u8]; 2] = [&head[..head_len], payload];
+        let started = clock::instant();
+        // A crash from here until the frame is out (and nothing is owed) would leave half of
+        // it on the wire, or lose it.
+        self.mark(IO_WRITING);
+        if self.interrupted() {
+            // A quiesce: nothing is written, the frame is owed whole after what is owed.
+            writer.owe(&frame, 0, started);
+            self.bytes_out.fetch_add(len, Ordering::Relaxed);
+            return Ok(());
+        }
+        if !writer.owed.is_empty() {
+            match self.write_owed(writer) {
+                Ok(true) => {}
+                Ok(false) => {
+                    writer.owe(&frame, 0, started);
+                    self.bytes_out.fetch_add(len, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
             }
         }
+        let deadline = self.send_timeout().map(|timeout| started + timeout);
+        match write_waiting(&self.stream, &frame, deadline, self.interrupt.as_deref()) {
+            Wrote::All => self.unmark(IO_WRITING),
+            Wrote::Interrupted(written) => writer.owe(&frame, written, started),
+            Wrote::TimedOut(_) | Wrote::Failed => return Err(self.break_down(writer)),
+        }
+        self.bytes_out.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The deadline passed or the write failed, perhaps in the middle of a frame: nothing
+    /// more can reach the peer. Shut the connection down (a close frame cannot follow half a
+    /// frame, and the writer is stuck), so its reader ends and the connection releases its
+    /// seat and unit now, not at its silence.
+    fn break_down(&self, writer: &mut Writer) -> SendError {
+        writer.broken = true;
+        writer.owed = Vec::new();
+        self.shutdown();
+        SendError::Wedged
+    }
+
+    /// Writes what is owed, within the deadline of the write it was part of: `Ok(true)` all
+    /// written, `Ok(false)` interrupted again (the rest still owed).
+    fn write_owed(&self, writer: &mut Writer) -> Result<bool, SendError> {
+        let since = writer.owed_since.unwrap_or_else(clock::instant);
+        let deadline = self.send_timeout().map(|timeout| since + timeout);
+        let wrote = write_waiting(
+            &self.stream,
+            &[&writer.owed],
+            deadline,
+            self.interrupt.as_deref(),
+        );
+        match wrote {
+            Wrote::All => {
+                writer.owed = Vec::new();
+                writer.owed_since = None;
+                Ok(true)
+            }
+            Wrote::Interrupted(written) => {
+                writer.owed.drain(..written);
+                Ok(false)
+            }
+            Wrote::TimedOut(_) | Wrote::Failed => Err(self.break_down(writer)),
+        }
+    }
+
+    /// Writes what the socket owes (a resumed connection, before anything else), waiting for
+    /// the peer within the deadline of the write the bytes were part of. `Ok` also when a
+    /// quiesce interrupts it again (the rest stays owed).
+    pub fn flush_owed(&self) -> Result<(), SendError> {
+        let mut writer = lock_writer(&self.writer);
+        if writer.broken {
+            return Err(SendError::Wedged);
+        }
+        if writer.owed.is_empty() || self.interrupted() {
+            return Ok(());
+        }
+        if self.write_owed(&mut writer)? {
+            self.unmark(IO_WRITING);
+        }
+        Ok(())
+    }
+
+    /// How long ago the write of what the socket owes began (0: nothing owed), for a
+    /// handover's record.
+    pub fn owed_age_ms(&self, now: Instant) -> u64 {
+        let writer = lock_writer(&self.writer);
+        writer.owed_since.map_or(0, |since| {
+            now.saturating_duration_since(since).as_millis() as u64
+        })
+    }
+
+    /// Bytes a handover carried as owed (their write began `age` ago): written first.
+    pub fn owe(&self, bytes: Vec<u8>, age: Duration) {
+        if bytes.is_empty() {
+            return;
+        }
+        let mut writer = lock_writer(&self.writer);
+        self.mark(IO_WRITING);
+        let now = clock::instant();
+        writer.owed = bytes;
+        writer.owed_since = Some(now.checked_sub(age).unwrap_or(now));
+    }
+
+    /// Takes what the socket owes: a phone handed to a splice worker, whose leg writes it
+    /// before anything else (the worker writes the socket from then on), or a handover's
+    /// record (given back with [`Socket::owe`]).
+    pub fn take_owed(&self) -> Vec<u8> {
+        let mut writer = lock_writer(&self.writer);
+        writer.owed_since = None;
+        std::mem::take(&mut writer.owed)
     }
 
     /// Sends the close frame once (later calls do nothing) and schedules the TCP connection to
@@ -313,6 +452,17 @@ impl Socket {
         }
         self.mark(IO_HOLDING);
         let sent = match self.writer.try_lock() {
+            Ok(writer) if !writer.broken && !writer.owed.is_empty() => {
+                // Owed bytes go first: the reaper writes them and the close frame as the peer
+                // takes them, within the linger.
+                drop(writer);
+                reaper.close_frames.fetch_add(1, Ordering::AcqRel);
+                reaper.send(
+                    Doomed::CloseFrame(self.clone(), close_frame_bytes(code.code(), reason)),
+                    Duration::ZERO,
+                );
+                return true;
+            }
             Ok(mut writer) => {
                 let sent = !writer.broken && {
                     let frame = close_frame_bytes(code.code(), reason);
@@ -354,7 +504,29 @@ impl Socket {
             Err(TryLockError::WouldBlock) => return Ok(false),
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
         };
-        if !writer.broken && send_without_waiting(&self.stream, frame) {
+        if writer.broken {
+            return Err(());
+        }
+        if !writer.owed.is_empty() {
+            // What is owed first, as far as the socket takes it now (a deadline already
+            // passed: no waiting).
+            let now = Some(clock::instant());
+            match write_waiting(&self.stream, &[&writer.owed], now, None) {
+                Wrote::All => {
+                    writer.owed = Vec::new();
+                    writer.owed_since = None;
+                }
+                Wrote::Interrupted(written) | Wrote::TimedOut(written) => {
+                    writer.owed.drain(..written);
+                    return Ok(false);
+                }
+                Wrote::Failed => {
+                    writer.broken = true;
+                    return Err(());
+                }
+            }
+        }
+        if send_without_waiting(&self.stream, frame) {
             return Ok(true);
         }
         writer.broken = true;
@@ -429,123 +601,121 @@ fn send_without_waiting(stream: &TcpStream, frame: &[u8]) -> bool {
     true
 }
 
-/// One deadline for a whole write call: the socket's send timeout, counted from the start of
-/// the call. Before each write the socket's timeout is set to what is left, so a
-/// peer that takes a byte now and then cannot stretch the call past it.
-#[derive(Clone, Copy)]
-struct Deadline {
-    at: Option<std::time::Instant>,
+/// The frame of `message`: its header (and how many bytes of it) and its payload, which is
+/// written from the message as it is (server frames are unmasked). `None` for a raw frame,
+/// which the relay never sends.
+fn encode(message: &Message) -> Option<([u8; 10], usize, &[u8])> {
+    let (first, payload): (u8, &[u8]) = match message {
+        Message::Text(text) => (0x81, text.as_bytes()),
+        Message::Binary(payload) => (0x82, payload),
+        Message::Ping(payload) => (0x89, payload),
+        Message::Pong(payload) => (0x8a, payload),
+        Message::Close(_) | Message::Frame(_) => return None,
+    };
+    let mut head = [0u8; 10];
+    let head_len = crate::relay::frames::server_header(first, payload.len(), &mut head);
+    Some((head, head_len, payload))
 }
 
-impl Deadline {
-    fn after(timeout: Option<Duration>) -> Deadline {
-        Deadline {
-            at: timeout.map(|timeout| clock::instant() + timeout),
-        }
-    }
-
-    /// Sets the socket's send timeout to what is left; `Err(TimedOut)` when nothing is.
-    fn arm(&self, stream: &TcpStream) -> io::Result<()> {
-        let Some(at) = self.at else {
-            return Ok(());
-        };
-        let left = at.saturating_duration_since(clock::instant());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "write deadline"));
-        }
-        stream.set_write_timeout(Some(left))
-    }
+/// How a write that may wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wrote {
+    All,
+    /// The interrupt was set while the socket took nothing: this many bytes were written.
+    Interrupted(usize),
+    /// The deadline passed: this many bytes were written.
+    TimedOut(usize),
+    Failed,
 }
 
-/// Writes one unmasked data frame (RFC 6455 §5.2) with the header and the payload in
-/// one vectored write, finishing partial writes, all within `deadline`. Any error (the
-/// deadline included) leaves the stream mid-frame: the caller marks the writer broken.
-fn write_data_frame(
+/// Writes `parts` (one frame, or owed bytes) whole, never blocking in `write`: each time the
+/// socket takes nothing, polls it for room beside `interrupt`, until `deadline`. `EINTR` is
+/// retried. Stops, with what it wrote, when `interrupt` is set and the socket takes nothing.
+fn write_waiting(
     stream: &TcpStream,
-    deadline: Deadline,
-    data: Data,
-    fin: bool,
-    payload: &[u8],
-) -> Result<(), ()> {
-    let header = FrameHeader {
-        is_final: fin,
-        opcode: OpCode::Data(data),
-        ..FrameHeader::default()
-    };
-    // The longest header is 14 bytes (8-byte length and a mask; ours carry no mask).
-    let mut head = [0u8; 14];
-    let head_len = {
-        let mut cursor = io::Cursor::new(&mut head[..]);
-        header
-            .format(payload.len() as u64, &mut cursor)
-            .map_err(|_| ())?;
-        cursor.position() as usize
-    };
-    let total = head_len + payload.len();
+    parts: &[&[u8]],
+    deadline: Option<Instant>,
+    interrupt: Option<&Wake>,
+) -> Wrote {
+    let total: usize = parts.iter().map(|part| part.len()).sum();
+    let fd = stream.as_raw_fd();
     let mut written = 0;
-    let socket = stream;
-    let mut stream = stream;
     while written < total {
-        deadline.arm(socket).map_err(|_| ())?;
-        let result = if written < head_len {
-            stream.write_vectored(&[
-                IoSlice::new(&head[written..head_len]),
-                IoSlice::new(payload),
-            ])
-        } else {
-            stream.write(&payload[written - head_len..])
-        };
-        match result {
-            Ok(0) => return Err(()),
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return Err(()),
-        }
-    }
-    Ok(())
-}
-
-/// `&TcpStream` as tungstenite's writer context sees it: an interrupted call (`EINTR`) is
-/// retried, never reported, and every write is within the one deadline of the call. Linux
-/// fails a `send` on a socket with a send timeout with `EINTR` after the process is stopped
-/// and continued (signal(7), "Interruption of system calls and library functions by stop
-/// signals"); a close or pong frame must not be lost to that.
-struct Retrying<'a>(&'a TcpStream, Deadline);
-
-impl Read for Retrying<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        read_retrying(self.0, buf)
-    }
-}
-
-impl Write for Retrying<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        loop {
-            self.1.arm(self.0)?;
-            match (&*self.0).write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                result => return result,
+        // The parts from `written` on.
+        let mut iov: [libc::iovec; 4] = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 4];
+        let mut count = 0;
+        let mut skip = written;
+        for part in parts {
+            if count == iov.len() {
+                break;
+            }
+            let cut = skip.min(part.len());
+            skip -= cut;
+            let rest = &part[cut..];
+            if !rest.is_empty() {
+                iov[count] = libc::iovec {
+                    iov_base: rest.as_ptr() as *mut libc::c_void,
+                    iov_len: rest.len(),
+                };
+                count += 1;
             }
         }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// One `recv`, retried while it is interrupted. After a stop and continue, Linux fails a `recv`
-/// on a socket with a receive timeout with `EINTR` (signal(7)); that is neither data, nor a
-/// timeout, nor the peer leaving, so the read is simply made again (with the socket's timeout
-/// starting over, which only a stop/continue can cause).
-fn read_retrying(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
-    let mut stream = stream;
-    loop {
-        match stream.read(buf) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            result => return result,
+        // SAFETY: a zeroed msghdr pointing at `count` iovecs over live slices of `parts`,
+        // which outlive the call; sendmsg only reads them.
+        let n = unsafe {
+            let mut header: libc::msghdr = std::mem::zeroed();
+            header.msg_iov = iov.as_mut_ptr();
+            header.msg_iovlen = count as _;
+            libc::sendmsg(fd, &header, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        if n > 0 {
+            written += n as usize;
+            continue;
         }
+        let error = io::Error::last_os_error();
+        match error.kind() {
+            io::ErrorKind::Interrupted if n < 0 => continue,
+            io::ErrorKind::WouldBlock if n < 0 => {}
+            _ => return Wrote::Failed,
+        }
+        if interrupt.is_some_and(Wake::is_set) {
+            return Wrote::Interrupted(written);
+        }
+        let timeout = match deadline {
+            None => -1,
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(clock::instant());
+                if left.is_zero() {
+                    return Wrote::TimedOut(written);
+                }
+                // Rounded up: a wait that ends a little early only loops once more.
+                left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int
+            }
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd,
+                events: libc::POLLOUT,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: interrupt.map_or(-1, Wake::raw_fd),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two pollfds (a negative descriptor is ignored) for the duration of the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+        if ready < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return Wrote::Failed;
+        }
+        // Room, an error (the next sendmsg finds out), the interrupt or the deadline: the loop
+        // looks again.
     }
+    Wrote::All
 }
 
 /// Reads and discards what the peer still sends, for at most [`CLOSE_LINGER`]: after a 1009
@@ -1028,6 +1198,116 @@ mod tests {
         let (ours, _) = listener.accept().unwrap();
         peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         (Socket::new_control(1, ours), peer)
+    }
+
+    /// A write to a peer that reads nothing, and a sender waiting for the writer behind it,
+    /// both return as soon as the interrupt (a handover's quiesce) is set: the rest of the
+    /// first frame and the whole second one are owed, a send during the interrupt is owed
+    /// whole, and once the peer reads they arrive first, whole and in order.
+    #[test]
+    fn an_interrupted_write_owes_the_rest_of_its_frame_and_it_goes_first() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let interrupt = Wake::new().unwrap();
+        let socket = Socket::interruptible(1, ours, interrupt.clone());
+        socket.set_send_timeout(Duration::from_secs(60));
+        let big = vec![7u8; 8 << 20];
+        let send = |message: Message| {
+            let socket = socket.clone();
+            crate::threads::spawn("test-sender", move || socket.send(message)).unwrap()
+        };
+        let first = send(Message::binary(big.clone()));
+        // The second sender waits for the writer the first one holds, writing a frame the
+        // peer's buffers cannot take.
+        while socket.writer.try_lock().is_ok() {
+            std::thread::yield_now();
+        }
+        let senders = [first, send(Message::text("second"))];
+        let set_at = clock::instant();
+        interrupt.set();
+        for sender in senders {
+            assert_eq!(sender.join().unwrap(), Ok(()));
+        }
+        assert!(
+            set_at.elapsed() < Duration::from_secs(5),
+            "the senders waited {:?} on a peer that reads nothing",
+            set_at.elapsed()
+        );
+        assert_eq!(socket.send(Message::text("third")), Ok(()));
+        assert!(socket.owed_age_ms(clock::instant()) < 60_000);
+        // Back to serving: what is owed goes first, then the next frame.
+        interrupt.clear();
+        let reader = crate::threads::spawn("test-peer", move || {
+            peer.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            let mut bytes = Vec::new();
+            let _ = (&mut peer).take((8 << 20) + 64).read_to_end(&mut bytes);
+            bytes
+        })
+        .unwrap();
+        socket.flush_owed().unwrap();
+        socket.send(Message::text("fourth")).unwrap();
+        socket.shutdown();
+        let bytes = reader.join().unwrap();
+        let mut expected = Vec::new();
+        let mut head = [0u8; 10];
+        let n = crate::relay::frames::server_header(0x82, big.len(), &mut head);
+        expected.extend_from_slice(&head[..n]);
+        expected.extend_from_slice(&big);
+        for text in ["second", "third", "fourth"] {
+            expected.extend_from_slice(&server_frame(0x81, text.as_bytes()));
+        }
+        assert_eq!(bytes.len(), expected.len());
+        assert!(bytes == expected, "the frames whole and in order");
+    }
+
+    /// A socket kept in the crash store stays marked `IO_WRITING` while it owes bytes (half a
+    /// frame may be on the wire, and the owed bytes are in no record: a crash then must close
+    /// it 1012, never resume it), and is unmarked once what it owed is written.
+    #[test]
+    fn a_socket_that_owes_bytes_is_not_resumable_after_a_crash_until_they_are_written() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let interrupt = Wake::new().unwrap();
+        let socket = Socket::interruptible(1, ours, interrupt.clone());
+        socket.set_send_timeout(Duration::from_secs(60));
+        let registry = crate::metrics::Registry::new();
+        let store =
+            crate::crash_store::CrashStore::start(4, "/nonexistent/notify".into(), &registry)
+                .unwrap();
+        let record = crate::crash_store::record_of(
+            crate::carry::crash::CrashKind::Control,
+            1,
+            socket.stream(),
+        );
+        socket.keep(store.keep(socket.stream(), record, true).unwrap());
+        let flags = || socket.crash_slot().unwrap().flags();
+        socket.send(Message::text("at rest")).unwrap();
+        assert_eq!(flags() & IO_WRITING, 0, "a whole frame written: resumable");
+        interrupt.set();
+        socket.send(Message::text("during a quiesce")).unwrap();
+        assert_ne!(flags() & IO_WRITING, 0, "owed: not resumable");
+        interrupt.clear();
+        socket.flush_owed().unwrap();
+        assert_eq!(flags() & IO_WRITING, 0, "written: resumable again");
+        // A connection a handover carried with bytes owed, kept after they were given to it.
+        let record = crate::crash_store::record_of(
+            crate::carry::crash::CrashKind::Control,
+            2,
+            socket.stream(),
+        );
+        let (other, _) = {
+            let _ = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            listener.accept().unwrap()
+        };
+        let carried = Socket::interruptible(2, other, interrupt.clone());
+        carried.owe(b"owed".to_vec(), Duration::ZERO);
+        carried.keep(store.keep(carried.stream(), record, true).unwrap());
+        assert_ne!(carried.crash_slot().unwrap().flags() & IO_WRITING, 0);
+        let mut bytes = vec![0u8; 2 + "at rest".len() + 2 + "during a quiesce".len()];
+        peer.read_exact(&mut bytes).unwrap();
     }
 
     #[test]

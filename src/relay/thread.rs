@@ -47,7 +47,7 @@ pub fn spawn_control(
             let _permit = permit;
             let _ = stream.set_nonblocking(false);
             let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-            let socket = Socket::new_control(id, stream);
+            let socket = Socket::interruptible(id, stream, context.quiesce.interrupt());
             let hold = ConnectionHold::new(unit, context.metrics.connections("control"));
             let stage = Stage::FirstFrame {
                 path: "/v1/host/control".into(),
@@ -109,7 +109,7 @@ fn deposit(context: &RelayContext, parked: Parked) {
         None => context.quiesce.hold(),
         Some(parked) => {
             let id = parked.id;
-            if let Err(e) = resume(context, parked, None) {
+            if let Err(e) = resume(context, parked, None, None) {
                 log::error!("orca_relay_resume_failed conn={id} error={e}");
             }
         }
@@ -132,6 +132,9 @@ fn serve_stage(
 ) {
     let kind = stage_kind(&stage);
     serve_admitted(context, socket, kind, hold, |socket, hold| {
+        // What a handover's quiesce left owed goes to the socket before anything else (a
+        // socket that breaks doing it is shut down, and its reader sees the end).
+        let _ = socket.flush_owed();
         run_stage(context, socket, stage, hold, place, waiting)
     });
 }
@@ -271,12 +274,15 @@ fn run_stage(
 
 /// Resumes a deposited connection on a new relay thread: in this process after a failed
 /// handover, or in the next one (which holds each thread at `gate` until the handover has
-/// committed). A resumed connection always gets its thread: the permit is taken even past the
-/// bound, since the connection exists already. `Err` when no thread could be started.
+/// committed; while there is one, the thread is one of `spares`, started before anything
+/// paused and released at the commit).
+/// A resumed connection always gets its thread: the permit is taken even past the bound, since
+/// the connection exists already. `Err` when no thread could be started.
 pub fn resume(
     context: &RelayContext,
     parked: Parked,
     gate: Option<Arc<Gate>>,
+    spares: Option<&crate::threads::Spares>,
 ) -> std::io::Result<()> {
     let permit = context.thread_permits.take_forced();
     let thread_context = context.clone();
@@ -289,10 +295,8 @@ pub fn resume(
         }
         _ => None,
     };
-    crate::threads::spawn_with_stack(
-        format!("relay-{id}"),
-        crate::threads::RELAY_STACK_BYTES,
-        move || {
+    let body = move || {
+        {
             let _permit = permit;
             if let Some(gate) = gate {
                 if !gate.wait() {
@@ -317,7 +321,15 @@ pub fn resume(
                     drop(stream);
                 }
             }
+        }
+    };
+    let name = format!("relay-{id}");
+    let job: crate::threads::Job = match spares {
+        Some(spares) => match spares.queue(name.clone(), Box::new(body)) {
+            Ok(()) => return Ok(()),
+            Err(job) => job,
         },
-    )
-    .map(|_| ())
+        None => Box::new(body),
+    };
+    crate::threads::spawn_with_stack(name, crate::threads::RELAY_STACK_BYTES, job).map(|_| ())
 }

@@ -43,12 +43,21 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
     };
     // Read before the commit: whether this build's migrations are to be applied after it.
     let mut migrations_pending = false;
+    // Everything that needs no connection first: a next process says `ready` only once it is
+    // built (the running process serves untouched meanwhile).
+    let transient = take_over.as_ref().map(super::handover::transient);
+    let parts = CellRuntime::prepare(&config, &clock, &registry, transient, &liveness)?;
     let mut taker = match &take_over {
         Some(take_over) => {
             // Before `ready`: what this process would serve, proven (SPEC §13).
             let running = take_over.running.as_ref();
             migrations_pending = super::process::prove_before_ready(&config, &store, running)?;
-            Some(Taker::receive(take_over, "cell", &config.cell_id, &clock)?)
+            Some(Taker::receive(
+                take_over,
+                ("cell", &config.cell_id),
+                &store,
+                &clock,
+            )?)
         }
         None => None,
     };
@@ -119,6 +128,7 @@ pub fn run(config: Config, take_over: Option<super::handover::TakeOver>) -> Resu
         resume: taker
             .as_ref()
             .map(|taker| (taker.document.cell.clone(), taker.carry)),
+        parts,
         crash_store: super::process::crash_store_socket(&config),
         first_connection_id: super::resume::first_connection_id(&intake),
         liveness: liveness.clone(),

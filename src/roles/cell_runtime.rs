@@ -83,6 +83,8 @@ pub struct CellSetup<'a> {
     /// A live handover's record of the cell, for the next process: the cell is built from it
     /// and starts no thread until [`CellRuntime::resume_threads`].
     pub resume: Option<(CellRecord, Carry)>,
+    /// What was built before the connections were known ([`CellRuntime::prepare`]).
+    pub parts: CellParts,
     /// Keep connections in the service manager's descriptor store (`crash_store`): its notify
     /// socket, when there is a manager and `ORCA_RELAY_CRASH_STORE` is on.
     pub crash_store: Option<std::ffi::OsString>,
@@ -91,6 +93,34 @@ pub struct CellSetup<'a> {
     pub first_connection_id: u64,
     /// The process's critical threads (every cell-wide thread is one) and its pause clock.
     pub liveness: Liveness,
+}
+
+/// What a cell builds before it knows its connections: the reaper, the splice workers, its
+/// capacity, the quiesce. A received handover's next process builds it before its `ready`
+/// (the running process serves untouched meanwhile), and plans its capacity as a fresh start
+/// does: before it holds any carried descriptor, the running process's tasks not counted as
+/// its own.
+pub struct CellParts {
+    reaper: Reaper,
+    /// `None` once a cell was built from the parts ([`CellRuntime::start`]).
+    reaper_handle: Option<(JoinHandle<()>, Standing)>,
+    splice: Arc<SplicePlane>,
+    connection_cap: u32,
+    relay_threads: usize,
+    quiesce: Arc<Quiesce>,
+}
+
+impl Drop for CellParts {
+    /// Parts no cell was built from (a next process whose handover failed, or a start that
+    /// failed after them): their critical threads are stood down and stopped before their
+    /// channels go, so their end is not taken for a failure (exit 70) while the process exits
+    /// with its own status.
+    fn drop(&mut self) {
+        if let Some((_, standing)) = self.reaper_handle.take() {
+            standing.stand_down();
+            self.splice.stop();
+        }
+    }
 }
 
 /// The cell-wide threads' state when they are stopped for a live handover: what they go on
@@ -254,6 +284,48 @@ fn spawn_returning<T: Send + 'static>(
 }
 
 impl CellRuntime {
+    /// Builds what needs no connection ([`CellParts`]): `besides` is what a process about to
+    /// take over holds only for the handover (the running process's pid, whose tasks are not
+    /// this one's, and descriptors of its own it closes at the commit), not to be counted in its
+    /// capacity: a fresh start's plan.
+    pub fn prepare(
+        config: &Config,
+        clock: &SharedClock,
+        registry: &Registry,
+        besides: Option<(Option<u32>, u64)>,
+        liveness: &Liveness,
+    ) -> Result<CellParts, RunError> {
+        // Refused and closing connections linger there, a descriptor each, at most
+        // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
+        let closing =
+            relay::closing::ClosingBound::new(config.closing_connections_max as usize, registry);
+        let (reaper, reaper_handle) = Reaper::start_bounded(closing, liveness)
+            .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
+        let splice = SplicePlane::start(
+            config.splice_workers as usize,
+            SpliceTimings::new(
+                config.timings.wedge_ms,
+                relay::socket::CLOSE_LINGER.as_millis() as u64,
+                config.splice_idle_ms,
+            ),
+            clock.clone(),
+            RelayMetrics::new(registry),
+            liveness,
+        )
+        .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
+        let (connection_cap, relay_threads) = plan_capacity(config, registry, besides);
+        let quiesce = Quiesce::new()
+            .map_err(|e| RunError(format!("cannot create the handover's eventfd: {e}")))?;
+        Ok(CellParts {
+            reaper,
+            reaper_handle: Some(reaper_handle),
+            splice,
+            connection_cap,
+            relay_threads,
+            quiesce,
+        })
+    }
+
     /// Builds the cell and starts its threads. The acceptor answers 503 until
     /// [`CellRuntime::serve`] is called (after the startup handshake). With
     /// [`CellSetup::resume`], the cell is rebuilt from a live handover's record and nothing is
@@ -265,30 +337,19 @@ impl CellRuntime {
             .ws_listener
             .local_addr()
             .map_err(|e| RunError(format!("cannot read the WebSocket listener address: {e}")))?;
-        // Refused and closing connections linger there, a descriptor each, at most
-        // ORCA_RELAY_CLOSING_CONNECTIONS_MAX of them (reserved by the capacity plan).
-        let closing = relay::closing::ClosingBound::new(
-            config.closing_connections_max as usize,
-            &setup.registry,
+        let mut parts = setup.parts;
+        let reaper_handle = parts
+            .reaper_handle
+            .take()
+            .ok_or_else(|| RunError("the cell's parts were used already".into()))?;
+        let (reaper, splice, quiesce) = (
+            parts.reaper.clone(),
+            parts.splice.clone(),
+            parts.quiesce.clone(),
         );
+        let (connection_cap, relay_threads) = (parts.connection_cap, parts.relay_threads);
+        drop(parts);
         let liveness = setup.liveness.clone();
-        let (reaper, reaper_handle) = Reaper::start_bounded(closing, &liveness)
-            .map_err(|e| RunError(format!("cannot start the reaper thread: {e}")))?;
-        let splice = SplicePlane::start(
-            config.splice_workers as usize,
-            SpliceTimings::new(
-                config.timings.wedge_ms,
-                relay::socket::CLOSE_LINGER.as_millis() as u64,
-                config.splice_idle_ms,
-            ),
-            clock.clone(),
-            RelayMetrics::new(&setup.registry),
-            &liveness,
-        )
-        .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
-        let (connection_cap, relay_threads) = plan_capacity(config, &setup.registry);
-        let quiesce = Quiesce::new()
-            .map_err(|e| RunError(format!("cannot create the handover's eventfd: {e}")))?;
         let mut context = RelayContext::new(
             &config.cell_id,
             setup.incarnation,
@@ -728,14 +789,16 @@ impl CellRuntime {
     }
 
     /// Opens the WebSocket listener for business (after the startup handshake) and starts
-    /// the heartbeat.
+    /// the heartbeat. Serving first: the heartbeat's first sample is taken at its start, and a
+    /// handover's next process whose first beat said not ready would be left out of placement
+    /// until its next one (`relay_capacity_exhausted` right after a commit: issue 31).
     pub fn serve(&self) -> Result<(), RunError> {
+        self.context.phase.set(Phase::SERVING);
+        self.readiness.set_phase(readiness::Phase::Serving);
         if let Some(start_heartbeat) = lock(&self.heartbeat).take() {
             let heartbeat = start_heartbeat()?;
             lock(&self.threads).push(heartbeat);
         }
-        self.context.phase.set(Phase::SERVING);
-        self.readiness.set_phase(readiness::Phase::Serving);
         Ok(())
     }
 
@@ -907,10 +970,21 @@ impl CellRuntime {
 /// The process's capacity at start (`capacity.rs`): logged as one line, the configured
 /// connection cap lowered to the ceiling with one WARN naming the limit, gauges for
 /// `/metrics`. Returns the cap in force and the relay-thread permits.
-fn plan_capacity(config: &Config, registry: &Registry) -> (u32, usize) {
+fn plan_capacity(
+    config: &Config,
+    registry: &Registry,
+    besides: Option<(Option<u32>, u64)>,
+) -> (u32, usize) {
     let configured = config.connection_cap;
+    // The running process a handover takes over from shares the machine's and the cgroup's
+    // task counts with this one until it exits: its tasks are not this process's to count;
+    // nor are the handover's own descriptors.
+    let (giver, descriptors) = besides.unwrap_or((None, 0));
+    let tasks = giver.map_or(0, |pid| crate::capacity::process_tasks(pid).unwrap_or(0));
     let plan = match crate::capacity::read_limits() {
-        Ok(limits) => crate::capacity::plan(&limits, capacity_needs(config)),
+        Ok(limits) => {
+            crate::capacity::plan(&limits.without(tasks, descriptors), capacity_needs(config))
+        }
         Err(e) => {
             // Without the figures, the configuration is trusted: a relay thread for every
             // admitted or pending connection.

@@ -30,12 +30,15 @@ use crate::carry::crash::CrashKind;
 use crate::carry::document::{Document, ListenerIndices, PairsDocument};
 use crate::carry::pair::{LegRecord, PairEntry};
 use crate::carry::time::{Carry, Snapshot, Stamp};
-use crate::carry::{read_document, write_document, MAX_DOCUMENT, READS, STATE_VERSION};
+use crate::carry::{
+    put_back, read_parts, write_parts, Carried, MAX_CARRIED_BUFFER, MAX_DOCUMENT, READS,
+    STATE_VERSION,
+};
 use crate::clock::{self, SharedClock};
 use crate::handover::wire::{self, Channel};
 use crate::handover::{
-    self as protocol, body, receive, send, Accepted, Begin, Cause, Committed, Kind, Outcome, Ready,
-    Transfer, HANDOVER_TIMEOUT,
+    self as protocol, body, receive, send, Accepted, Alive, Begin, Cause, Committed, Kind, Outcome,
+    Prepare, Ready, Transfer, BEAT, HANDOVER_TIMEOUT, SILENCE,
 };
 use crate::http::HttpServer;
 use crate::metrics::Registry;
@@ -55,6 +58,13 @@ use crate::config::Config;
 /// How long the taker waits for the giver's word after confirming: the giver's own limit plus
 /// a margin (the giver commits or rolls back within its 10 s).
 const TAKER_WAIT: Duration = Duration::from_secs(20);
+
+/// The machine's monotonic clock (the same for both processes), ms: a next process's signs of
+/// life say when they were sent on it. (0 if it cannot be read: then only the handover's
+/// whole deadline bounds a silent next process.)
+fn machine_ms() -> u64 {
+    clock::machine_ms().unwrap_or(0)
+}
 
 /// This process's moment, to measure a document's travel against.
 fn here(clock: &SharedClock) -> Stamp {
@@ -213,6 +223,7 @@ fn serve_request(
             role: parts.role.to_string(),
             cell_id: parts.cell.context.cell_id.to_string(),
             listening: parts.listening,
+            pid: Some(std::process::id()),
         }),
     };
     if send(&command, Kind::Accepted, &accepted, deadline).is_err() {
@@ -228,6 +239,7 @@ fn serve_request(
         command: &command,
         command_open: true,
         next: None,
+        last_alive_ms: machine_ms(),
         quiesced: None,
         started,
         deadline,
@@ -241,6 +253,7 @@ fn serve_request(
         flight
             .wait_for_next(listener, &token)
             .and_then(|()| flight.not_stopping())
+            .and_then(|()| flight.prepare_next())
             .and_then(|()| flight.quiesce())
             .and_then(|snapshot| flight.transfer_cell(snapshot))
             .and_then(|()| flight.await_next(Kind::Built))
@@ -262,12 +275,17 @@ fn serve_request(
 struct Quiesced {
     threads: Option<CellThreadsState>,
     deposits: Vec<Parked>,
-    /// `Some` once the workers were asked to park (they must be unparked on a rollback).
+    /// `Some` once the workers were asked to park (they must be unparked on a rollback, with
+    /// the buffers they lent).
     pairs: Option<Vec<ParkedPair>>,
+    /// The pairs handed over, once committed (their records are freed then).
+    released_pairs: usize,
     paused_at: Option<Instant>,
     connections: usize,
     /// Milestones for the log line: deposits done, threads stopped, workers parked, sent.
     phases: Vec<(&'static str, Instant)>,
+    /// Each part's document and the bytes beside it, for the log line.
+    sizes: Vec<(usize, usize)>,
 }
 
 struct InFlight<'a> {
@@ -276,6 +294,9 @@ struct InFlight<'a> {
     /// The command's end is still open (an outcome can be sent).
     command_open: bool,
     next: Option<(Channel, Ready)>,
+    /// The next process's last sign of life, on the machine's monotonic clock: its `ready`,
+    /// any message, an `alive` (each says when it was sent), a chunk of a transfer taken.
+    last_alive_ms: u64,
     quiesced: Option<Quiesced>,
     started: Instant,
     deadline: Instant,
@@ -316,6 +337,7 @@ impl InFlight<'_> {
             match first {
                 Ok((Kind::Ready, message)) => match body::<Ready>(&message) {
                     Ok(ready) if ready.token == token => {
+                        self.last_alive_ms = machine_ms();
                         if !ready.reads.contains(&STATE_VERSION) {
                             let cause = format!(
                                 "the new process ({}) cannot read state version {STATE_VERSION}",
@@ -337,6 +359,35 @@ impl InFlight<'_> {
                 _ => {}
             }
         }
+    }
+
+    /// Tells the next process what it will take (the relay threads it will need) and waits,
+    /// serving untouched, for it to have them waiting. A next process that hangs after its
+    /// `ready` is abandoned here, before anything has paused.
+    fn prepare_next(&mut self) -> Result<(), String> {
+        let (next, _) = self.next.as_ref().ok_or("no new process")?;
+        let context = &self.parts.cell.context;
+        let prepare = Prepare {
+            threads: context.thread_permits.used(),
+            pool_open: context.store.pool_stats().open,
+        };
+        send(next, Kind::Prepare, &prepare, self.step_deadline())
+            .map_err(|e| format!("the new process did not take its preparation: {e}"))?;
+        self.await_next(Kind::Prepared)
+    }
+
+    /// Until when the next process may say nothing: [`SILENCE`] after its last sign of life,
+    /// and never past the handover's deadline.
+    fn alive_until(&self) -> Instant {
+        let silent = machine_ms().saturating_sub(self.last_alive_ms);
+        let left = SILENCE.saturating_sub(Duration::from_millis(silent));
+        (clock::instant() + left).min(self.deadline)
+    }
+
+    /// The deadline of one message to the next process: a receiver that takes nothing for
+    /// [`SILENCE`] is not there.
+    fn step_deadline(&self) -> Instant {
+        (clock::instant() + SILENCE).min(self.deadline)
     }
 
     /// Why the command spoke up: its abort's cause, or that it went away.
@@ -404,9 +455,17 @@ impl InFlight<'_> {
             machine_ms: clock::machine_ms(),
         };
         quiesced.paused_at = Some(clock::instant());
-        quiesced.pairs = Some(Vec::new());
-        let pairs = context.splice.park(snapshot, self.deadline)?;
+        // Whatever the workers lent (their legs' buffers) is kept for a rollback, even when one
+        // did not answer in time.
+        let parked = context.splice.park(snapshot, self.deadline);
+        let (pairs, failed) = match parked {
+            Ok(pairs) => (pairs, None),
+            Err((pairs, cause)) => (pairs, Some(cause)),
+        };
         quiesced.pairs = Some(pairs);
+        if let Some(cause) = failed {
+            return Err(cause.to_string());
+        }
         quiesced.phases.push(("parked", clock::instant()));
         Ok(snapshot)
     }
@@ -415,7 +474,7 @@ impl InFlight<'_> {
     fn transfer_cell(&mut self, snapshot: Snapshot) -> Result<(), String> {
         let parts = self.parts;
         let cell = &parts.cell;
-        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
         let ws = cell
             .idle_listener_fd()
             .ok_or("the WebSocket listener is not idle")?;
@@ -425,20 +484,26 @@ impl InFlight<'_> {
             http: 1,
             stderr: Some(2),
         };
+        // Each record takes its connection's byte buffers (what its reader holds, what its
+        // socket owes) out of the deposit, no copy; they go back once sent.
         let mut connections = Vec::new();
-        for parked in &quiesced.deposits {
+        for parked in &mut quiesced.deposits {
+            let (owed, owed_age_ms) = parked.conn.take_owed(snapshot.now);
             connections.push(ConnectionRecord {
                 fd: fds.len(),
                 id: parked.id,
-                stage: parked.stage.record(snapshot.now),
+                stage: parked.stage.lend(snapshot.now),
+                owed,
+                owed_age_ms,
             });
             fds.push(parked.conn.raw_fd());
         }
+        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
         let threads = quiesced
             .threads
             .as_ref()
             .ok_or("the cell's threads were not running")?;
-        let document = Document {
+        let mut document = Document {
             v: STATE_VERSION,
             role: parts.role.to_string(),
             cell_id: cell.context.cell_id.to_string(),
@@ -456,15 +521,24 @@ impl InFlight<'_> {
                 .as_ref()
                 .map(|store| store.region_name().to_string()),
         };
-        self.send_part(&document, &fds, "sent")
+        let sent = self.send_part(&mut document, &fds, "sent");
+        // The buffers back where they were (a failed handover resumes from the deposits).
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
+        for (parked, record) in quiesced.deposits.iter_mut().zip(document.connections) {
+            parked.conn.give_back_owed(record.owed, record.owed_age_ms);
+            parked.stage.give_back(record.stage);
+        }
+        sent
     }
 
-    /// Sends the spliced pairs' sockets and state, and the metrics' totals.
+    /// Sends the spliced pairs' sockets and state, and the metrics' totals. The records own
+    /// the legs' buffers (the parked workers lent them): they are sent as they are and kept
+    /// for a rollback.
     fn transfer_pairs(&mut self, snapshot: Snapshot) -> Result<(), String> {
-        let quiesced = self.quiesced.as_ref().ok_or("not quiesced")?;
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
         let mut fds: Vec<RawFd> = Vec::new();
         let mut pairs = Vec::new();
-        for pair in quiesced.pairs.iter().flatten() {
+        for pair in quiesced.pairs.iter_mut().flatten() {
             let mut index_of = |socket: &Option<Arc<Socket>>| {
                 socket.as_ref().map(|socket| {
                     fds.push(socket.stream().as_raw_fd());
@@ -476,28 +550,34 @@ impl InFlight<'_> {
             pairs.push(PairEntry {
                 phone_fd,
                 host_fd,
-                pair: pair.record.clone(),
+                pair: std::mem::take(&mut pair.record),
             });
         }
-        let document = PairsDocument {
+        let mut document = PairsDocument {
             v: STATE_VERSION,
             snapshot_ms: snapshot.now_ms,
             snapshot_machine_ms: snapshot.machine_ms,
             metrics: self.parts.registry.record(),
             pairs,
         };
-        self.send_part(&document, &fds, "pairs sent")
+        let sent = self.send_part(&mut document, &fds, "pairs sent");
+        let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
+        for (pair, entry) in quiesced.pairs.iter_mut().flatten().zip(document.pairs) {
+            pair.record = entry.pair;
+        }
+        sent
     }
 
-    /// One part of the state: its header, its descriptors, its document.
-    fn send_part<T: Serialize>(
+    /// One part of the state: its header, its descriptors, its document and the byte buffers
+    /// beside it (taken out of it for the sending, put back after).
+    fn send_part<T: Serialize + Carried>(
         &mut self,
-        document: &T,
+        document: &mut T,
         fds: &[RawFd],
         milestone: &'static str,
     ) -> Result<(), String> {
         let (next, _) = self.next.as_ref().ok_or("no new process")?;
-        let bytes = write_document(document)?;
+        let (bytes, raw) = write_parts(document)?;
         let header = Transfer {
             version: STATE_VERSION,
             document_bytes: bytes.len(),
@@ -507,16 +587,31 @@ impl InFlight<'_> {
             watchdog_usec: crate::lifecycle::watchdog_usec(),
             from_pid: std::process::id(),
             from_version: protocol::version(),
+            raw: raw.iter().map(Vec::len).collect(),
         };
-        protocol::send_transfer(next, &header, &bytes, fds, self.deadline)
-            .map_err(|e| format!("the transfer to the new process failed: {e}"))?;
+        let sent =
+            protocol::send_transfer(next, &header, &bytes, fds, &raw, (SILENCE, self.deadline));
+        put_back(document, raw);
+        sent.map_err(|e| match e {
+            wire::WireError::TimedOut if clock::instant() < self.deadline => format!(
+                "the new process took nothing of the transfer for {} s",
+                SILENCE.as_secs()
+            ),
+            e => format!("the transfer to the new process failed: {e}"),
+        })?;
+        // Taking the transfer is a sign of life.
+        self.last_alive_ms = machine_ms();
         if let Some(quiesced) = self.quiesced.as_mut() {
             quiesced.phases.push((milestone, clock::instant()));
+            quiesced
+                .sizes
+                .push((bytes.len(), header.raw.iter().sum::<usize>()));
         }
         Ok(())
     }
 
-    /// Waits for the next process's `built` or `confirm` (`wanted`).
+    /// Waits for the next process's `prepared`, `built` or `confirm` (`wanted`), reading its
+    /// signs of life: one silent for [`SILENCE`] is abandoned.
     fn await_next(&mut self, wanted: Kind) -> Result<(), String> {
         let next_fd = self
             .next
@@ -529,8 +624,15 @@ impl InFlight<'_> {
             if self.command_open {
                 watched.push(self.command.as_raw_fd());
             }
-            let ready = wire::wait_readable(&watched, self.deadline).map_err(|e| match e {
-                wire::WireError::TimedOut => "the new process did not confirm within 10 s".into(),
+            let until = self.alive_until();
+            let ready = wire::wait_readable(&watched, until).map_err(|e| match e {
+                wire::WireError::TimedOut if clock::instant() >= self.deadline => {
+                    "the new process did not confirm within 10 s".to_string()
+                }
+                wire::WireError::TimedOut => format!(
+                    "the new process said nothing for {} s (waiting for {wanted:?})",
+                    SILENCE.as_secs()
+                ),
                 other => format!("waiting for the new process failed: {other}"),
             })?;
             if ready.get(1).copied().unwrap_or(false) {
@@ -545,7 +647,16 @@ impl InFlight<'_> {
                 continue;
             }
             let (next, _) = self.next.as_ref().ok_or("no new process")?;
-            return match receive(next, self.deadline) {
+            let received = receive(next, self.alive_until());
+            if let Ok((Kind::Alive, message)) = &received {
+                let sent = body::<Alive>(message).map_or(0, |alive| alive.machine_ms);
+                self.last_alive_ms = self.last_alive_ms.max(sent);
+                continue;
+            }
+            if received.is_ok() {
+                self.last_alive_ms = machine_ms();
+            }
+            return match received {
                 Ok((kind, _)) if kind == wanted => Ok(()),
                 Ok((Kind::Failed, message)) => Err(body::<Cause>(&message)
                     .map(|cause| cause.cause)
@@ -630,7 +741,7 @@ impl InFlight<'_> {
             new_pid: self.next.as_ref().map(|(_, ready)| ready.pid),
             new_version: self.next.as_ref().map(|(_, ready)| ready.version.clone()),
             connections: quiesced.map_or(0, |q| q.connections),
-            pairs: quiesced.and_then(|q| q.pairs.as_ref()).map_or(0, Vec::len),
+            pairs: quiesced.map_or(0, |q| q.pairs.as_ref().map_or(q.released_pairs, Vec::len)),
             paused_ms: quiesced
                 .and_then(|q| q.paused_at)
                 .map_or(0, |at| at.elapsed().as_millis() as u64),
@@ -641,7 +752,12 @@ impl InFlight<'_> {
     /// Committed: the next process owns every connection. This one tells the command, stops
     /// beating, lets its HTTP requests in flight finish (the listener stays open for the next
     /// process) and exits 0 without touching a handed connection (no destructor runs).
-    fn exit_after_commit(self) -> ! {
+    fn exit_after_commit(mut self) -> ! {
+        // The pairs' buffers the workers lent are the next process's now: freed at once, not
+        // held while this process finishes its requests.
+        if let Some(quiesced) = self.quiesced.as_mut() {
+            quiesced.released_pairs = quiesced.pairs.take().map_or(0, |pairs| pairs.len());
+        }
         // No new HTTP connection for this process from now on: once the command has the
         // outcome, every request is the next process's.
         let http = self
@@ -656,8 +772,16 @@ impl InFlight<'_> {
         });
         let outcome = self.outcome(true, None);
         let phases = self.phases();
+        let sizes = self.quiesced.as_ref().map_or_else(String::new, |quiesced| {
+            quiesced
+                .sizes
+                .iter()
+                .map(|(document, raw)| format!("{document}+{raw}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        });
         log::info!(
-            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases}",
+            "orca_relay_handover_committed to_pid={} to_version={} connections={} pairs={} paused_ms={} took_ms={} phases_ms={phases} bytes={sizes}",
             outcome.new_pid.unwrap_or(0),
             outcome.new_version.as_deref().unwrap_or("-"),
             outcome.connections,
@@ -723,8 +847,8 @@ impl InFlight<'_> {
                 .partition(|parked| parked.stage.is_pending());
             cell.carry_pending(pending);
             resume_all(context, deposits, None);
-            if quiesced.pairs.is_some() {
-                context.splice.unpark();
+            if let Some(pairs) = quiesced.pairs {
+                context.splice.unpark(pairs);
             }
             if let Some(threads) = quiesced.threads {
                 if let Err(e) = cell.restart_threads(threads) {
@@ -763,7 +887,7 @@ fn resume_all(context: &RelayContext, deposits: Vec<Parked>, gate: Option<Arc<Ga
         .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
     for parked in waiting.into_iter().chain(others) {
         let id = parked.id;
-        if let Err(e) = thread::resume(context, parked, gate.clone()) {
+        if let Err(e) = thread::resume(context, parked, gate.clone(), None) {
             log::error!("orca_relay_handover_resume_failed conn={id} error={e}");
         }
     }
@@ -784,6 +908,8 @@ pub enum Fault {
     RejectStateVersion,
     /// Never confirms (the running process's 10 s run out).
     NeverConfirm,
+    /// Stops itself (`SIGSTOP`) right after saying `ready`: a next process that hangs.
+    StopAfterReady,
 }
 
 impl Fault {
@@ -793,6 +919,7 @@ impl Fault {
             "die-after-half" => Some(Fault::DieAfterHalf),
             "reject-state-version" => Some(Fault::RejectStateVersion),
             "never-confirm" => Some(Fault::NeverConfirm),
+            "stop-after-ready" => Some(Fault::StopAfterReady),
             _ => None,
         }
     }
@@ -803,6 +930,7 @@ impl Fault {
             Fault::DieAfterHalf => "die-after-half",
             Fault::RejectStateVersion => "reject-state-version",
             Fault::NeverConfirm => "never-confirm",
+            Fault::StopAfterReady => "stop-after-ready",
         }
     }
 }
@@ -929,6 +1057,10 @@ pub struct Taker {
     pub received_at: Instant,
     /// Milestones for the log line (from `received_at`).
     marks: Vec<(&'static str, Instant)>,
+    /// Relay threads started before anything paused, waiting for the connections.
+    spares: Option<threads::Spares>,
+    /// The signs of life, until the outcome.
+    beats: Option<Beats>,
     /// The running process was asked to stop after its commit decision: this one drains as
     /// soon as it serves.
     stop_requested: bool,
@@ -950,13 +1082,64 @@ pub fn report_failed(socket: &std::path::Path, token: &str, cause: &str) {
     }
 }
 
+/// What the next process holds now only for the handover, not to count in its capacity as a
+/// fresh start would not: the running process's pid, as it told the command (its tasks; `None`
+/// from an older command or running process), and the descriptors of the handover itself (the
+/// command's line, closed at the commit).
+pub fn transient(take_over: &TakeOver) -> (Option<u32>, u64) {
+    let line = COMMAND_LINE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some();
+    (
+        take_over.running.as_ref().and_then(|running| running.pid),
+        u64::from(line),
+    )
+}
+
+/// The next process's signs of life ([`Kind::Alive`] every [`BEAT`]), from its `ready` until
+/// the outcome, on a thread of their own: the running process abandons a next process silent
+/// for [`SILENCE`], whatever step it is in.
+struct Beats {
+    stop: std::sync::mpsc::Sender<()>,
+    handle: JoinHandle<()>,
+}
+
+impl Beats {
+    fn start(channel: &Channel) -> Option<Beats> {
+        let channel = channel.try_clone().ok()?;
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let handle = threads::spawn("handover-beat", move || loop {
+            match stopped.recv_timeout(BEAT) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+            let alive = Alive {
+                machine_ms: machine_ms(),
+            };
+            if send(&channel, Kind::Alive, &alive, clock::instant() + BEAT).is_err() {
+                return;
+            }
+        })
+        .ok()?;
+        Some(Beats { stop, handle })
+    }
+
+    fn stop(self) {
+        drop(self.stop);
+        threads::join_logged("handover-beat", self.handle);
+    }
+}
+
 impl Taker {
-    /// Says `ready` and receives the whole transfer; `Err` is the cause (already told to the
-    /// giver when it can hear it).
+    /// Says `ready` (with everything built that needs no connection), keeps saying it is alive,
+    /// starts the relay threads the running process says it will need (waiting, before
+    /// anything pauses), and receives the cell's part of the transfer; `Err` is the cause
+    /// (already told to the running process when it can hear it).
     pub fn receive(
         take_over: &TakeOver,
-        role: &str,
-        cell_id: &str,
+        (role, cell_id): (&str, &str),
+        store: &crate::store::Store,
         clock: &SharedClock,
     ) -> Result<Taker, RunError> {
         let deadline = clock::instant() + TAKER_WAIT;
@@ -980,24 +1163,47 @@ impl Taker {
         };
         send(&channel, Kind::Ready, &ready, deadline)
             .map_err(|e| RunError(format!("the running relay did not hear ready: {e}")))?;
-        let header: Transfer = match receive(&channel, deadline) {
-            Ok((Kind::Transfer, message)) => {
-                body(&message).map_err(|e| RunError(format!("a malformed transfer header: {e}")))?
+        let beats = Beats::start(&channel);
+        if take_over.fault == Some(Fault::StopAfterReady) {
+            // A test's fault: a next process that hangs right after saying ready.
+            // SAFETY: raise(2) with a constant signal.
+            unsafe { libc::raise(libc::SIGSTOP) };
+        }
+        let mut spares = None;
+        let header: Transfer = loop {
+            match receive(&channel, deadline) {
+                Ok((Kind::Prepare, message)) => {
+                    let prepare: Prepare = body(&message)
+                        .map_err(|e| RunError(format!("a malformed preparation: {e}")))?;
+                    spares = Some(threads::Spares::start(
+                        prepare.threads,
+                        threads::RELAY_STACK_BYTES,
+                    ));
+                    store.warm_pool(prepare.pool_open);
+                    send(&channel, Kind::Prepared, &serde_json::json!({}), deadline).map_err(
+                        |e| RunError(format!("the running relay did not hear prepared: {e}")),
+                    )?;
+                }
+                Ok((Kind::Transfer, message)) => {
+                    break body(&message)
+                        .map_err(|e| RunError(format!("a malformed transfer header: {e}")))?
+                }
+                Ok((Kind::Rollback | Kind::Refused, message)) => {
+                    let cause = body::<Cause>(&message).map(|c| c.cause).unwrap_or_default();
+                    return Err(RunError(format!("the running relay rolled back: {cause}")));
+                }
+                Ok(_) => {
+                    return Err(RunError(
+                        "an unexpected message instead of a transfer".into(),
+                    ))
+                }
+                Err(e) => return Err(RunError(format!("no transfer came: {e}"))),
             }
-            Ok((Kind::Rollback | Kind::Refused, message)) => {
-                let cause = body::<Cause>(&message).map(|c| c.cause).unwrap_or_default();
-                return Err(RunError(format!("the running relay rolled back: {cause}")));
-            }
-            Ok(_) => {
-                return Err(RunError(
-                    "an unexpected message instead of a transfer".into(),
-                ))
-            }
-            Err(e) => return Err(RunError(format!("no transfer came: {e}"))),
         };
         let half = header.fds / 2;
         let fault = take_over.fault;
-        let received = protocol::receive_transfer(&channel, header, MAX_DOCUMENT, deadline, |n| {
+        let limits = (MAX_DOCUMENT, MAX_CARRIED_BUFFER);
+        let received = protocol::receive_transfer(&channel, header, limits, deadline, |n| {
             if fault == Some(Fault::DieAfterHalf) && n >= half {
                 // A test's fault: die with half the descriptors received.
                 std::process::abort();
@@ -1016,7 +1222,7 @@ impl Taker {
             );
             RunError(cause)
         };
-        let document: Document = match read_document(&received.document, &reads) {
+        let document: Document = match read_parts(&received.document, received.raw, &reads) {
             Ok(document) => document,
             Err(cause) => return Err(fail(&channel, cause)),
         };
@@ -1047,6 +1253,8 @@ impl Taker {
             pairs: Vec::new(),
             received_at,
             marks: Vec::new(),
+            spares,
+            beats,
             stop_requested: false,
         })
     }
@@ -1096,6 +1304,10 @@ impl Taker {
         let after = after_commit();
         self.mark("after commit");
         self.gate.open();
+        // The spare threads take their connections; those without one end.
+        if let Some(spares) = self.spares.take() {
+            spares.release();
+        }
         cell.resume_threads()?;
         Ok((committed, after))
     }
@@ -1209,7 +1421,12 @@ impl Taker {
                 }
                 stage => {
                     let _ = stream.set_write_timeout(Some(wedge));
-                    let socket = Socket::new_control(record.id, stream);
+                    let socket =
+                        Socket::interruptible(record.id, stream, context.quiesce.interrupt());
+                    // What its socket owed when the quiesce began goes out first, its write's
+                    // deadline going on from when it began.
+                    let owed_age = record.owed_age_ms.saturating_add(self.carry.elapsed_ms);
+                    socket.owe(record.owed, Duration::from_millis(owed_age));
                     let kind = stage_kind(&stage);
                     let place = match &stage {
                         Stage::PhoneWaiting { phone, .. } => {
@@ -1269,9 +1486,13 @@ impl Taker {
             .partition(|parked| matches!(parked.stage, Stage::PhoneWaiting { .. }));
         for parked in waiting.into_iter().chain(others) {
             let id = parked.id;
-            thread::resume(context, parked, Some(self.gate.clone())).map_err(|e| {
-                self.fail(&format!("cannot start a thread for connection {id}: {e}"))
-            })?;
+            thread::resume(
+                context,
+                parked,
+                Some(self.gate.clone()),
+                self.spares.as_ref(),
+            )
+            .map_err(|e| self.fail(&format!("cannot start a thread for connection {id}: {e}")))?;
         }
         cell.carry_pending(pending);
         self.mark("threads");
@@ -1300,14 +1521,15 @@ impl Taker {
             }
             Ok(_) => return Err(self.fail("an unexpected message instead of the pairs")),
         };
-        let received =
-            protocol::receive_transfer(&self.channel, header, MAX_DOCUMENT, deadline, |_| {})
-                .map_err(|e| self.fail(&format!("the pairs' transfer failed: {e}")))?;
+        let limits = (MAX_DOCUMENT, MAX_CARRIED_BUFFER);
+        let received = protocol::receive_transfer(&self.channel, header, limits, deadline, |_| {})
+            .map_err(|e| self.fail(&format!("the pairs' transfer failed: {e}")))?;
         self.mark("pairs received");
-        let document: PairsDocument = match read_document(&received.document, &self.reads) {
-            Ok(document) => document,
-            Err(cause) => return Err(self.fail(&cause)),
-        };
+        let document: PairsDocument =
+            match read_parts(&received.document, received.raw, &self.reads) {
+                Ok(document) => document,
+                Err(cause) => return Err(self.fail(&cause)),
+            };
         registry.restore(&document.metrics);
         let carry = Carry::new(clock::instant(), here(clock), document.sent_at());
         self.fds = received.fds.into_iter().map(Some).collect();
@@ -1398,6 +1620,9 @@ impl Taker {
         COMMITTED.store(true, Ordering::Release);
         tell_command_committed();
         self.mark("committed");
+        if let Some(beats) = self.beats.take() {
+            beats.stop();
+        }
         // The streams first: a thousand relay threads waking at once at the gate must not
         // stand between a splice worker and its pairs.
         let pairs = std::mem::take(&mut self.pairs);
@@ -1436,6 +1661,7 @@ mod tests {
             Fault::DieAfterHalf,
             Fault::RejectStateVersion,
             Fault::NeverConfirm,
+            Fault::StopAfterReady,
         ] {
             assert_eq!(Fault::parse(fault.as_str()), Some(fault));
         }

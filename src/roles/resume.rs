@@ -209,12 +209,13 @@ fn restart_close(context: &RelayContext, stream: TcpStream, cut: bool) {
         .schedule_stream(Arc::new(stream), crate::relay::socket::CLOSE_LINGER);
 }
 
-/// A control's socket as this process's, blocking writes under the wedge window.
+/// A control's socket as this process's, its writes under the wedge window and interrupted by
+/// a handover's quiesce, as every control the relay serves (`relay/socket.rs`).
 fn socket_of(context: &RelayContext, id: u64, fd: OwnedFd) -> Arc<Socket> {
     let stream = TcpStream::from(fd);
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_write_timeout(Some(Duration::from_millis(context.timings.wedge_ms)));
-    Socket::new_control(id, stream)
+    Socket::interruptible(id, stream, context.quiesce.interrupt())
 }
 
 /// Seats a control again and starts its relay thread; its host, or `None` when it cannot be
@@ -274,7 +275,7 @@ fn resume_control(
         hold: Some(context.carried_hold("control")),
         place: None,
     };
-    if let Err(e) = thread::resume(context, parked, None) {
+    if let Err(e) = thread::resume(context, parked, None, None) {
         log::error!(
             "orca_relay_crash_resume_failed conn={} error={e}",
             record.id

@@ -531,6 +531,12 @@ impl Store {
         }
     }
 
+    /// Opens pooled connections until `count` are open (at most the ceiling) and leaves them
+    /// idle; how many are open after. Connecting only: nothing is written.
+    pub fn warm_pool(&self, count: u32) -> u32 {
+        dispatch!(self, store => store.warm(count))
+    }
+
     /// True while some caller waits for a pooled connection.
     pub fn has_waiters(&self) -> bool {
         self.pool_stats().waiters > 0

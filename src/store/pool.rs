@@ -103,6 +103,22 @@ impl<K: Connector> Pool<K> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Opens connections until `count` are open (or the ceiling), each within `timeout`, and
+    /// leaves them idle: a handover's next process starts with the pool the running one had, so
+    /// its first admissions do not queue behind connects (and are not shed for it). How many
+    /// are open after.
+    pub fn warm(&self, count: u32, timeout: Duration) -> u32 {
+        let mut held = Vec::new();
+        while self.open() < count.min(self.counts().ceiling) {
+            match self.checkout(timeout) {
+                Ok(conn) => held.push(conn),
+                Err(_) => break,
+            }
+        }
+        drop(held);
+        self.open()
+    }
+
     /// Takes a connection: an idle one, a new one if fewer than `ceiling` are open, or else the
     /// next one returned within `timeout`.
     pub fn checkout(&self, timeout: Duration) -> Result<PooledConnection<K>, StoreError> {

@@ -225,6 +225,10 @@ impl PgStore {
         self.pool.set_ceiling(ceiling)
     }
 
+    pub(super) fn warm(&self, count: u32) -> u32 {
+        self.pool.warm(count, self.checkout_timeout)
+    }
+
     /// Runs `work` on a pooled connection. On error the connection is discarded (and, after a
     /// connection-level failure, every idle one too).
     ///

@@ -238,6 +238,10 @@ impl SqliteStore {
         self.pool.set_ceiling(ceiling)
     }
 
+    pub(super) fn warm(&self, count: u32) -> u32 {
+        self.pool.warm(count, self.checkout_timeout)
+    }
+
     /// Runs `work` on a pooled connection; on error the connection is discarded.
     fn with_conn<T>(
         &self,

@@ -71,7 +71,75 @@ pub fn parse(buf: &[u8]) -> Option<(bool, u8, std::ops::Range<usize>, usize)> {
 /// stream (blocking, with a read timeout) and the bytes read past the 101, or the refusal's
 /// status.
 pub fn connect(addr: &str, path: &str, bearer: Option<&str>) -> Result<(TcpStream, Vec<u8>), u16> {
-    let mut stream = TcpStream::connect(addr).map_err(|_| 0u16)?;
+    let stream = TcpStream::connect(addr).map_err(|_| 0u16)?;
+    upgrade(stream, addr, path, bearer)
+}
+
+/// As [`connect`], the socket's receive buffer set to `receive_buffer` bytes before it connects
+/// (so the window it offers is that small from the start: set later, the kernel never takes
+/// back a window it offered), and its segments to 1,400 bytes, as on a real network (on
+/// loopback the 64 KiB segments size the relay's send buffer at megabytes from the start, so
+/// its writes to a desktop that reads nothing would block only after thousands of frames).
+pub fn connect_with_receive_buffer(
+    addr: &str,
+    path: &str,
+    bearer: Option<&str>,
+    receive_buffer: usize,
+) -> Result<(TcpStream, Vec<u8>), u16> {
+    use std::os::fd::FromRawFd;
+    let target: std::net::SocketAddrV4 = addr.parse().map_err(|_| 0u16)?;
+    // SAFETY: socket(2), setsockopt(2) and connect(2) on a descriptor this function owns (it
+    // becomes the TcpStream's, or is closed on failure), with a sockaddr_in built here.
+    let stream = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(0);
+        }
+        let stream = TcpStream::from_raw_fd(fd);
+        for (level, name, value) in [
+            (
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                receive_buffer as libc::c_int,
+            ),
+            (libc::IPPROTO_TCP, libc::TCP_MAXSEG, 1_400),
+        ] {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        let address = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: target.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*target.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let connected = libc::connect(
+            fd,
+            (&address as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        if connected != 0 {
+            return Err(0);
+        }
+        stream
+    };
+    upgrade(stream, addr, path, bearer)
+}
+
+/// The WebSocket upgrade of `path` on a connected stream.
+fn upgrade(
+    mut stream: TcpStream,
+    addr: &str,
+    path: &str,
+    bearer: Option<&str>,
+) -> Result<(TcpStream, Vec<u8>), u16> {
     let _ = stream.set_nodelay(true);
     stream
         .set_read_timeout(Some(Duration::from_secs(20)))

@@ -36,10 +36,13 @@ pub fn dir(version: u32) -> PathBuf {
         .join(format!("v{version}"))
 }
 
-/// The two documents a running process sent, as it sent them.
+/// The two documents a running process sent, as it sent them, with the byte buffers that came
+/// beside each (state version 3 on; none before).
 pub struct Captured {
     pub cell: Vec<u8>,
     pub pairs: Vec<u8>,
+    pub cell_raw: Vec<Vec<u8>>,
+    pub pairs_raw: Vec<Vec<u8>>,
 }
 
 /// Asks the relay whose data directory is `data_dir` for a handover, takes its two documents
@@ -64,25 +67,40 @@ pub fn capture(data_dir: &Path) -> Result<Captured, String> {
         reads: orca_relay::carry::READS.to_vec(),
     };
     send(&next, Kind::Ready, &ready, deadline()).map_err(|e| e.to_string())?;
-    let part = |channel: &Channel| -> Result<Vec<u8>, String> {
-        let header: Transfer = match receive(channel, deadline()) {
-            Ok((Kind::Transfer, message)) => body(&message).map_err(|e| e.to_string())?,
-            other => return Err(format!("no transfer: {other:?}")),
+    let part = |channel: &Channel| -> Result<(Vec<u8>, Vec<Vec<u8>>), String> {
+        let header: Transfer = loop {
+            match receive(channel, deadline()) {
+                Ok((Kind::Transfer, message)) => {
+                    break body(&message).map_err(|e| e.to_string())?
+                }
+                // A running process of this build first says what it holds.
+                Ok((Kind::Prepare, _)) => {
+                    send(channel, Kind::Prepared, &serde_json::json!({}), deadline())
+                        .map_err(|e| e.to_string())?
+                }
+                other => return Err(format!("no transfer: {other:?}")),
+            }
         };
-        let received = protocol::receive_transfer(channel, header, 1 << 30, deadline(), |_| {})
-            .map_err(|e| e.to_string())?;
-        Ok(received.document)
+        let received =
+            protocol::receive_transfer(channel, header, (1 << 30, 1 << 24), deadline(), |_| {})
+                .map_err(|e| e.to_string())?;
+        Ok((received.document, received.raw))
     };
-    let cell = part(&next)?;
+    let (cell, cell_raw) = part(&next)?;
     send(&next, Kind::Built, &serde_json::json!({}), deadline()).map_err(|e| e.to_string())?;
-    let pairs = part(&next)?;
+    let (pairs, pairs_raw) = part(&next)?;
     let failed = Cause {
         token: Some(accepted.token),
         cause: "captured for a fixture".into(),
     };
     send(&next, Kind::Failed, &failed, deadline()).map_err(|e| e.to_string())?;
     match receive(&command, deadline()) {
-        Ok((Kind::Outcome, _)) => Ok(Captured { cell, pairs }),
+        Ok((Kind::Outcome, _)) => Ok(Captured {
+            cell,
+            pairs,
+            cell_raw,
+            pairs_raw,
+        }),
         other => Err(format!("no outcome: {other:?}")),
     }
 }
@@ -178,17 +196,25 @@ impl Giver {
         pairs_offset: usize,
     ) -> Result<(), String> {
         let (_keep, never) = wire::pair().expect("a channel that never speaks");
-        let next = match self.listener.accept(never.as_raw_fd(), deadline()) {
-            Ok(Some(channel)) => channel,
-            other => return Err(format!("no next process: {other:?}")),
-        };
-        let ready: Ready = match receive(&next, deadline()) {
-            Ok((Kind::Ready, message)) => body(&message).map_err(|e| e.to_string())?,
-            Ok((Kind::Failed, message)) => {
-                let cause: Cause = body(&message).map_err(|e| e.to_string())?;
-                return Err(format!("the next process failed: {}", cause.cause));
+        // A next process of this build first asks who serves (a connection that says nothing
+        // and closes), as a running process sees it: skipped.
+        let (next, ready) = loop {
+            let next = match self.listener.accept(never.as_raw_fd(), deadline()) {
+                Ok(Some(channel)) => channel,
+                other => return Err(format!("no next process: {other:?}")),
+            };
+            match receive(&next, deadline()) {
+                Ok((Kind::Ready, message)) => {
+                    let ready: Ready = body(&message).map_err(|e| e.to_string())?;
+                    break (next, ready);
+                }
+                Ok((Kind::Failed, message)) => {
+                    let cause: Cause = body(&message).map_err(|e| e.to_string())?;
+                    return Err(format!("the next process failed: {}", cause.cause));
+                }
+                Err(wire::WireError::Closed) => continue,
+                other => return Err(format!("not ready: {other:?}")),
             }
-            other => return Err(format!("not ready: {other:?}")),
         };
         if ready.token != token {
             return Err("another token".into());
@@ -209,25 +235,33 @@ impl Giver {
             watchdog_usec: None,
             from_pid: std::process::id(),
             from_version: from_version.to_string(),
+            raw: Vec::new(),
         };
+        let limits = (Duration::from_secs(5), deadline());
         let fds = self.cell_fds(&cell);
+        let mut cell_header = header(&captured.cell, fds.len());
+        cell_header.raw = captured.cell_raw.iter().map(Vec::len).collect();
         protocol::send_transfer(
             &next,
-            &header(&captured.cell, fds.len()),
+            &cell_header,
             &captured.cell,
             &fds,
-            deadline(),
+            &captured.cell_raw,
+            limits,
         )
         .map_err(|e| e.to_string())?;
         self.expect(&next, Kind::Built)?;
         let pairs: Value = serde_json::from_slice(&captured.pairs).unwrap();
         let fds = self.pair_fds(&pairs, pairs_offset);
+        let mut pairs_header = header(&captured.pairs, fds.len());
+        pairs_header.raw = captured.pairs_raw.iter().map(Vec::len).collect();
         protocol::send_transfer(
             &next,
-            &header(&captured.pairs, fds.len()),
+            &pairs_header,
             &captured.pairs,
             &fds,
-            deadline(),
+            &captured.pairs_raw,
+            limits,
         )
         .map_err(|e| e.to_string())?;
         self.expect(&next, Kind::Confirm)?;
@@ -239,7 +273,12 @@ impl Giver {
     }
 
     fn expect(&self, next: &Channel, wanted: Kind) -> Result<(), String> {
-        match receive(next, deadline()) {
+        let mut received = receive(next, deadline());
+        // A next process of this build says it is alive meanwhile.
+        while matches!(received, Ok((Kind::Alive, _))) {
+            received = receive(next, deadline());
+        }
+        match received {
             Ok((kind, _)) if kind == wanted => Ok(()),
             Ok((Kind::Failed, message)) => {
                 let cause: Cause = body(&message).map_err(|e| e.to_string())?;

@@ -8,6 +8,14 @@
 //! between them. The longest gap between two arrivals on any stream (since [`Load::mark`]) is
 //! its stall. A pair can be told to stop reading its desktop end, so that the relay's
 //! backpressure is active, and to read again.
+//!
+//! Besides (issue 31): **stuck pairs**, whose two ends read nothing until the load finishes
+//! (both of the relay's outputs fill to their bound and stay there); **slow desktops**, whose
+//! control reads through a 4 KiB receive buffer at 4 KiB a second while it sends WebSocket
+//! pings faster than it reads their pongs (so the relay's control thread is mostly blocked in a
+//! write to it; every pong must come back, in order); and **probes**, controls that send a
+//! WebSocket ping every `probe_interval` and time its pong: the longest wait (an unanswered
+//! ping counts as it waits) is the control's pause.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -47,6 +55,22 @@ pub struct Spec {
     pub setup_threads: usize,
     /// The network namespace to connect from (`/proc/<pid>/ns/net`), if not this one.
     pub netns: Option<std::path::PathBuf>,
+    /// Pairs after the streaming ones whose two ends read nothing until the load finishes.
+    #[serde(default)]
+    pub stuck: usize,
+    /// Controls after the paired ones that read slowly (a 4 KiB receive buffer, 4 KiB a
+    /// second) and ping faster than they read.
+    #[serde(default)]
+    pub slow: usize,
+    /// Controls after the slow ones that time a WebSocket ping every `probe_interval`.
+    #[serde(default)]
+    pub probes: usize,
+    #[serde(default = "default_probe_interval")]
+    pub probe_interval: Duration,
+}
+
+fn default_probe_interval() -> Duration {
+    Duration::from_millis(50)
 }
 
 impl Spec {
@@ -71,9 +95,52 @@ impl Spec {
             loops: 2,
             setup_threads: 4,
             netns: None,
+            stuck: 0,
+            slow: 0,
+            probes: 0,
+            probe_interval: default_probe_interval(),
+        }
+    }
+
+    /// Controls with a pair: the streaming ones, then the stuck ones.
+    fn paired(&self) -> usize {
+        self.pairs + self.stuck
+    }
+
+    /// What control `index` does.
+    fn kind(&self, index: usize) -> ControlKind {
+        let slow_from = self.paired();
+        let probes_from = slow_from + self.slow;
+        if (slow_from..probes_from).contains(&index) {
+            ControlKind::Slow
+        } else if (probes_from..probes_from + self.probes).contains(&index) {
+            ControlKind::Probe
+        } else {
+            ControlKind::Plain
         }
     }
 }
+
+/// What a control does besides answering the relay's pings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ControlKind {
+    Plain,
+    /// Reads slowly and pings faster than it reads.
+    Slow,
+    /// Times a ping every `probe_interval`.
+    Probe,
+}
+
+/// The slow desktops' reading: at most this many bytes a second, read this many at a time.
+const SLOW_READ_PER_SECOND: usize = 4 * 1024;
+const SLOW_READ_CHUNK: usize = 1024;
+/// Their receive buffer.
+const SLOW_RECEIVE_BUFFER: usize = 4 * 1024;
+/// A stuck pair's end reads this much every so often, and nothing else until the load ends.
+const STUCK_SIP_EVERY: Duration = Duration::from_secs(10);
+const STUCK_SIP_BYTES: usize = 128 * 1024;
+/// A slow desktop's ping: an 8-byte sequence number and filler, the largest control payload.
+const SLOW_PING_BYTES: usize = 125;
 
 /// What the load saw.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -106,6 +173,13 @@ pub struct Report {
     /// it, over those counted, ms.
     #[serde(default)]
     pub probe_last_ms: u64,
+    /// The longest a probe's ping waited for its pong since the mark (an unanswered one counts
+    /// as it waits), ms: the controls' pause.
+    #[serde(default)]
+    pub max_control_pause_ms: u64,
+    /// The slow desktops' pongs received, in order.
+    #[serde(default)]
+    pub slow_pongs: u64,
 }
 
 #[derive(Default)]
@@ -146,6 +220,8 @@ struct Shared {
     received: AtomicU64,
     bytes_received: AtomicU64,
     max_stall_ms: AtomicU64,
+    max_control_pause_ms: AtomicU64,
+    slow_pongs: AtomicU64,
     worst_gaps: Mutex<Vec<(u64, u64)>>,
     /// Controls pinged and streams moving since the current mark, counted under the lock by
     /// the loops for the mark they saw (a loop's turn that began before a new mark counts
@@ -208,6 +284,7 @@ type Sessions = (usize, Vec<(Blocking, Role)>);
 enum Role {
     Control {
         index: usize,
+        kind: ControlKind,
     },
     /// A leg of pair `pair`; `desktop`: the data leg.
     Leg {
@@ -246,9 +323,27 @@ struct Conn {
     probe_answered: bool,
     stream: Option<Stream>,
     mask: u32,
+    /// A leg of a stuck pair: reads nothing until the load finishes.
+    stuck: bool,
+    /// A probe's ping in flight (when it was sent), and when the last one went.
+    probe_sent: Option<Instant>,
+    last_probe: Option<Instant>,
+    /// A slow desktop's reading allowance (bytes) and when it was last topped up; its pings
+    /// queued and the next pong it expects.
+    read_budget: usize,
+    budget_at: Option<Instant>,
+    pings_queued: u64,
+    next_pong: u64,
 }
 
 impl Conn {
+    fn kind(&self) -> Option<ControlKind> {
+        match self.role {
+            Role::Control { kind, .. } => Some(kind),
+            Role::Leg { .. } => None,
+        }
+    }
+
     fn queue(&mut self, bytes: &[u8]) {
         if self.out_start > 0 && self.out_start * 2 >= self.out.len() {
             self.out.drain(..self.out_start);
@@ -313,7 +408,13 @@ impl Load {
                         if index >= spec.controls {
                             return;
                         }
-                        let session = set_up(&ws, &identities[index], index, index < spec.pairs);
+                        let session = set_up(
+                            &ws,
+                            &identities[index],
+                            index,
+                            index < spec.paired(),
+                            spec.kind(index),
+                        );
                         sessions.lock().unwrap().push((index, session));
                     }
                 })
@@ -360,6 +461,7 @@ impl Load {
     pub fn mark(&self) {
         let mut since = self.shared.since_mark.lock().unwrap();
         self.shared.max_stall_ms.store(0, Ordering::SeqCst);
+        self.shared.max_control_pause_ms.store(0, Ordering::SeqCst);
         let ms = self.origin.elapsed().as_millis() as u64 + 1;
         *since = SinceMark {
             mark: Some(mark_instant(self.origin, ms)),
@@ -400,7 +502,8 @@ impl Load {
             (since.pinged, since.flowing)
         };
         Report {
-            controls: self.spec.controls,
+            // The slow desktops hear the relay's pings late by design: not counted.
+            controls: self.spec.controls - self.spec.slow,
             pairs: self.spec.pairs,
             closed: s.closed.lock().unwrap().clone(),
             violations: s.violations.lock().unwrap().clone(),
@@ -414,15 +517,18 @@ impl Load {
             probe_answered: s.probe_answered.load(Ordering::SeqCst),
             probe_streams: s.probe_streams.load(Ordering::SeqCst),
             probe_last_ms: s.probe_last_ms.load(Ordering::SeqCst),
+            max_control_pause_ms: s.max_control_pause_ms.load(Ordering::SeqCst),
+            slow_pongs: s.slow_pongs.load(Ordering::SeqCst),
         }
     }
 
-    /// Stops sending, waits (up to `timeout`) until every message sent has arrived, stops the
-    /// loops and reports.
+    /// Stops sending (stuck pairs and slow desktops read again, at full speed), waits (up to
+    /// `timeout`) until every message sent has arrived and every slow desktop has the pong of
+    /// every ping it sent, stops the loops and reports.
     pub fn finish(mut self, timeout: Duration) -> Report {
         self.shared.stop_sending.store(true, Ordering::SeqCst);
         self.shared.paused.lock().unwrap().clear();
-        let streams = self.spec.pairs * 2;
+        let streams = self.spec.paired() * 2 + self.spec.slow;
         let deadline = crate::harness::now_instant() + timeout;
         while crate::harness::now_instant() < deadline
             && self.shared.drained.load(Ordering::SeqCst) < streams
@@ -449,9 +555,22 @@ impl Drop for Load {
 
 /// One control (and its pair when `paired`): blocking handshakes, then the sockets with what
 /// was read past the last message.
-fn set_up(ws: &str, identity: &Identity, index: usize, paired: bool) -> Vec<(Blocking, Role)> {
-    let (stream, rest) = client::connect(ws, "/v1/host/control", Some(&identity.token))
-        .unwrap_or_else(|status| panic!("control {index} upgrade refused: {status}"));
+fn set_up(
+    ws: &str,
+    identity: &Identity,
+    index: usize,
+    paired: bool,
+    kind: ControlKind,
+) -> Vec<(Blocking, Role)> {
+    // A slow desktop's receive buffer is set before it connects: the window it offers is that
+    // small from the start (set later, the kernel never takes back a window it offered).
+    let path = "/v1/host/control";
+    let (stream, rest) = if kind == ControlKind::Slow {
+        client::connect_with_receive_buffer(ws, path, Some(&identity.token), SLOW_RECEIVE_BUFFER)
+    } else {
+        client::connect(ws, path, Some(&identity.token))
+    }
+    .unwrap_or_else(|status| panic!("control {index} upgrade refused: {status}"));
     let mut control = Blocking::new(stream, rest);
     control
         .send_json(serde_json::json!({"type":"host-hello","v":1,
@@ -503,7 +622,7 @@ fn set_up(ws: &str, identity: &Identity, index: usize, paired: bool) -> Vec<(Blo
             },
         ));
     }
-    out.insert(0, (control, Role::Control { index }));
+    out.insert(0, (control, Role::Control { index, kind }));
     out
 }
 
@@ -522,6 +641,7 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                 Interest::READABLE | Interest::WRITABLE,
             )
             .unwrap();
+        let stuck = matches!(role, Role::Leg { pair, .. } if pair >= spec.pairs);
         let stream = match role {
             Role::Leg { pair, desktop } => {
                 legs.insert((pair, desktop), i);
@@ -555,8 +675,22 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             probe_answered: false,
             stream,
             mask: i as u32 + 1,
+            stuck,
+            probe_sent: None,
+            last_probe: None,
+            read_budget: SLOW_READ_CHUNK,
+            budget_at: None,
+            pings_queued: 0,
+            next_pong: 0,
         });
     }
+    let slow: Vec<usize> = (0..conns.len())
+        .filter(|&i| conns[i].kind() == Some(ControlKind::Slow))
+        .collect();
+    let probes: Vec<usize> = (0..conns.len())
+        .filter(|&i| conns[i].kind() == Some(ControlKind::Probe))
+        .collect();
+    let mut released = false;
     let mut events = Events::with_capacity(1024);
     let mut scratch = vec![0u8; 256 * 1024];
     let mut drained_reported: Vec<bool> = vec![false; conns.len()];
@@ -588,16 +722,33 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
         let now = crate::harness::now_instant();
         let mark_ms = shared.mark_ms.load(Ordering::SeqCst);
         let mark = (mark_ms > 0).then(|| mark_instant(origin, mark_ms));
-        to_read.sort_unstable();
-        to_read.dedup();
-        for i in std::mem::take(&mut to_read) {
-            let skip = matches!(conns[i].role, Role::Leg { pair, desktop: true } if paused.contains(&pair));
-            if skip || conns[i].closed {
-                continue;
+        let finishing = shared.stop_sending.load(Ordering::SeqCst);
+        if finishing && !released {
+            // Stuck pairs and slow desktops read again, everything that waited.
+            released = true;
+            to_read.extend((0..conns.len()).filter(|&i| conns[i].stuck));
+            to_read.extend(slow.iter().copied());
+        }
+        // A stuck end takes a sip now and then: one read of more than a segment, so its window
+        // opens for a moment. (A window shut for 30 s is the relay's TCP_USER_TIMEOUT on a
+        // spliced leg: the kernel resets the connection, as it should a peer that vanished.)
+        let mut sipping = Vec::new();
+        if !finishing {
+            for (i, conn) in conns.iter_mut().enumerate() {
+                if conn.stuck && !conn.closed {
+                    let since = *conn.budget_at.get_or_insert(now);
+                    if now.saturating_duration_since(since) >= STUCK_SIP_EVERY {
+                        conn.budget_at = Some(now);
+                        sipping.push(i);
+                    }
+                }
             }
+        }
+        for &i in &sipping {
             read_conn(
                 &mut conns[i],
                 &mut scratch,
+                Some(STUCK_SIP_BYTES),
                 &shared,
                 &spec,
                 now,
@@ -609,7 +760,11 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
         let probe = shared.probe_ms.load(Ordering::SeqCst);
         if probe > 0 {
             for conn in conns.iter_mut() {
-                if conn.closed || conn.probed == probe || conn.stream.is_some() {
+                if conn.closed
+                    || conn.probed == probe
+                    || conn.stream.is_some()
+                    || conn.kind() != Some(ControlKind::Plain)
+                {
                     continue;
                 }
                 conn.probed = probe;
@@ -626,6 +781,91 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                 conn.queue(&out);
             }
         }
+        // A slow desktop reads a chunk whenever its allowance has one (no edge comes for the
+        // bytes it left unread).
+        if !finishing {
+            for &i in &slow {
+                let conn = &mut conns[i];
+                let since = conn.budget_at.get_or_insert(now);
+                let earned = now.saturating_duration_since(*since).as_millis() as usize
+                    * SLOW_READ_PER_SECOND
+                    / 1000;
+                if earned > 0 {
+                    conn.read_budget = (conn.read_budget + earned).min(SLOW_READ_CHUNK);
+                    conn.budget_at = Some(now);
+                }
+                if conn.read_budget >= SLOW_READ_CHUNK {
+                    to_read.push(i);
+                }
+            }
+        }
+        to_read.sort_unstable();
+        to_read.dedup();
+        for i in std::mem::take(&mut to_read) {
+            let skip = matches!(conns[i].role, Role::Leg { pair, desktop: true } if paused.contains(&pair))
+                || (conns[i].stuck && !finishing);
+            if skip || conns[i].closed {
+                continue;
+            }
+            let limit = (!finishing && conns[i].kind() == Some(ControlKind::Slow)).then(|| {
+                let limit = conns[i].read_budget;
+                conns[i].read_budget = 0;
+                limit
+            });
+            read_conn(
+                &mut conns[i],
+                &mut scratch,
+                limit,
+                &shared,
+                &spec,
+                now,
+                mark,
+                origin,
+            );
+        }
+        if !finishing {
+            for &i in &slow {
+                let conn = &mut conns[i];
+                // Pings faster than the pongs are read, while the relay takes them.
+                if !conn.closed && conn.pending() < 512 {
+                    let mut payload = conn.pings_queued.to_be_bytes().to_vec();
+                    payload.resize(SLOW_PING_BYTES, b's');
+                    let mask = conn.next_mask();
+                    let mut out = Vec::new();
+                    client::encode(&mut out, true, OP_PING, &payload, mask);
+                    conn.queue(&out);
+                    conn.pings_queued += 1;
+                }
+            }
+        }
+        for &i in &probes {
+            let conn = &mut conns[i];
+            if conn.closed {
+                continue;
+            }
+            match conn.probe_sent {
+                // An unanswered ping counts as it waits.
+                Some(sent) if mark.is_some_and(|mark| now >= mark) => {
+                    let waited = now.saturating_duration_since(sent).as_millis() as u64;
+                    shared
+                        .max_control_pause_ms
+                        .fetch_max(waited, Ordering::SeqCst);
+                }
+                Some(_) => {}
+                None if conn.last_probe.is_none_or(|last| {
+                    now.saturating_duration_since(last) >= spec.probe_interval
+                }) =>
+                {
+                    let mask = conn.next_mask();
+                    let mut out = Vec::new();
+                    client::encode(&mut out, true, OP_PING, b"probe", mask);
+                    conn.queue(&out);
+                    conn.probe_sent = Some(now);
+                    conn.last_probe = Some(now);
+                }
+                None => {}
+            }
+        }
         // Send what is due.
         if !shared.stop_sending.load(Ordering::SeqCst) {
             for i in 0..conns.len() {
@@ -637,7 +877,10 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
                     continue;
                 };
                 let peer_expected = conns[peer].stream.as_ref().map_or(0, |s| s.expected);
-                send_due(&mut conns[i], peer_expected, &shared, &spec, now);
+                // A stuck pair's end sends until its own queue is full.
+                while send_due(&mut conns[i], peer_expected, &shared, &spec, now) && conns[i].stuck
+                {
+                }
             }
         }
         for conn in conns.iter_mut() {
@@ -646,6 +889,13 @@ fn run_loop(sessions: Vec<(Blocking, Role)>, shared: Arc<Shared>, spec: Spec, or
             }
         }
         if shared.stop_sending.load(Ordering::SeqCst) {
+            for &i in &slow {
+                let conn = &conns[i];
+                if !drained_reported[i] && (conn.next_pong >= conn.pings_queued || conn.closed) {
+                    drained_reported[i] = true;
+                    shared.drained.fetch_add(1, Ordering::SeqCst);
+                }
+            }
             for i in 0..conns.len() {
                 if drained_reported[i] {
                     continue;
@@ -679,7 +929,7 @@ fn mark_closed(shared: &Shared, conn: &mut Conn, why: &str) {
     }
     conn.closed = true;
     let who = match conn.role {
-        Role::Control { index } => format!("control {index}"),
+        Role::Control { index, .. } => format!("control {index}"),
         Role::Leg { pair, desktop } => {
             format!(
                 "{} leg of pair {pair}",
@@ -690,10 +940,13 @@ fn mark_closed(shared: &Shared, conn: &mut Conn, why: &str) {
     shared.closed.lock().unwrap().push(format!("{who}: {why}"));
 }
 
+/// Reads `conn` to `WouldBlock` (or, with `limit`, one read of at most that many bytes) and
+/// handles every whole frame.
 #[allow(clippy::too_many_arguments)]
 fn read_conn(
     conn: &mut Conn,
     scratch: &mut [u8],
+    limit: Option<usize>,
     shared: &Shared,
     spec: &Spec,
     now: Instant,
@@ -715,8 +968,27 @@ fn read_conn(
             conn.inbuf.drain(..conn.in_start);
             conn.in_start = 0;
         }
-        match conn.socket.read(scratch) {
+        if limit == Some(0) {
+            return;
+        }
+        let room = limit.unwrap_or(scratch.len()).min(scratch.len());
+        match conn.socket.read(&mut scratch[..room]) {
             Ok(0) => return mark_closed(shared, conn, "connection ended"),
+            Ok(n) if limit.is_some() => {
+                conn.inbuf.extend_from_slice(&scratch[..n]);
+                while let Some((fin, opcode, payload, len)) =
+                    client::parse(&conn.inbuf[conn.in_start..])
+                {
+                    let at = conn.in_start;
+                    let body = conn.inbuf[at + payload.start..at + payload.end].to_vec();
+                    conn.in_start += len;
+                    handle_frame(conn, fin, opcode, body, shared, spec, now, mark, origin);
+                    if conn.closed {
+                        return;
+                    }
+                }
+                return;
+            }
             Ok(n) => conn.inbuf.extend_from_slice(&scratch[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -764,6 +1036,38 @@ fn handle_frame(
                 shared
                     .probe_last_ms
                     .fetch_max(took.as_millis() as u64, Ordering::SeqCst);
+                return;
+            }
+            match conn.kind() {
+                Some(ControlKind::Probe) => {
+                    if let Some(sent) = conn.probe_sent.take() {
+                        if mark.is_some_and(|mark| now >= mark) {
+                            let waited = now.saturating_duration_since(sent).as_millis() as u64;
+                            shared
+                                .max_control_pause_ms
+                                .fetch_max(waited, Ordering::SeqCst);
+                        }
+                    }
+                }
+                Some(ControlKind::Slow) => {
+                    let seq = body
+                        .get(..8)
+                        .map(|b| u64::from_be_bytes(b.try_into().unwrap_or([0; 8])));
+                    if seq != Some(conn.next_pong) || body.len() != SLOW_PING_BYTES {
+                        let who = match conn.role {
+                            Role::Control { index, .. } => index,
+                            Role::Leg { .. } => 0,
+                        };
+                        shared.violations.lock().unwrap().push(format!(
+                            "slow control {who}: pong {seq:?} ({} bytes), expected {}",
+                            body.len(),
+                            conn.next_pong
+                        ));
+                    }
+                    conn.next_pong += 1;
+                    shared.slow_pongs.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
             }
         }
         OP_TEXT if matches!(conn.role, Role::Control { .. }) => {
@@ -774,7 +1078,10 @@ fn handle_frame(
                 let mut out = Vec::new();
                 client::encode(&mut out, true, OP_TEXT, pong.as_bytes(), mask);
                 conn.queue(&out);
-                if let Some(mark) = mark.filter(|mark| conn.pinged_since != Some(*mark)) {
+                // A slow desktop hears its pings late by design: not counted.
+                let counted = conn.kind() != Some(ControlKind::Slow);
+                if let Some(mark) = mark.filter(|mark| counted && conn.pinged_since != Some(*mark))
+                {
                     conn.pinged_since = Some(mark);
                     shared.count_since(mark, false);
                 }
@@ -837,7 +1144,8 @@ fn handle_frame(
                         let gap = now.saturating_duration_since(last.max(mark)).as_millis() as u64;
                         let backpressured = match conn.role {
                             Role::Leg { pair, .. } => {
-                                shared.excluded.lock().unwrap().contains(&pair)
+                                pair >= spec.pairs
+                                    || shared.excluded.lock().unwrap().contains(&pair)
                             }
                             Role::Control { .. } => false,
                         };
@@ -874,21 +1182,36 @@ fn handle_frame(
     }
 }
 
-fn send_due(conn: &mut Conn, peer_expected: u64, shared: &Shared, spec: &Spec, now: Instant) {
+/// Queues the stream's next message if it is due; whether it did.
+fn send_due(
+    conn: &mut Conn,
+    peer_expected: u64,
+    shared: &Shared,
+    spec: &Spec,
+    now: Instant,
+) -> bool {
     if conn.closed || conn.pending() > 4 * 1024 * 1024 {
-        return;
+        return false;
     }
     let Some(stream) = conn.stream.as_ref() else {
-        return;
+        return false;
     };
-    if stream.next_seq >= peer_expected + spec.window {
-        return;
-    }
-    if stream
-        .last_send
-        .is_some_and(|last| now.saturating_duration_since(last) < spec.interval)
-    {
-        return;
+    if conn.stuck {
+        // A stuck pair sends as fast as the relay takes it (its peer reads nothing): the
+        // relay's output to the peer fills to its bound and the rest waits in the kernel.
+        if conn.pending() >= 256 * 1024 {
+            return false;
+        }
+    } else {
+        if stream.next_seq >= peer_expected + spec.window {
+            return false;
+        }
+        if stream
+            .last_send
+            .is_some_and(|last| now.saturating_duration_since(last) < spec.interval)
+        {
+            return false;
+        }
     }
     let seq = stream.next_seq;
     let salt = stream.salt_out;
@@ -917,4 +1240,5 @@ fn send_due(conn: &mut Conn, peer_expected: u64, shared: &Shared, spec: &Spec, n
         stream.last_send = Some(now);
     }
     shared.sent.fetch_add(1, Ordering::Relaxed);
+    true
 }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod client;
+pub mod edges;
 pub mod fixture;
 pub mod load;
 pub mod remote;
@@ -89,6 +90,22 @@ pub fn hand_over(
     hand_over_raw(relay, binary, &extra, args)
 }
 
+/// As [`hand_over`], `configure` applied to the command first (a `pre_exec`: the next process
+/// inherits what it sets, such as a descriptor limit).
+pub fn hand_over_with(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &str)],
+    args: &[&str],
+    configure: impl FnOnce(&mut Command),
+) -> Handover {
+    let extra: Vec<(&str, &std::ffi::OsStr)> = extra
+        .iter()
+        .map(|(name, value)| (*name, std::ffi::OsStr::new(*value)))
+        .collect();
+    run_handover(relay, binary, &extra, args, configure)
+}
+
 /// As [`hand_over`], with values given as raw bytes (a value that is not UTF-8).
 pub fn hand_over_raw(
     relay: &Relay,
@@ -96,8 +113,19 @@ pub fn hand_over_raw(
     extra: &[(&str, &std::ffi::OsStr)],
     args: &[&str],
 ) -> Handover {
+    run_handover(relay, binary, extra, args, |_| {})
+}
+
+fn run_handover(
+    relay: &Relay,
+    binary: Option<&Path>,
+    extra: &[(&str, &std::ffi::OsStr)],
+    args: &[&str],
+    configure: impl FnOnce(&mut Command),
+) -> Handover {
     let binary = binary.unwrap_or(Path::new(env!("CARGO_BIN_EXE_orca-relay")));
     let mut command = Command::new(binary);
+    configure(&mut command);
     command.arg("handover").args(args).env_clear();
     for (name, value) in &relay.env {
         command.env(name, value);

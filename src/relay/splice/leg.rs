@@ -340,6 +340,15 @@ impl Output {
         Output { bytes, start: 0 }
     }
 
+    /// Takes the bytes still to write out, leaving the output empty (a handover lends them to
+    /// its record; the written ones before them are dropped in place, no copy elsewhere).
+    pub fn take_pending(&mut self) -> Vec<u8> {
+        let mut bytes = std::mem::take(&mut self.bytes);
+        bytes.drain(..self.start.min(bytes.len()));
+        self.start = 0;
+        bytes
+    }
+
     pub fn push(&mut self, bytes: &[u8]) {
         if self.is_empty() {
             self.bytes.clear();

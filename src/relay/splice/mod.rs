@@ -88,10 +88,11 @@ pub enum Command {
     CloseHost(Arc<str>),
     /// Close every leg 4503 (drain) and end once they are gone.
     Stop,
-    /// A live handover: export every leg (as of the snapshot) and stop moving bytes until
-    /// [`Command::Unpark`] (the handover failed; this process goes on).
+    /// A live handover: export every leg (as of the snapshot, lending its buffers) and stop
+    /// moving bytes until [`Command::Unpark`] (the handover failed; this process goes on with
+    /// the buffers given back).
     Park(parked::ParkRequest),
-    Unpark,
+    Unpark(Vec<parked::ParkedPair>),
 }
 
 /// Timings and sizes the workers need. Production takes the constants of this module; the
@@ -265,14 +266,17 @@ impl SplicePlane {
     }
 
     /// Parks every worker for a live handover: each stops moving bytes and exports its legs as
-    /// of `at`. Returns the pairs of all of them (`Err` if a worker did not answer by
-    /// `deadline`: the caller unparks and fails the handover).
+    /// of `at`, lending their byte buffers to the records (no copy). Returns the pairs of all of
+    /// them; `Err` (with the pairs of those that answered) if a worker did not answer by
+    /// `deadline`: the caller unparks with them and fails the handover (a worker whose answer
+    /// came too late takes its buffers back itself).
     pub fn park(
         &self,
         at: crate::carry::time::Snapshot,
         deadline: std::time::Instant,
-    ) -> Result<Vec<parked::ParkedPair>, &'static str> {
+    ) -> Result<Vec<parked::ParkedPair>, (Vec<parked::ParkedPair>, &'static str)> {
         let mut answers = Vec::new();
+        let mut failed = None;
         for worker in &self.workers {
             let (reply, answer) = mpsc::channel();
             if worker
@@ -280,26 +284,41 @@ impl SplicePlane {
                 .send(Command::Park(parked::ParkRequest { at, reply }))
                 .is_err()
             {
-                return Err("splice worker gone");
+                failed = Some("splice worker gone");
+                break;
             }
             let _ = worker.waker.wake();
             answers.push(answer);
         }
         let mut pairs = Vec::new();
-        for answer in answers {
+        for (index, answer) in answers.into_iter().enumerate() {
             let left = deadline.saturating_duration_since(crate::clock::instant());
             match answer.recv_timeout(left) {
-                Ok(parked) => pairs.extend(parked),
-                Err(_) => return Err("splice worker did not park in time"),
+                Ok(parked) => pairs.extend(parked.into_iter().map(|mut pair| {
+                    pair.worker = index;
+                    pair
+                })),
+                Err(_) => failed = failed.or(Some("splice worker did not park in time")),
             }
         }
-        Ok(pairs)
+        match failed {
+            None => Ok(pairs),
+            Some(cause) => Err((pairs, cause)),
+        }
     }
 
-    /// Every worker moves bytes again (a failed handover).
-    pub fn unpark(&self) {
-        for worker in &self.workers {
-            let _ = worker.inbox.send(Command::Unpark);
+    /// Every worker moves bytes again (a failed handover), each with the buffers it lent
+    /// (`pairs`, as [`SplicePlane::park`] gave them).
+    pub fn unpark(&self, pairs: Vec<parked::ParkedPair>) {
+        let mut per_worker: Vec<Vec<parked::ParkedPair>> =
+            self.workers.iter().map(|_| Vec::new()).collect();
+        for pair in pairs {
+            if let Some(mine) = per_worker.get_mut(pair.worker) {
+                mine.push(pair);
+            }
+        }
+        for (worker, pairs) in self.workers.iter().zip(per_worker) {
+            let _ = worker.inbox.send(Command::Unpark(pairs));
             let _ = worker.waker.wake();
         }
     }

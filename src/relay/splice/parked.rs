@@ -16,16 +16,22 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 use super::leg::Release;
+use super::timers::LegKey;
 use crate::carry::pair::{LegRecord, PairRecord};
 use crate::carry::time::Snapshot;
 use crate::relay::socket::Socket;
 
 /// What a parked worker gives the handover: each pair's record and the legs' sockets (which the
-/// worker keeps, untouched, until the handover ends).
+/// worker keeps, untouched, until the handover ends). The record owns the legs' byte buffers
+/// (the bytes not acted on, the pending output), lent by the worker: a failed handover gives
+/// the pair back to its worker ([`super::SplicePlane::unpark`]), which puts them back in place.
 pub struct ParkedPair {
     pub record: PairRecord,
     pub phone: Option<Arc<Socket>>,
     pub host: Option<Arc<Socket>>,
+    /// The worker that lent it, and its legs there.
+    pub(super) worker: usize,
+    pub(super) keys: [Option<LegKey>; 2],
 }
 
 /// A handover asks a worker to park: export as of `at`, answer on `reply`.

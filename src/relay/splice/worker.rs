@@ -64,6 +64,7 @@ use crate::relay::frames::{
     close_frame, server_header, unmask_at, violation_close_code, CloseAnswer, FrameKind, Parsed,
 };
 use crate::relay::metrics::RelayMetrics;
+use crate::relay::socket::Socket;
 
 const WAKER: Token = Token(usize::MAX);
 /// Reads one leg gets before the other ready legs have their turn.
@@ -380,7 +381,8 @@ impl Worker {
             Command::CloseHost(host) => self.close_host(&host),
             Command::Stop => self.stop(),
             Command::Park(request) => self.park(request),
-            Command::Unpark => {}
+            // A handover that gave up on this worker's answer: it took its buffers back then.
+            Command::Unpark(pairs) => self.take_back(pairs),
         }
     }
 
@@ -389,7 +391,9 @@ impl Worker {
     fn park(&mut self, request: ParkRequest) {
         self.publish_counts();
         let exported = self.export(&request.at);
-        if request.reply.send(exported).is_err() {
+        if let Err(std::sync::mpsc::SendError(exported)) = request.reply.send(exported) {
+            // Nobody takes the answer (the handover gave up waiting): the buffers come back.
+            self.take_back(exported);
             return;
         }
         let mut waiting = Vec::new();
@@ -398,9 +402,13 @@ impl Worker {
             self.beat();
             match self.inbox.recv_timeout(crate::liveness::BEAT_PERIOD) {
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                Ok(Command::Unpark) => break,
+                Ok(Command::Unpark(pairs)) => {
+                    self.take_back(pairs);
+                    break;
+                }
                 Ok(Command::Park(again)) => {
-                    let _ = again.reply.send(self.export(&again.at));
+                    // Everything is lent already.
+                    let _ = again.reply.send(Vec::new());
                 }
                 Ok(other) => waiting.push(other),
                 Err(_) => {
@@ -416,10 +424,12 @@ impl Worker {
         }
     }
 
-    /// Every pair (or lone closing leg) this worker holds, as of `at`. Called between two
-    /// turns: no leg is being read, nothing is staged.
-    fn export(&self, at: &crate::carry::time::Snapshot) -> Vec<ParkedPair> {
-        let mut pairs = Vec::new();
+    /// Every pair (or lone closing leg) this worker holds, as of `at`, each leg's byte buffers
+    /// (the bytes not acted on, the pending output) lent to its record, not copied: the worker
+    /// moves nothing until unparked, and then takes them back ([`Worker::take_back`]). Called
+    /// between two turns: no leg is being read, nothing is staged.
+    fn export(&mut self, at: &crate::carry::time::Snapshot) -> Vec<ParkedPair> {
+        let mut groups: Vec<(Arc<str>, [Option<LegKey>; 2])> = Vec::new();
         for leg in self.slots.iter().flatten() {
             // Each pair once: from its phone leg, or from a leg whose peer has ended.
             let peer = leg.peer.and_then(|peer| {
@@ -431,25 +441,85 @@ impl Worker {
             if leg.kind != "phone" && peer.is_some() {
                 continue;
             }
-            let (phone, host) = if leg.kind == "phone" {
-                (Some(leg), peer)
+            let keys = if leg.kind == "phone" {
+                [Some(leg.key), peer.map(|peer| peer.key)]
             } else {
-                (peer, Some(leg))
+                [peer.map(|peer| peer.key), Some(leg.key)]
             };
-            let record_of = |leg: &Leg| self.leg_record(leg, at);
-            pairs.push(ParkedPair {
-                record: PairRecord {
-                    relay_host_id: Some(leg.host.to_string()).filter(|host| !host.is_empty()),
-                    phone: phone.map(record_of),
-                    host: host.map(record_of),
-                },
-                phone: phone.map(|leg| leg.socket.clone()),
-                host: host.map(|leg| leg.socket.clone()),
-            });
+            groups.push((leg.host.clone(), keys));
         }
-        pairs
+        groups
+            .into_iter()
+            .map(|(host, keys)| {
+                let [(phone, phone_socket), (host_leg, host_socket)] = keys.map(|key| {
+                    key.and_then(|key| self.lend(key, at))
+                        .map_or((None, None), |(record, socket)| {
+                            (Some(record), Some(socket))
+                        })
+                });
+                ParkedPair {
+                    record: PairRecord {
+                        relay_host_id: Some(host.to_string()).filter(|host| !host.is_empty()),
+                        phone,
+                        host: host_leg,
+                    },
+                    phone: phone_socket,
+                    host: host_socket,
+                    worker: 0,
+                    keys,
+                }
+            })
+            .collect()
     }
 
+    /// One leg's record with its buffers moved into it, and its socket.
+    fn lend(
+        &mut self,
+        key: LegKey,
+        at: &crate::carry::time::Snapshot,
+    ) -> Option<(LegRecord, Arc<Socket>)> {
+        let mut record = {
+            let leg = self.slots.get(key.slot as usize)?.as_ref()?;
+            self.leg_record(leg, at)
+        };
+        let leg = self.leg(key)?;
+        // What was read and not acted on: unparsed whole frames from where parsing stopped,
+        // or the start of a frame not yet whole; the leg keeps it from byte 0 once given back.
+        let filled = leg.filled.min(leg.partial.len());
+        let from = if leg.unparsed {
+            leg.parse_from.min(filled)
+        } else {
+            0
+        };
+        let mut partial = std::mem::take(&mut leg.partial);
+        partial.truncate(filled);
+        partial.drain(..from);
+        leg.filled = 0;
+        leg.parse_from = 0;
+        record.partial = partial;
+        record.output = leg.output.take_pending();
+        Some((record, leg.socket.clone()))
+    }
+
+    /// A failed handover gives back what the legs lent ([`Worker::export`]): each leg's bytes
+    /// not acted on and its pending output, where they were.
+    fn take_back(&mut self, pairs: Vec<ParkedPair>) {
+        for pair in pairs {
+            let records = [pair.record.phone, pair.record.host];
+            for (key, record) in pair.keys.into_iter().zip(records) {
+                let (Some(key), Some(record)) = (key, record) else {
+                    continue;
+                };
+                let Some(leg) = self.leg(key) else { continue };
+                leg.filled = record.partial.len();
+                leg.partial = record.partial;
+                leg.parse_from = 0;
+                leg.output = Output::carried(record.output);
+            }
+        }
+    }
+
+    /// A leg's record, its byte buffers left empty (see [`Worker::lend`]).
     fn leg_record(&self, leg: &Leg, at: &crate::carry::time::Snapshot) -> LegRecord {
         let linger_left_ms = if leg.linger_armed {
             self.timers
@@ -457,14 +527,6 @@ impl Worker {
                 .map(|due| at.left_ms(due))
         } else {
             None
-        };
-        // What was read and not acted on: unparsed whole frames from where parsing stopped,
-        // or the start of a frame not yet whole.
-        let filled = leg.filled.min(leg.partial.len());
-        let from = if leg.unparsed {
-            leg.parse_from.min(filled)
-        } else {
-            0
         };
         let control = |frame: Option<&ControlFrame>| {
             frame.map(|frame| {
@@ -483,9 +545,9 @@ impl Worker {
         LegRecord {
             id: leg.socket.id,
             parser: leg.parser.state(),
-            partial: leg.partial[from..filled].to_vec(),
+            partial: Vec::new(),
             needed: if leg.unparsed { 0 } else { leg.needed },
-            output: leg.output.pending().to_vec(),
+            output: Vec::new(),
             closing: match leg.state {
                 LegState::Open => None,
                 LegState::Closing { linger } => Some(linger),
@@ -776,12 +838,25 @@ impl Worker {
             }
             return;
         }
-        let idle_due = self.now() + self.timings.idle_ms / 2;
+        let now = self.now();
+        let idle_due = now + self.timings.idle_ms / 2;
+        let wedge_ms = self.timings.wedge_ms;
         for key in [phone_key, host_key] {
+            let mut owed = false;
             if let Some(leg) = self.leg(key) {
                 leg.idle_armed = true;
+                owed = !leg.output.is_empty();
+                if owed {
+                    leg.last_progress_ms = now;
+                    leg.wedge_armed = true;
+                }
             }
             self.timers.schedule(idle_due, key, TimerKind::Idle);
+            if owed {
+                self.timers
+                    .schedule(wedge_due(now, wedge_ms), key, TimerKind::Wedge);
+                self.guarded(key, |worker| worker.flush(key));
+            }
         }
         // Bytes the relay threads had read past the attach are parsed first; then both legs
         // are read (an edge-triggered registration may not report data that arrived before).
@@ -805,6 +880,11 @@ impl Worker {
     ) -> Leg {
         let direction = if kind == "phone" { 0 } else { 1 };
         let filled = handoff.buffered.len();
+        // What a handover's quiesce left owed on the socket (the rest of a relay-hello the
+        // phone did not take yet) is the start of its output: written before any frame, and
+        // it ends at a frame boundary.
+        let owed = handoff.socket.take_owed();
+        let cursor = FrameCursor::opaque(owed.len() as u64);
         Leg {
             key,
             socket: handoff.socket,
@@ -813,8 +893,8 @@ impl Worker {
             partial: handoff.buffered,
             filled,
             needed: 0,
-            output: Output::default(),
-            cursor: FrameCursor::default(),
+            output: Output::carried(owed),
+            cursor,
             stream_in: None,
             controls: None,
             unparsed: false,
