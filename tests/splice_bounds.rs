@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use harness::*;
-use tungstenite::Message;
+use tungstenite::{Message, WebSocket};
 
 // ---------------------------------------------------------------------------------------------
 // Raw frames on a spliced leg.
@@ -804,6 +804,284 @@ fn pairs_of_a_desktop_whose_control_leaves_are_closed_4408() {
     assert!(wait_until(Duration::from_secs(5), || relay
         .metric("orca_relay_connection_units")
         == Some(0.0)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A slow large frame (issue 30): the idle clock counts the relay's writes that make progress.
+
+/// How fast the slow phone reads: 100 KB/s, in 2 KiB reads.
+const SLOW_PHONE_BYTES_PER_S: u64 = 100_000;
+const SLOW_PHONE_READ: usize = 2 * 1024;
+
+/// A phone's TCP stream that reads at [`SLOW_PHONE_BYTES_PER_S`] once [`Paced::pace`] starts
+/// it (a phone on a slow mobile link): each read takes at most [`SLOW_PHONE_READ`] bytes and
+/// waits for its turn. Writes (its pongs) go out at once.
+struct Paced {
+    stream: Stream,
+    since: Option<std::time::Instant>,
+    taken: u64,
+}
+
+impl Paced {
+    fn pace(&mut self) {
+        self.since = Some(orca_relay::clock::instant());
+        self.taken = 0;
+    }
+}
+
+impl Read for Paced {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut want = buf.len().min(SLOW_PHONE_READ);
+        if let Some(since) = self.since {
+            // The next read is due once the rate has paid for the bytes already taken.
+            let due =
+                since + Duration::from_micros(self.taken * 1_000_000 / SLOW_PHONE_BYTES_PER_S);
+            let now = orca_relay::clock::instant();
+            if due > now {
+                orca_relay::clock::sleep(due - now);
+            }
+        } else {
+            want = buf.len();
+        }
+        let n = self.stream.read(&mut buf[..want])?;
+        self.taken += n as u64;
+        Ok(n)
+    }
+}
+
+impl Write for Paced {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+/// A TCP connection to the relay's WebSocket listener with a small receive buffer and small
+/// segments, set before the connect (so the window and the relay's send buffer are sized for
+/// them): only a few KiB of what the relay writes wait in the kernel, the rest in the relay's
+/// output, as on a slow mobile link.
+fn small_buffer_connection(relay: &Relay) -> TcpStream {
+    // SAFETY: a plain socket(2); the descriptor is owned by the TcpStream made from it below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    assert!(fd >= 0);
+    for (level, option, value) in [
+        (libc::SOL_SOCKET, libc::SO_RCVBUF, 4096),
+        (libc::IPPROTO_TCP, libc::TCP_MAXSEG, 536),
+    ] {
+        let value: libc::c_int = value;
+        // SAFETY: setsockopt reads one int from a local.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                option,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    let addr: std::net::SocketAddrV4 = relay.ws.parse().unwrap();
+    let sockaddr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: connect reads a sockaddr_in we own.
+    let connected = unsafe {
+        libc::connect(
+            fd,
+            (&sockaddr as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(connected, 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: fd is a connected socket nobody else owns.
+    let stream = unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    stream.set_nodelay(true).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    stream
+}
+
+/// A slow phone (a [`small_buffer_connection`] read through [`Paced`], a plain WebSocket client
+/// that answers pings) spliced to a data leg of `desktop`: (phone, data leg).
+fn slow_splice(relay: &Relay, desktop: &mut Desktop) -> (WebSocket<Paced>, Ws) {
+    use tungstenite::client::IntoClientRequest;
+    let invite = desktop.invite();
+    let request = relay
+        .ws_url(&format!("/v1/connect/{}", desktop.relay_host_id))
+        .into_client_request()
+        .unwrap();
+    let paced = Paced {
+        stream: Stream(small_buffer_connection(relay)),
+        since: None,
+        taken: 0,
+    };
+    let (mut phone, _) = tungstenite::client(request, paced).expect("phone upgrade");
+    phone
+        .send(Message::text(
+            serde_json::json!({"type":"relay-auth","v":1,"credential":invite}).to_string(),
+        ))
+        .unwrap();
+    let (conn_id, ticket) = desktop.conn_open();
+    let leg = desktop.data_leg(relay, &conn_id, &ticket);
+    match phone.read().unwrap() {
+        Message::Text(text) => assert_eq!(text.as_str(), r#"{"type":"relay-hello","ok":true}"#),
+        other => panic!("phone: {other:?} before relay-hello"),
+    }
+    (phone, leg)
+}
+
+/// A desktop data leg on its own thread: sends `messages`, then reads (answering the relay's
+/// pings, as any client does) until `stop` or for at most `within`; returns the close code it
+/// got, if any, and when.
+fn desktop_sending(
+    mut leg: Ws,
+    messages: Vec<Message>,
+    stop: Arc<AtomicBool>,
+    within: Duration,
+) -> std::thread::JoinHandle<Option<(u16, std::time::Instant)>> {
+    let started = orca_relay::clock::instant();
+    orca_relay::threads::spawn("test-desktop-leg", move || {
+        for message in messages {
+            // A relay that closes the pair while this is sent shows in the close read below.
+            if leg.send(message).is_err() {
+                break;
+            }
+        }
+        set_read_timeout(&leg, Some(Duration::from_millis(100)));
+        while !stop.load(Ordering::Acquire) && started.elapsed() < within {
+            match leg.read() {
+                Ok(Message::Close(frame)) => {
+                    return frame.map(|f| (u16::from(f.code), orca_relay::clock::instant()))
+                }
+                Ok(_) => {}
+                Err(tungstenite::Error::Io(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return None,
+            }
+        }
+        None
+    })
+    .unwrap()
+}
+
+/// With `ORCA_RELAY_SPLICE_IDLE_MS=4000`, a desktop sends a phone one 1 MiB binary frame and the
+/// phone reads it at 100 KB/s (about 10 s). The phone sends nothing of its own and answers pings,
+/// but the relay's ping cannot reach it before the frame ends. What the relay writes to the
+/// phone makes progress all along (the phone acknowledges it): it is not silent, and it gets the
+/// whole frame and the message after it. (It was closed 4408 at 4 s, in the middle of the frame.
+/// Counting the writes the socket took was not enough: with the kernel's send buffer grown to
+/// hold 4 s of this reading, a run was closed at 8 s.)
+#[test]
+fn a_phone_receiving_a_large_frame_slowly_is_not_closed_as_silent() {
+    let idle = Duration::from_millis(4_000);
+    let relay = Relay::combined(&[("ORCA_RELAY_SPLICE_IDLE_MS", "4000")]);
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, leg) = slow_splice(&relay, &mut desktop);
+    let payload: Vec<u8> = (0..1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    phone.get_mut().pace();
+    let started = orca_relay::clock::instant();
+    let sender = desktop_sending(
+        leg,
+        vec![Message::binary(payload.clone()), Message::text("after")],
+        stop.clone(),
+        Duration::from_secs(60),
+    );
+    let mut frame_at = None;
+    let outcome = loop {
+        match phone.read() {
+            Ok(Message::Binary(bytes)) => {
+                frame_at = Some(started.elapsed());
+                assert!(bytes[..] == payload[..], "the frame is not byte-exact");
+            }
+            Ok(Message::Text(text)) => break Ok(text.to_string()),
+            Ok(Message::Close(frame)) => break Err(format!("closed {frame:?}")),
+            Ok(_) => {}
+            Err(e) => break Err(format!("read failed: {e}")),
+        }
+    };
+    let ended = started.elapsed();
+    stop.store(true, Ordering::Release);
+    let desktop_closed = sender.join().unwrap();
+    let idle_log = relay.wait_for_log("orca_relay_splice_idle", Duration::ZERO);
+    assert!(
+        outcome.is_ok() && idle_log.is_none() && desktop_closed.is_none(),
+        "the slow phone was judged silent: after {ended:?} (frame whole at {frame_at:?}) it got \
+         {outcome:?}; the desktop got {:?}; log: {idle_log:?}",
+        desktop_closed.map(|(code, at)| (code, at.duration_since(started)))
+    );
+    assert_eq!(outcome.unwrap(), "after");
+    let frame_at = frame_at.expect("the frame arrived");
+    assert!(
+        frame_at >= idle * 2,
+        "the frame took {frame_at:?}: not slow enough to span the idle window twice"
+    );
+    eprintln!("1 MiB at 100 KB/s: whole after {frame_at:?}, the next message after {ended:?}");
+}
+
+/// The other side of the rule: a phone that stops reading in the middle of a large frame (and so
+/// answers nothing) is closed 4408 once it has acknowledged nothing more of what the relay wrote
+/// for the idle window: not sooner, and at most a quarter window later (the relay looks at the
+/// acknowledgements every quarter window while bytes are in flight), plus the moment the phone's
+/// small receive buffer takes to fill. The wedge window is a minute here: only the idle judgement
+/// can close it in time.
+#[test]
+fn a_phone_that_stops_reading_in_a_large_frame_is_closed_at_the_idle_timeout() {
+    let idle = Duration::from_millis(4_000);
+    let relay = Relay::combined(&[
+        ("ORCA_RELAY_SPLICE_IDLE_MS", "4000"),
+        ("ORCA_RELAY_WEDGE_MS", "60000"),
+    ]);
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, leg) = slow_splice(&relay, &mut desktop);
+    let stop = Arc::new(AtomicBool::new(false));
+    phone.get_mut().pace();
+    // Long enough for the phone's 3 s and twice the window after them.
+    let sender = desktop_sending(
+        leg,
+        vec![Message::binary(vec![5u8; 1024 * 1024])],
+        stop,
+        Duration::from_secs(3) + idle * 2,
+    );
+    // Reads for 3 s (past half the window: the relay's ping waits behind the frame), then stops.
+    let started = orca_relay::clock::instant();
+    let mut buf = [0u8; SLOW_PHONE_READ];
+    let mut got = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        got += phone.get_mut().read(&mut buf).expect("phone read");
+    }
+    let stopped = orca_relay::clock::instant();
+    // The desktop is told its phone left (4408).
+    let closed = sender.join().unwrap();
+    let (code, at) = closed.expect("the desktop's leg was closed");
+    let after = at.duration_since(stopped);
+    eprintln!("read {got} bytes in 3 s, stopped: closed {code} after {after:?}");
+    assert_eq!(code, 4408);
+    assert!(
+        after >= idle - Duration::from_millis(1_000),
+        "closed {after:?} after the phone stopped reading: its reading was not counted"
+    );
+    assert!(
+        after <= idle + idle / 4 + Duration::from_millis(1_000),
+        "closed only {after:?} after the phone stopped reading (idle window {idle:?})"
+    );
+    let line = relay
+        .wait_for_log("orca_relay_splice_idle", Duration::from_secs(1))
+        .expect("logged as idle");
+    assert!(line.contains("kind=phone"), "{line}");
+    drop(phone);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ pub struct LegRecord {
     pub control_in_flight: Option<ControlFrameRecord>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_next: Option<ControlFrameRecord>,
-    /// Since bytes last arrived on this leg (the idle window). `None` (version 1, which had no
+    /// Since the leg was last heard from (the idle window: bytes arrived, or its end
+    /// acknowledged more of an unfinished frame). `None` (version 1, which had no
     /// idle timeout): the window starts when the leg resumes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arrival_ago_ms: Option<u64>,

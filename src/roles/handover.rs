@@ -1562,7 +1562,7 @@ impl Taker {
                     last_progress_ms: carry.moment_ms(record.progress_ago_ms),
                     linger_due_ms: record.linger_left_ms.map(|left| carry.deadline_ms(left)),
                     // A version-1 leg had no idle window: it starts now.
-                    last_arrival_ms: record
+                    last_heard_ms: record
                         .arrival_ago_ms
                         .map_or(carry.now_ms, |ago| carry.moment_ms(ago)),
                     record,

@@ -327,7 +327,7 @@ fn resume_pair(
             release,
             last_progress_ms: now_ms,
             linger_due_ms: None,
-            last_arrival_ms: now_ms,
+            last_heard_ms: now_ms,
         }
     };
     let pair = ResumedPair {

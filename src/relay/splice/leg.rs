@@ -68,10 +68,17 @@ pub struct Leg {
     /// budget ran out): they are parsed, from where the parsing stopped, before the next read.
     pub unparsed: bool,
     pub parse_from: usize,
-    /// When bytes last arrived on this leg (anything: data, ping, pong), for the idle timeout.
-    pub last_arrival_ms: u64,
+    /// When the leg was last heard from, for the idle timeout: bytes arrived on it (anything:
+    /// data, ping, pong), or, while a frame to it was unfinished, its end acknowledged more of
+    /// what the relay wrote to it ([`Leg::acknowledged_more`]).
+    pub last_heard_ms: u64,
+    /// Bytes this process wrote to the socket (wrapping), and what of them the peer had
+    /// acknowledged at the idle timer's last look (`None`: not looked yet).
+    pub bytes_written: u64,
+    pub acked_seen: Option<u64>,
     pub idle_armed: bool,
-    /// The relay has sent its own ping since the last arrival.
+    /// The relay has queued its own ping since the leg was last heard from (it goes out at the
+    /// next frame boundary).
     pub idle_pinged: bool,
     /// The desktop (relay host id) the pair belongs to: its pairs close when its control leaves.
     pub host: Arc<str>,
@@ -104,13 +111,57 @@ impl Leg {
     pub fn is_open(&self) -> bool {
         self.state == LegState::Open
     }
+
+    /// The socket took `bytes` the relay wrote to it at `now_ms`: the output moved (the wedge
+    /// window starts again). Whether its end is reading is for [`Leg::acknowledged_more`] to
+    /// say: a socket also takes bytes when the kernel's send buffer grows, with nobody reading.
+    pub fn wrote(&mut self, now_ms: u64, bytes: usize) {
+        self.last_progress_ms = now_ms;
+        self.bytes_written = self.bytes_written.wrapping_add(bytes as u64);
+    }
+
+    /// Whether the peer acknowledged more of what the relay wrote since the last look (the first
+    /// look only notes where it stands). Inside a frame that says its end is reading while the
+    /// relay's ping cannot reach it (it waits for the end of the frame; a large frame to a slow
+    /// phone may take longer than the idle window); the caller asks only then. `false` when the
+    /// kernel does not say (`SIOCOUTQ`: bytes written and not yet acknowledged).
+    pub fn acknowledged_more(&mut self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut unacked: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int into a local.
+        let asked = unsafe {
+            libc::ioctl(
+                self.stream().as_raw_fd(),
+                libc::TIOCOUTQ,
+                &mut unacked as *mut libc::c_int,
+            )
+        };
+        if asked != 0 || unacked < 0 {
+            return false;
+        }
+        // Wrapping: after a handover the queue still holds what the last process wrote.
+        let acked = self.bytes_written.wrapping_sub(unacked as u64);
+        let more = self
+            .acked_seen
+            .is_some_and(|seen| (acked.wrapping_sub(seen) as i64) > 0);
+        self.acked_seen = Some(acked);
+        more
+    }
+
+    /// Whether bytes the relay owes or wrote to this leg still wait: in its output, or in the
+    /// kernel not yet acknowledged (then the idle timer looks more often, see
+    /// [`Leg::acknowledged_more`]).
+    pub fn in_flight(&self) -> bool {
+        !self.output.is_empty() || self.acked_seen != Some(self.bytes_written)
+    }
 }
 
 /// What one attempt to write the pending output did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flushed {
-    /// Some or all bytes went out (`true`: nothing is left).
-    Progress { empty: bool },
+    /// Some or all bytes went out, or there were none to write (`wrote`: how many bytes the
+    /// socket took; `empty`: nothing is left).
+    Progress { empty: bool, wrote: usize },
     /// The socket takes nothing now; wait for writable.
     Blocked,
     /// The connection failed.
@@ -375,7 +426,7 @@ impl Output {
         controls: &mut Controls,
         cursor: &mut FrameCursor,
     ) -> Flushed {
-        let mut progressed = false;
+        let mut wrote = 0;
         let mut stream = stream;
         loop {
             if let Some(control) = &mut controls.in_flight {
@@ -383,7 +434,7 @@ impl Output {
                     Ok(0) => return Flushed::Failed,
                     Ok(n) => {
                         control.written += n as u8;
-                        progressed = true;
+                        wrote += n;
                         if control.written < control.len {
                             continue;
                         }
@@ -412,7 +463,7 @@ impl Output {
                 Ok(n) => {
                     cursor.consume(&self.bytes[self.start..self.start + n]);
                     self.start += n;
-                    progressed = true;
+                    wrote += n;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -425,8 +476,8 @@ impl Output {
             self.bytes = Vec::new();
             self.start = 0;
         }
-        if progressed || empty {
-            Flushed::Progress { empty }
+        if wrote > 0 || empty {
+            Flushed::Progress { empty, wrote }
         } else {
             Flushed::Blocked
         }

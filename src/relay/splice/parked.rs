@@ -50,8 +50,8 @@ pub struct ResumedLeg {
     pub last_progress_ms: u64,
     /// When a running linger ends.
     pub linger_due_ms: Option<u64>,
-    /// When bytes last arrived (the idle window runs from it).
-    pub last_arrival_ms: u64,
+    /// When the leg was last heard from (the idle window runs from it).
+    pub last_heard_ms: u64,
 }
 
 /// A pair a live handover brought to this process.

@@ -94,24 +94,26 @@ pub fn wedge_due(last_progress_ms: u64, wedge_ms: u64) -> u64 {
 /// What the idle timer of a leg does when it comes due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdleStep {
-    /// Something arrived recently: look again at `until`.
+    /// Heard from recently: look again at `until`.
     Wait { until: u64 },
     /// Quiet for half the window: the relay pings the leg (any endpoint answers a ping with a
     /// pong, RFC 6455 §5.5.2), and looks again at `then`, the end of the window.
     Ping { then: u64 },
-    /// Nothing at all arrived for the whole window, the answer to the relay's ping included:
-    /// the leg is gone.
+    /// Nothing at all arrived for the whole window, the answer to the relay's ping included,
+    /// and the socket took nothing of an unfinished frame: the leg is gone.
     Silent,
 }
 
-/// The idle decision for a leg whose last byte arrived at `last_arrival_ms`, with the relay's
-/// own ping already sent (`pinged`) or not, an idle window of `idle_ms`, at `now_ms`. Half the
-/// window without a byte brings the relay's ping; the whole window, the close. So a session
-/// that is idle but present survives whatever its own keepalive (an endpoint that answers
-/// pings needs none), and one whose endpoint vanished is closed within `idle_ms`.
-pub fn idle_step(last_arrival_ms: u64, pinged: bool, idle_ms: u64, now_ms: u64) -> IdleStep {
-    let half = last_arrival_ms.saturating_add(idle_ms / 2);
-    let end = last_arrival_ms.saturating_add(idle_ms);
+/// The idle decision for a leg last heard from at `last_heard_ms` (its last byte arrived, or its
+/// socket took more of an unfinished frame), with the relay's own ping already queued
+/// (`pinged`) or not, an idle window of `idle_ms`, at `now_ms`. Half the window without hearing
+/// from it brings the relay's ping; the whole window, the close. So a session that is idle but
+/// present survives whatever its own keepalive (an endpoint that answers pings needs none), one
+/// whose endpoint vanished or stopped reading is closed within `idle_ms`, and one reading a
+/// frame longer than the window (the ping waits behind it) is heard from all along.
+pub fn idle_step(last_heard_ms: u64, pinged: bool, idle_ms: u64, now_ms: u64) -> IdleStep {
+    let half = last_heard_ms.saturating_add(idle_ms / 2);
+    let end = last_heard_ms.saturating_add(idle_ms);
     if now_ms >= end {
         IdleStep::Silent
     } else if now_ms >= half && !pinged {
@@ -123,28 +125,28 @@ pub fn idle_step(last_arrival_ms: u64, pinged: bool, idle_ms: u64, now_ms: u64) 
     }
 }
 
-/// A leg's idle bookkeeping (its last arrival and whether the relay's ping is out) once this
-/// process's last pause, ended at `pause_end_ms`, is taken into account: a silence that spans
-/// the pause (the pause ended after the last arrival) did not happen while the process ran, so
+/// A leg's idle bookkeeping (when it was last heard from and whether the relay's ping is out)
+/// once this process's last pause, ended at `pause_end_ms`, is taken into account: a silence
+/// that spans the pause (the pause ended after it was last heard from) did not happen while the process ran, so
 /// the leg is judged as if it had been quiet for half the window when the pause ended: the
 /// relay's ping goes out at once and the leg has the other half to answer it. Any other leg is
 /// as it was. (Without it a quiet pair that answers every ping was closed 4408 on SIGCONT.)
 pub fn after_pause(
-    last_arrival_ms: u64,
+    last_heard_ms: u64,
     pinged: bool,
     pause_end_ms: Option<u64>,
     idle_ms: u64,
 ) -> (u64, bool) {
     match pause_end_ms {
-        Some(end) if end >= last_arrival_ms => {
-            let judged_from = end.saturating_sub(idle_ms / 2).max(last_arrival_ms);
-            if judged_from > last_arrival_ms {
+        Some(end) if end >= last_heard_ms => {
+            let judged_from = end.saturating_sub(idle_ms / 2).max(last_heard_ms);
+            if judged_from > last_heard_ms {
                 (judged_from, false)
             } else {
-                (last_arrival_ms, pinged)
+                (last_heard_ms, pinged)
             }
         }
-        _ => (last_arrival_ms, pinged),
+        _ => (last_heard_ms, pinged),
     }
 }
 

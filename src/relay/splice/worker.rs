@@ -28,9 +28,11 @@
 //! Fairness: a leg gets at most [`READS_PER_TURN`] reads and [`CONTROL_FRAMES_PER_TURN`]
 //! control frames per turn; a leg with more waits in the backlog behind the other ready legs.
 //!
-//! Liveness: a leg from which nothing at all has arrived for half the idle window
-//! (`ORCA_RELAY_SPLICE_IDLE_MS`) is pinged by the relay; one still silent at the end of the
-//! window is closed 4408 and its peer 4408. Every leg also has TCP keepalive and
+//! Liveness: a leg not heard from for half the idle window (`ORCA_RELAY_SPLICE_IDLE_MS`) is
+//! pinged by the relay; one still silent at the end of the window is closed 4408 and its peer
+//! 4408. Heard from: anything arrived from it, or, while a frame to it is unfinished (the
+//! relay's ping cannot interrupt it), its end acknowledged more of it: a slow download of a
+//! large frame is not silence ([`Leg::acknowledged_more`]). Every leg also has TCP keepalive and
 //! `TCP_USER_TIMEOUT`. A pair whose desktop's control has left is closed 4408.
 
 use std::collections::VecDeque;
@@ -567,7 +569,7 @@ impl Worker {
             }),
             control_in_flight: control(in_flight),
             control_next: control(next),
-            arrival_ago_ms: Some(at.age_ms(leg.last_arrival_ms)),
+            arrival_ago_ms: Some(at.age_ms(leg.last_heard_ms)),
             idle_pinged: leg.idle_pinged,
         }
     }
@@ -699,7 +701,9 @@ impl Worker {
             controls: (!controls.is_empty()).then(|| Box::new(controls)),
             unparsed: false,
             parse_from: 0,
-            last_arrival_ms: resumed.last_arrival_ms,
+            last_heard_ms: resumed.last_heard_ms,
+            bytes_written: 0,
+            acked_seen: None,
             idle_armed: false,
             idle_pinged: record.idle_pinged,
             host,
@@ -899,7 +903,9 @@ impl Worker {
             controls: None,
             unparsed: false,
             parse_from: 0,
-            last_arrival_ms: self.now(),
+            last_heard_ms: self.now(),
+            bytes_written: 0,
+            acked_seen: None,
             idle_armed: false,
             idle_pinged: false,
             host,
@@ -1066,6 +1072,7 @@ impl Worker {
         if let Some(slot) = leg.socket.crash_slot() {
             slot.set(IO_WRITING);
         }
+        let inside_frame = !leg.cursor.at_boundary();
         let flushed = match leg.controls.as_deref_mut() {
             Some(controls) => leg
                 .output
@@ -1086,8 +1093,15 @@ impl Worker {
         let empty = match flushed {
             Flushed::Failed => return self.gone(key),
             Flushed::Blocked => return,
-            Flushed::Progress { empty } => {
-                leg.last_progress_ms = now;
+            Flushed::Progress { empty, wrote } => {
+                leg.wrote(now, wrote);
+                // Room in the socket for pending output: its end may be reading. Inside a frame
+                // (the relay's ping cannot reach it) that counts as hearing from it; see the
+                // idle timer.
+                let inside_frame = inside_frame || !leg.cursor.at_boundary();
+                if wrote > 0 && leg.acknowledged_more() && inside_frame {
+                    leg.last_heard_ms = now;
+                }
                 empty
             }
         };
@@ -1179,9 +1193,6 @@ impl Worker {
                     match write_slices(leg.socket.stream(), slices) {
                         Ok(n) => {
                             written = n;
-                            if n > 0 {
-                                leg.last_progress_ms = now;
-                            }
                             let mut left = n;
                             for slice in slices {
                                 let k = left.min(slice.len());
@@ -1190,6 +1201,9 @@ impl Worker {
                                 if left == 0 {
                                     break;
                                 }
+                            }
+                            if n > 0 {
+                                leg.wrote(now, n);
                             }
                         }
                         Err(_) => failed = true,
@@ -1280,7 +1294,7 @@ impl Worker {
     fn arrived(&mut self, key: LegKey) {
         let now = self.now();
         if let Some(leg) = self.leg(key) {
-            leg.last_arrival_ms = now;
+            leg.last_heard_ms = now;
             leg.idle_pinged = false;
             // The relay's own ping, not sent yet, is no longer needed.
             if let Some(controls) = leg.controls.as_deref_mut() {
@@ -1716,20 +1730,41 @@ impl Worker {
                     // be judged. It counts as heard from; once resumed it gets a whole window.
                     // (The wedge window ends a pair whose reader stopped, TCP keepalive one
                     // whose end vanished.)
-                    leg.last_arrival_ms = now;
+                    leg.last_heard_ms = now;
                     leg.idle_pinged = false;
+                }
+                // While a frame to the leg is unfinished the relay's ping cannot reach it (it
+                // waits for the frame's end): the leg is heard from while its end acknowledges
+                // more of the frame (looked at here and whenever its pending output finds room
+                // in the socket), so a slow download is judged by its last progress, never by
+                // when the ping was queued. (A socket's taking bytes is not enough: it takes
+                // them when the kernel's send buffer grows, with nobody reading. Between frames
+                // acknowledgements do not count: the ping goes out, and only an endpoint that
+                // reads it answers, while its kernel acknowledges bytes nobody reads.)
+                let inside_frame = !leg.cursor.at_boundary();
+                if leg.acknowledged_more() && inside_frame {
+                    leg.last_heard_ms = now;
                 }
                 // This process's own pause is not the leg's silence: a silence that spans one
                 // is judged from a fresh ping, sent now, and half a window for its answer.
-                let (last_arrival, pinged) =
-                    after_pause(leg.last_arrival_ms, leg.idle_pinged, pause_end, idle_ms);
-                leg.last_arrival_ms = last_arrival;
+                let (last_heard, pinged) =
+                    after_pause(leg.last_heard_ms, leg.idle_pinged, pause_end, idle_ms);
+                leg.last_heard_ms = last_heard;
                 leg.idle_pinged = pinged;
-                match idle_step(leg.last_arrival_ms, leg.idle_pinged, idle_ms, now) {
-                    IdleStep::Wait { until } => self.timers.schedule(until, key, TimerKind::Idle),
+                // While bytes of an unfinished frame are in flight, the acknowledgements are
+                // looked at every quarter window (a reader that stops is then closed within
+                // 1.25 windows of its last progress at the latest); any other leg costs one
+                // look per half window.
+                let look = (inside_frame && leg.in_flight())
+                    .then(|| now.saturating_add((idle_ms / 4).max(1)));
+                let next = |due: u64| look.map_or(due, |look| look.min(due));
+                match idle_step(leg.last_heard_ms, leg.idle_pinged, idle_ms, now) {
+                    IdleStep::Wait { until } => {
+                        self.timers.schedule(next(until), key, TimerKind::Idle)
+                    }
                     IdleStep::Ping { then } => {
                         leg.idle_pinged = true;
-                        self.timers.schedule(then, key, TimerKind::Idle);
+                        self.timers.schedule(next(then), key, TimerKind::Idle);
                         self.queue_control(key, ControlFrame::new(PING, IDLE_PING_PAYLOAD));
                         self.flush(key);
                     }
