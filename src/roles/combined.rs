@@ -113,18 +113,8 @@ pub fn run(
     );
     let director_id = format!("combined-{incarnation}");
 
-    // What the service manager passed: socket units' listeners, or after a crash everything
-    // the descriptor store kept (a handover's next process gets its own from the handover).
-    let mut intake = match &taker {
-        Some(_) => crate::crash_store::Intake::default(),
-        None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
-    };
-    let passed = std::mem::take(&mut intake.listeners);
-    let handed = taker
-        .as_mut()
-        .map(|taker| taker.listeners(&config))
-        .transpose()?;
-    let listeners = super::process::listeners(&config, handed, passed, true)?;
+    // What the service manager passed, or the handover (`handover::start_listeners`).
+    let (intake, listeners) = super::handover::start_listeners(&config, taker.as_mut(), true)?;
     let listening = listeners
         .listening()
         .ok_or_else(|| RunError("no WebSocket listener".into()))?;

@@ -1131,6 +1131,24 @@ impl Beats {
     }
 }
 
+/// The listeners a cell or combined process starts with, and what the service manager passed
+/// besides: socket units' listeners, or after a crash everything the descriptor store kept; a
+/// handover's next process gets its own from the handover (`taker`) and nothing from the store.
+pub fn start_listeners(
+    config: &Config,
+    taker: Option<&mut Taker>,
+    with_ws: bool,
+) -> Result<(crate::crash_store::Intake, super::process::ListenerPair), RunError> {
+    let mut intake = match &taker {
+        Some(_) => crate::crash_store::Intake::default(),
+        None => crate::crash_store::Intake::from_environment().map_err(RunError)?,
+    };
+    let passed = std::mem::take(&mut intake.listeners);
+    let handed = taker.map(|taker| taker.listeners(config)).transpose()?;
+    let listeners = super::process::listeners(config, handed, passed, with_ws)?;
+    Ok((intake, listeners))
+}
+
 impl Taker {
     /// Says `ready` (with everything built that needs no connection), keeps saying it is alive,
     /// starts the relay threads the running process says it will need (waiting, before
