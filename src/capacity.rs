@@ -41,12 +41,14 @@
 //!
 //! ## Memory
 //!
-//! Every connection's memory is bounded by construction (a spliced leg by its worker's read
-//! buffer and output bound, a control by its frame limit and its thread's stack; the figures
-//! are [`MemoryBounds`], filled by the role from the data plane's constants). The process states
-//! the RSS it can reach at its cap (`base + cap x per connection`) and lowers the cap, like
-//! the descriptor ceiling, when that exceeds the memory it has: the cgroup's `memory.max`
-//! (`MemoryMax=`, the tightest level; v1 `memory.limit_in_bytes`), else `MemTotal`.
+//! Every connection's memory is bounded by construction: what it holds in ordinary use (a
+//! spliced leg's partial frame and its peer's output, a control's buffer and the stack its
+//! thread touches), anything larger drawn from one budget for the whole process
+//! (`relay::buffer_budget`); the figures are [`MemoryBounds`], filled by the role from the data
+//! plane's constants. The process states the RSS it can reach at its cap
+//! (`base + buffer budget + cap x per connection`) and lowers the cap, like the descriptor
+//! ceiling, when that exceeds the memory it has: the cgroup's `memory.max` (`MemoryMax=`, the
+//! tightest level; v1 `memory.limit_in_bytes`), else `MemTotal`.
 
 use std::fmt;
 use std::io;
@@ -435,23 +437,30 @@ impl fmt::Display for DescriptorReserve {
     }
 }
 
-/// What one connection can hold at most and what the process holds besides, in bytes.
+/// What one connection holds in ordinary use, the one budget every larger buffer draws on,
+/// and what the process holds besides, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryBounds {
     pub per_connection: u64,
+    /// `ORCA_RELAY_BUFFER_BUDGET_BYTES`: counted once, not per connection.
+    pub buffers: u64,
     pub base: u64,
 }
 
 impl MemoryBounds {
     /// The RSS the process can reach holding `connections`.
     pub fn rss_at(&self, connections: u64) -> u64 {
-        self.base
+        self.fixed()
             .saturating_add(connections.saturating_mul(self.per_connection))
     }
 
-    /// The connections `memory` holds (0 when it holds not even the base).
+    /// The connections `memory` holds (0 when it holds not even the base and the budget).
     pub fn connections_in(&self, memory: u64) -> u64 {
-        memory.saturating_sub(self.base) / self.per_connection.max(1)
+        memory.saturating_sub(self.fixed()) / self.per_connection.max(1)
+    }
+
+    fn fixed(&self) -> u64 {
+        self.base.saturating_add(self.buffers)
     }
 }
 
@@ -596,8 +605,9 @@ impl Plan {
     /// The memory arithmetic as `check-config` prints it.
     pub fn memory_figure(&self) -> String {
         format!(
-            "memory: {} base + {} connections x {} bytes = {} bytes at the cap, of {}",
+            "memory: {} base + {} buffer budget + {} connections x {} bytes = {} bytes at the cap, of {}",
             self.memory.base,
+            self.memory.buffers,
             self.cap,
             self.memory.per_connection,
             self.rss_at_cap,
@@ -1069,6 +1079,7 @@ mod tests {
             configured_cap: cap,
             memory: MemoryBounds {
                 per_connection: 2 * MIB,
+                buffers: 0,
                 base: 512 * MIB,
             },
         }

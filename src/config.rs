@@ -227,6 +227,9 @@ pub struct Config {
     pub closing_connections_max: u32,
     /// Event-loop threads that splice attached phone/data pairs (SPEC §11); default: cores.
     pub splice_workers: u32,
+    /// The one budget large buffers draw on (a control's frame past 16 KiB, a leg's pending
+    /// output past 32 KiB); each connection is planned at its ordinary amount (issue 30).
+    pub buffer_budget_bytes: u64,
     /// Under a service manager that keeps descriptors (systemd's `FileDescriptorStoreMax=`),
     /// every listener and connection is kept in its store so that a crash costs a pause, not a
     /// redial (SPEC §13, `crash_store`); `ORCA_RELAY_CRASH_STORE=0` turns it off.
@@ -288,6 +291,7 @@ pub const VARIABLES: &[&str] = &[
     "ORCA_RELAY_PENDING_PER_SOURCE_MAX",
     "ORCA_RELAY_CLOSING_CONNECTIONS_MAX",
     "ORCA_RELAY_SPLICE_WORKERS",
+    "ORCA_RELAY_BUFFER_BUDGET_BYTES",
     "ORCA_RELAY_CRASH_STORE",
     "ORCA_RELAY_SPLICE_IDLE_MS",
     "ORCA_RELAY_HTTP_IDLE_MS",
@@ -853,6 +857,12 @@ impl Config {
             1,
             MAX_SPLICE_WORKERS,
         ) as u32;
+        let buffer_budget_bytes = r.int(
+            "ORCA_RELAY_BUFFER_BUDGET_BYTES",
+            crate::relay::buffer_budget::DEFAULT_BUDGET_BYTES,
+            crate::relay::buffer_budget::MIN_BUDGET_BYTES,
+            1 << 40,
+        );
         let crash_store = r.check(
             parse_flag_default(lookup, "ORCA_RELAY_CRASH_STORE", true),
             true,
@@ -988,6 +998,7 @@ impl Config {
             pending_upgrades_max,
             pending_per_source_max,
             closing_connections_max,
+            buffer_budget_bytes,
             splice_workers,
             crash_store,
             splice_idle_ms,
@@ -1078,6 +1089,10 @@ impl Config {
             self.closing_connections_max.to_string(),
         );
         out.insert("ORCA_RELAY_SPLICE_WORKERS", self.splice_workers.to_string());
+        out.insert(
+            "ORCA_RELAY_BUFFER_BUDGET_BYTES",
+            self.buffer_budget_bytes.to_string(),
+        );
         out.insert(
             "ORCA_RELAY_CRASH_STORE",
             if self.crash_store { "1" } else { "0" }.to_string(),

@@ -2,6 +2,7 @@
 //! with `logging::print_fatal` (priority 3 under journald).
 
 fn main() {
+    orca_relay::relay::buffer_budget::large_buffers_from_the_kernel();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let command = match orca_relay::cli::parse(&args) {
         Ok(command) => command,

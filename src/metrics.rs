@@ -199,6 +199,19 @@ impl Registry {
         });
     }
 
+    /// A counter family whose values are sampled at render time (counted elsewhere, in
+    /// atomics of their own).
+    pub fn sampled_counter(
+        &self,
+        name: &str,
+        help: &str,
+        sampler: impl Fn() -> Vec<(Vec<(String, String)>, f64)> + Send + Sync + 'static,
+    ) {
+        self.with_family(name, help, "counter", |family| {
+            family.samplers.push(Box::new(sampler))
+        });
+    }
+
     /// Prometheus text exposition format, version 0.0.4.
     pub fn render(&self) -> String {
         // Samplers may read other locks; collect them without holding the registry lock long

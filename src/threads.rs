@@ -21,6 +21,11 @@ pub const STOP_WAIT: Duration = Duration::from_secs(3);
 /// towards resident memory; 256 KiB leaves room for the postgres client and RSA verification.
 pub const RELAY_STACK_BYTES: usize = 256 * 1024;
 
+/// The part of a relay thread's stack its deepest ordinary path touches (and so keeps
+/// resident): measured on controls admitted through PostgreSQL and SQLite (docs/BENCHMARKS.md,
+/// "Memory per connection"); the capacity plan counts this, not the whole stack.
+pub const RELAY_STACK_RESIDENT_BYTES: usize = 96 * 1024;
+
 /// Stack size for the long-lived role threads.
 pub const ROLE_STACK_BYTES: usize = 1024 * 1024;
 

@@ -171,6 +171,9 @@ fn the_control_reader_retries_interrupted_reads_and_reads_the_frame() {
         orca_relay::relay::control_reader::SilenceGuard {
             pauses: orca_relay::pause_clock::PauseClock::new(orca_relay::clock::system()),
             resume_grace: Duration::from_secs(1),
+            buffers: orca_relay::relay::buffer_budget::BufferBudget::new(
+                orca_relay::relay::buffer_budget::DEFAULT_BUDGET_BYTES,
+            ),
         },
     );
     let writer = orca_relay::threads::spawn("test-late-writer", move || {

@@ -219,6 +219,7 @@ impl RelayContext {
                     self.timings.silence_ms,
                 ),
             ),
+            buffers: self.splice.buffers().clone(),
         }
     }
 

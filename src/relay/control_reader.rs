@@ -20,8 +20,11 @@ use std::time::{Duration, Instant};
 use tungstenite::protocol::frame::coding::Data;
 use tungstenite::Message;
 
+use super::buffer_budget::{
+    BufferBudget, Lease, Side, BUDGET_RETRY, CONTROL_LARGE_LEASE_BYTES, CONTROL_ORDINARY_BYTES,
+};
 use super::frames::{CloseAnswer, FrameKind, FrameParser, Parsed, MAX_HEADER_BYTES};
-use super::park::{wait_readable, Quiesce, Waited};
+use super::park::{wait_readable, wait_woken, Quiesce, Waited};
 use super::socket::{drain_for_linger, Socket, CLOSE_LINGER};
 use crate::carry::connection::ReaderRecord;
 use crate::carry::crash::IO_READING;
@@ -121,6 +124,13 @@ impl ControlFrames {
                         FrameKind::Pong => return Ok(ControlEvent::Pong),
                         FrameKind::Close { code } => return Ok(ControlEvent::Close(code)),
                         FrameKind::Data(data) => {
+                            let needed = self.message.len() + (to - from);
+                            if needed > self.message.capacity() {
+                                // Doubling, never past the largest message (its memory bound).
+                                let target = (self.message.capacity() * 2)
+                                    .clamp(needed, needed.max(CONTROL_MAX_FRAME_BYTES));
+                                self.message.reserve_exact(target - self.message.len());
+                            }
                             self.message.extend_from_slice(&self.buf[from..to]);
                             if !frame.fin {
                                 continue;
@@ -144,27 +154,51 @@ impl ControlFrames {
         }
     }
 
-    /// Room for at least `needed` bytes from the first unread one; returns the free space.
-    pub fn space(&mut self, needed: usize) -> &mut [u8] {
+    /// Gives a large frame's buffer back once every byte of it was taken.
+    pub fn release_spare(&mut self) {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
             if self.buf.len() > INITIAL_BUFFER {
-                // A large frame has passed: give its memory back.
                 self.buf = vec![0; INITIAL_BUFFER];
             }
-        } else if self.start + needed > self.buf.len() {
+        }
+    }
+
+    /// Makes room for the next read toward `needed` bytes from the first unread one (moving
+    /// the unread bytes to the front when the frame would not fit); returns the buffer's length
+    /// for that read. The buffer doubles with what has arrived, never past the frame, so memory
+    /// grows with bytes that arrived, never with the length a header declared.
+    pub fn make_room(&mut self, needed: usize) -> usize {
+        self.release_spare();
+        if self.start + needed > self.buf.len() && self.start > 0 {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
         }
-        if self.start + needed > self.buf.len() {
-            // Only as much as the frame needs: memory grows with what arrives, up to the limit
-            // the parser has already checked.
-            self.buf.resize(self.start + needed, 0);
+        let len = self.buf.len();
+        if self.end < len {
+            return len;
         }
-        if self.end == self.buf.len() {
-            self.buf.resize(self.buf.len() + INITIAL_BUFFER, 0);
+        let frame = self.start + needed;
+        if frame > len {
+            frame.min(len * 2)
+        } else {
+            len + INITIAL_BUFFER
+        }
+    }
+
+    /// The memory the reader holds with a buffer of `len` bytes, at most: the buffer, and the
+    /// message its data frames are copied into (up to as much again).
+    pub fn footprint(&self, len: usize) -> usize {
+        let len = len.max(self.buf.len());
+        2 * len + self.message.capacity()
+    }
+
+    /// The free space of a buffer grown to `len` ([`ControlFrames::make_room`]).
+    pub fn space(&mut self, len: usize) -> &mut [u8] {
+        if len > self.buf.len() {
+            self.buf.resize(len, 0);
         }
         &mut self.buf[self.end..]
     }
@@ -207,6 +241,9 @@ pub enum Deadline {
 pub struct SilenceGuard {
     pub pauses: Arc<PauseClock>,
     pub resume_grace: Duration,
+    /// The cell's budget for large buffers (a control draws on it for frames past the
+    /// ordinary amount).
+    pub buffers: Arc<BufferBudget>,
 }
 
 /// The reading side of a control, owned by its relay thread.
@@ -219,6 +256,8 @@ pub struct Reader {
     guard: SilenceGuard,
     /// Silence is not judged before this (set once a silence window ran out across a pause).
     judged_from: Option<Instant>,
+    /// What the reader holds of the cell's buffer budget.
+    lease: Lease,
 }
 
 impl Reader {
@@ -233,6 +272,7 @@ impl Reader {
             frames,
             quiesce,
             last_heard: clock::instant(),
+            lease: Lease::new(&guard.buffers),
             guard,
             judged_from: None,
         }
@@ -257,6 +297,7 @@ impl Reader {
             frames: ControlFrames::from_record(record),
             quiesce,
             last_heard,
+            lease: Lease::new(&guard.buffers),
             guard,
             judged_from: None,
         }
@@ -296,8 +337,39 @@ impl Reader {
         true
     }
 
+    /// Holds what a buffer of `len` bytes may need beyond the control's ordinary amount: the
+    /// largest frame's worst case, drawn from the cell's budget at once (a lease that holds it
+    /// never waits for more, so waiting readers cannot hold each other up). While the budget
+    /// cannot give it, the control is not read (counted); its silence is not judged meanwhile
+    /// (the wait is this process's, not the desktop's).
+    fn hold_buffer(&mut self, len: usize) -> Result<(), ReadEvent> {
+        if self.frames.footprint(len) <= CONTROL_ORDINARY_BYTES
+            || self.lease.cover(CONTROL_LARGE_LEASE_BYTES)
+        {
+            return Ok(());
+        }
+        self.lease.budget().count_wait(Side::Control);
+        loop {
+            if self.quiesce.is_quiescing() {
+                return Err(ReadEvent::Quiesce);
+            }
+            wait_woken(&self.quiesce, BUDGET_RETRY);
+            if self.lease.cover(CONTROL_LARGE_LEASE_BYTES) {
+                self.last_heard = clock::instant();
+                self.judged_from = None;
+                return Ok(());
+            }
+        }
+    }
+
     /// The next message. Pings are answered and pongs dropped on the way.
     pub fn read(&mut self, deadline: Deadline) -> ReadEvent {
+        // The message handed out last was acted on: a large frame's memory goes back to the
+        // budget once nothing of it is left.
+        self.frames.release_spare();
+        if self.frames.footprint(0) <= CONTROL_ORDINARY_BYTES {
+            self.lease.settle(0);
+        }
         loop {
             let needed = match self.frames.next_event() {
                 Ok(ControlEvent::Text(text)) => return ReadEvent::Message(Message::text(text)),
@@ -328,6 +400,10 @@ impl Reader {
                     slot.clear(IO_READING);
                 }
             }
+            let len = self.frames.make_room(needed);
+            if let Err(event) = self.hold_buffer(len) {
+                return event;
+            }
             let until = match deadline {
                 Deadline::At(at) => at,
                 Deadline::Silence(silence) => self.silence_deadline(silence),
@@ -340,7 +416,7 @@ impl Reader {
                 },
                 Waited::Quiesce => return ReadEvent::Quiesce,
             }
-            let space = self.frames.space(needed);
+            let space = self.frames.space(len);
             if let Some(slot) = self.socket.crash_slot() {
                 slot.set(IO_READING);
             }
@@ -414,7 +490,8 @@ mod tests {
                         return out;
                     }
                     let take = step.min(stream.len() - fed);
-                    let space = frames.space(needed);
+                    let len = frames.make_room(needed);
+                    let space = frames.space(len);
                     let take = take.min(space.len());
                     space[..take].copy_from_slice(&stream[fed..fed + take]);
                     frames.filled(take);
@@ -506,6 +583,40 @@ mod tests {
     }
 
     #[test]
+    fn the_buffer_grows_with_the_bytes_that_arrived_not_with_the_declared_length() {
+        let whole = frame(0x82, &vec![7; CONTROL_MAX_FRAME_BYTES]);
+        let mut frames = ControlFrames::new(whole[..100].to_vec());
+        let mut fed = 100;
+        let mut largest = 0;
+        loop {
+            match frames.next_event() {
+                Ok(event) => {
+                    assert_eq!(
+                        event,
+                        ControlEvent::Binary(vec![7; CONTROL_MAX_FRAME_BYTES])
+                    );
+                    break;
+                }
+                Err(needed) => {
+                    let len = frames.make_room(needed);
+                    // At most twice what has arrived (and a header's worth).
+                    assert!(len <= 2 * fed + INITIAL_BUFFER, "{len} for {fed} bytes");
+                    largest = largest.max(len);
+                    let space = frames.space(len);
+                    let take = space.len().min(whole.len() - fed);
+                    space[..take].copy_from_slice(&whole[fed..fed + take]);
+                    frames.filled(take);
+                    fed += take;
+                }
+            }
+        }
+        assert!(largest <= whole.len() + INITIAL_BUFFER);
+        // Once the frame was taken, its memory goes back (and so does its lease).
+        frames.release_spare();
+        assert!(frames.footprint(0) <= CONTROL_ORDINARY_BYTES);
+    }
+
+    #[test]
     fn a_record_carries_the_partial_frame_and_the_message_so_far() {
         let stream = [frame(0x01, b"hel"), frame(0x80, b"lo")].concat();
         // Everything but the last 3 bytes: the first fragment is taken, the second is partial.
@@ -517,7 +628,8 @@ mod tests {
         assert_eq!(record.parser.open_opcode, Some(1));
         let json = serde_json::to_string(&record).unwrap();
         let mut resumed = ControlFrames::from_record(serde_json::from_str(&json).unwrap());
-        let space = resumed.space(3);
+        let len = resumed.make_room(3);
+        let space = resumed.space(len);
         space[..3].copy_from_slice(&stream[cut..]);
         resumed.filled(3);
         assert_eq!(resumed.next_event(), Ok(ControlEvent::Text("hello".into())));

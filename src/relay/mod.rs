@@ -17,6 +17,7 @@
 //! close (4429), never the process.
 
 pub mod attach;
+pub mod buffer_budget;
 pub mod closing;
 pub mod context;
 pub mod control;

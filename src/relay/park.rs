@@ -231,6 +231,18 @@ pub enum Waited {
 
 /// Waits until `stream` is readable, `deadline` passes, or a handover quiesces. `EINTR` (a
 /// stop and continue) is retried with the time that is left.
+/// Waits at most `timeout`, or until a quiesce begins (the caller looks at it again).
+pub fn wait_woken(quiesce: &Quiesce, timeout: std::time::Duration) {
+    let mut fds = [libc::pollfd {
+        fd: quiesce.wake_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    let timeout = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: one valid pollfd for the duration of the call. EINTR only ends the wait early.
+    unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout) };
+}
+
 pub fn wait_readable(stream: &TcpStream, deadline: Option<Instant>, quiesce: &Quiesce) -> Waited {
     loop {
         if quiesce.is_quiescing() {

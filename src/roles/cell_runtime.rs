@@ -48,6 +48,7 @@ use crate::liveness::{Beat, Liveness, Standing, BEAT_PERIOD};
 use crate::metrics::Registry;
 use crate::protocol::{self, CloseCode, RelayToHost};
 use crate::readiness::{self, Readiness};
+use crate::relay::buffer_budget::BufferBudget;
 use crate::relay::context::{Phase, RelayContext};
 use crate::relay::metrics::RelayMetrics;
 use crate::relay::park::{Parked, Quiesce, Wake};
@@ -311,6 +312,7 @@ impl CellRuntime {
             clock.clone(),
             RelayMetrics::new(registry),
             liveness,
+            buffer_budget(config, registry),
         )
         .map_err(|e| RunError(format!("cannot start the splice workers: {e}")))?;
         let (connection_cap, relay_threads) = plan_capacity(config, registry, besides);
@@ -1020,6 +1022,12 @@ fn plan_capacity(
             .collect()
         },
     );
+    let bounds = plan.memory;
+    registry.sampled_gauge(
+        "orca_relay_capacity_per_connection_bytes",
+        "The memory the plan counts for each connection (what an idle or ordinarily busy one holds; larger buffers draw on the buffer budget).",
+        move || vec![(Vec::new(), bounds.per_connection as f64)],
+    );
     let (rss_at_cap, memory) = (plan.rss_at_cap, plan.memory_bytes);
     registry.sampled_gauge(
         "orca_relay_capacity_rss_at_cap_bytes",
@@ -1058,10 +1066,40 @@ pub fn capacity_needs(config: &Config) -> crate::capacity::Needs {
     }
 }
 
-/// A control connection's most memory: its thread's stack, and tungstenite's read buffer and
-/// message for a frame of at most 1 MiB (SPEC §5.2), plus its state.
-pub const CONTROL_MEMORY_BOUND_BYTES: u64 = threads::RELAY_STACK_BYTES as u64
-    + 2 * crate::protocol::CONTROL_MAX_FRAME_BYTES as u64
+/// The cell's one budget for large buffers, with its gauges and wait counters on `/metrics`.
+fn buffer_budget(config: &Config, registry: &Registry) -> Arc<BufferBudget> {
+    use relay::buffer_budget::Side;
+    let budget = BufferBudget::new(config.buffer_budget_bytes);
+    let gauge = budget.clone();
+    registry.sampled_gauge(
+        "orca_relay_buffer_budget_bytes",
+        "The budget large buffers draw on (ORCA_RELAY_BUFFER_BUDGET_BYTES): its limit, what leases hold now, and the most they held.",
+        move || {
+            [("limit", gauge.limit()), ("used", gauge.used()), ("peak", gauge.peak())]
+                .into_iter()
+                .map(|(state, n)| (vec![("state".to_string(), state.to_string())], n as f64))
+                .collect()
+        },
+    );
+    let waits = budget.clone();
+    registry.sampled_counter(
+        "orca_relay_buffer_budget_waits_total",
+        "Times a connection waited, not read, because the buffer budget could not give its lease, by side.",
+        move || {
+            [("control", Side::Control), ("splice", Side::Splice)]
+                .into_iter()
+                .map(|(side, s)| (vec![("side".to_string(), side.to_string())], waits.waits(s) as f64))
+                .collect()
+        },
+    );
+    budget
+}
+
+/// A control connection's memory in ordinary use: the part of its thread's stack it touches
+/// ([`threads::RELAY_STACK_RESIDENT_BYTES`]), its reader's buffer and message up to the
+/// ordinary amount (larger frames draw on the buffer budget), and its state.
+pub const CONTROL_MEMORY_BOUND_BYTES: u64 = threads::RELAY_STACK_RESIDENT_BYTES as u64
+    + relay::buffer_budget::CONTROL_ORDINARY_BYTES as u64
     + 16 * 1024;
 
 /// The process's memory beyond its connections: 64 MiB for the binary, allocator arenas, the
@@ -1075,6 +1113,7 @@ pub fn memory_bounds(config: &Config) -> crate::capacity::MemoryBounds {
     let per_thread_connection = threads::RELAY_STACK_BYTES as u64 + 32 * 1024;
     crate::capacity::MemoryBounds {
         per_connection: relay::splice::LEG_MEMORY_BOUND_BYTES.max(CONTROL_MEMORY_BOUND_BYTES),
+        buffers: config.buffer_budget_bytes,
         base: BASE_MEMORY_BYTES
             + config.splice_workers as u64 * (relay::splice::READ_BUFFER_BYTES as u64 + 64 * 1024)
             + (config.pending_upgrades_max as u64 + config.http_connections_max as u64)

@@ -504,6 +504,9 @@ pub fn run_scenario(scenario: &Scenario) -> Result<(), String> {
         orca_relay::clock::system(),
         orca_relay::relay::metrics::RelayMetrics::new(&orca_relay::metrics::Registry::new()),
         &orca_relay::liveness::Liveness::detached(orca_relay::clock::system()),
+        orca_relay::relay::buffer_budget::BufferBudget::new(
+            orca_relay::relay::buffer_budget::DEFAULT_BUDGET_BYTES,
+        ),
     )
     .map_err(|e| format!("start: {e}"))?;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -101,6 +101,14 @@ pub struct Leg {
     pub close_answer: Option<Box<CloseAnswer>>,
     pub _release: Vec<Release>,
     pub kind: &'static str,
+    /// What reading this leg holds of the cell's buffer budget: beyond the ordinary amount
+    /// of its partial frame and its peer's pending output, the most they can hold, at once.
+    pub lease: crate::relay::buffer_budget::Lease,
+    /// Reading waits for the budget (counted once per wait).
+    pub budget_waiting: bool,
+    /// Its last read took all it was allowed (more was likely waiting): the next asks for a
+    /// lease rather than read a little at a time.
+    pub read_full: bool,
 }
 
 impl Leg {
@@ -400,7 +408,10 @@ impl Output {
         bytes
     }
 
-    pub fn push(&mut self, bytes: &[u8]) {
+    /// Queues `bytes`, the vector doubling but never past `limit` (the memory its reader's
+    /// lease covers: [`super::LEG_ORDINARY_OUTPUT_BYTES`] without one, at most
+    /// [`super::OUTPUT_CAPACITY_BYTES`]) unless the bytes themselves need more.
+    pub fn push(&mut self, bytes: &[u8], limit: usize) {
         if self.is_empty() {
             self.bytes.clear();
             self.start = 0;
@@ -408,14 +419,25 @@ impl Output {
             self.bytes.drain(..self.start);
             self.start = 0;
         }
-        // Doubling, but never past the most the output can hold (its memory bound).
         let needed = self.bytes.len() + bytes.len();
         if needed > self.bytes.capacity() {
-            let target =
-                (self.bytes.capacity() * 2).clamp(needed, needed.max(super::OUTPUT_CAPACITY_BYTES));
+            let target = (self.bytes.capacity() * 2).clamp(needed, needed.max(limit));
             self.bytes.reserve_exact(target - self.bytes.len());
         }
         self.bytes.extend_from_slice(bytes);
+    }
+
+    /// The memory the output holds.
+    pub fn capacity(&self) -> usize {
+        self.bytes.capacity()
+    }
+
+    /// Frees the vector of an empty output that grew past `ordinary` (a large lease's).
+    pub fn shrink_if_empty(&mut self, ordinary: usize) {
+        if self.is_empty() && self.bytes.capacity() > ordinary {
+            self.bytes = Vec::new();
+            self.start = 0;
+        }
     }
 
     /// Writes as much as the socket takes now, with `controls` put on the wire at the first
@@ -651,9 +673,9 @@ mod tests {
     #[test]
     fn output_keeps_order_and_frees_its_memory_when_empty() {
         let mut output = Output::default();
-        output.push(b"abc");
+        output.push(b"abc", 8);
         output.start = 2;
-        output.push(b"def");
+        output.push(b"def", 8);
         assert_eq!(output.len(), 4);
         assert_eq!(&output.bytes[output.start..], b"cdef");
     }

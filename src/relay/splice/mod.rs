@@ -42,6 +42,8 @@ use crate::relay::metrics::RelayMetrics;
 use crate::relay::socket::Socket;
 pub use leg::Release;
 
+use crate::relay::buffer_budget::BufferBudget;
+
 /// Reading a leg stops while its peer has this many bytes or more waiting to be written (one
 /// frame is always taken whole, so a leg's output is at most this plus one frame). 1 MiB: with
 /// 256 KiB, a 4 MiB fragment to a desktop that reads only later left 320 KiB above the bound
@@ -131,14 +133,32 @@ impl SpliceTimings {
 /// arrives, a read at a time), and a close frame may follow. Its vector never grows past it.
 pub const OUTPUT_CAPACITY_BYTES: usize = PENDING_OUTPUT_BOUND + READ_BUFFER_BYTES + 128;
 
-/// The most memory one spliced leg can hold, by construction of the worker: its partial frame
-/// (less than one read buffer: a frame that does not fit is forwarded as its payload arrives,
-/// so memory follows the bytes that arrived, never a declared length), its pending output
-/// ([`OUTPUT_CAPACITY_BYTES`]), two owed control frames, and its state (the leg, its socket and
-/// writer context, its release guards: well under 4 KiB). About 1.5 MiB; `roles::cell_runtime`
-/// multiplies the larger of it and a control's bound by the connection cap.
-pub const LEG_MEMORY_BOUND_BYTES: u64 =
-    READ_BUFFER_BYTES as u64 + OUTPUT_CAPACITY_BYTES as u64 + 2 * 128 + 4 * 1024;
+/// What a leg's pending output may hold without its reader drawing on the cell's buffer
+/// budget (`relay::buffer_budget`): reads of its peer are cut to what fits in it.
+pub const LEG_ORDINARY_OUTPUT_BYTES: usize = 32 * 1024;
+
+/// What reading one leg may hold without a lease: a partial frame kept whole (under
+/// [`worker::STREAM_FROM_BYTES`] and a header) plus the rest of one read (at most
+/// [`LEG_ORDINARY_OUTPUT_BYTES`]) when the turn's control-frame allowance ran out, and its
+/// peer's pending output ([`LEG_ORDINARY_OUTPUT_BYTES`]).
+pub const LEG_ORDINARY_BYTES: usize = worker::STREAM_FROM_BYTES
+    + crate::relay::frames::MAX_HEADER_BYTES
+    + 2 * LEG_ORDINARY_OUTPUT_BYTES;
+
+/// What reading one leg draws from the budget when it needs more than the ordinary amount:
+/// the most it can hold, at once (the rest of a read as its partial frame, its peer's output
+/// at [`OUTPUT_CAPACITY_BYTES`]), so that a lease never waits for more. About 1.5 MiB.
+pub const LEG_LARGE_LEASE_BYTES: usize = READ_BUFFER_BYTES
+    + worker::STREAM_FROM_BYTES
+    + crate::relay::frames::MAX_HEADER_BYTES
+    + OUTPUT_CAPACITY_BYTES;
+
+/// The most memory one spliced leg holds without a lease from the budget, by construction of
+/// the worker: [`LEG_ORDINARY_BYTES`], two owed control frames, and its state (the leg, its
+/// socket and writer context, its release guards: well under 4 KiB). Anything more is drawn
+/// from the budget; `roles::cell_runtime` multiplies the larger of this and a control's
+/// ordinary bound by the connection cap, and adds the budget once.
+pub const LEG_MEMORY_BOUND_BYTES: u64 = LEG_ORDINARY_BYTES as u64 + 2 * 128 + 4 * 1024;
 
 struct WorkerHandle {
     inbox: Sender<Command>,
@@ -152,6 +172,8 @@ struct WorkerHandle {
 pub struct SplicePlane {
     workers: Vec<WorkerHandle>,
     threads: Mutex<Vec<(String, JoinHandle<()>)>>,
+    /// The cell's budget for large buffers (the workers' legs and the controls' readers).
+    buffers: Arc<BufferBudget>,
 }
 
 impl SplicePlane {
@@ -163,6 +185,7 @@ impl SplicePlane {
         clock: SharedClock,
         metrics: RelayMetrics,
         liveness: &crate::liveness::Liveness,
+        buffers: Arc<BufferBudget>,
     ) -> io::Result<Arc<SplicePlane>> {
         let mut workers = Vec::new();
         let mut threads = Vec::new();
@@ -177,6 +200,7 @@ impl SplicePlane {
                 clock.clone(),
                 metrics.clone(),
                 liveness.pauses(),
+                buffers.clone(),
             )?;
             let waker = worker.waker();
             let name = format!("splice-{index}");
@@ -195,7 +219,13 @@ impl SplicePlane {
         Ok(Arc::new(SplicePlane {
             workers,
             threads: Mutex::new(threads),
+            buffers,
         }))
+    }
+
+    /// The cell's budget for large buffers.
+    pub fn buffers(&self) -> &Arc<BufferBudget> {
+        &self.buffers
     }
 
     /// Legs each worker holds now.

@@ -57,11 +57,15 @@ use super::parked::{ParkRequest, ParkedPair, ResumedLeg, ResumedPair};
 use super::timers::{
     after_pause, idle_step, may_read, wedge_due, IdleStep, LegKey, TimerKind, Timers,
 };
-use super::{Command, LegHandOff, Pair, SpliceTimings};
+use super::{
+    Command, LegHandOff, Pair, SpliceTimings, LEG_LARGE_LEASE_BYTES, LEG_ORDINARY_OUTPUT_BYTES,
+    OUTPUT_CAPACITY_BYTES,
+};
 use crate::carry::crash::{CrashKind, IO_HOLDING, IO_READING, IO_WRITING};
 use crate::carry::pair::{ControlFrameRecord, CursorRecord, LegRecord, PairRecord, StreamInRecord};
 use crate::clock::SharedClock;
 use crate::protocol::CloseCode;
+use crate::relay::buffer_budget::{BufferBudget, Lease, Side};
 use crate::relay::frames::{
     close_frame, server_header, unmask_at, violation_close_code, CloseAnswer, FrameKind, Parsed,
 };
@@ -80,6 +84,9 @@ pub const CONTROL_FRAMES_PER_TURN: usize = 64;
 /// worker's CPU in `memmove`). Smaller frames are kept until whole (a copy of a few KiB at
 /// most), so a sender that leaves in the middle of one costs its peer a close, not a drop.
 pub const STREAM_FROM_BYTES: usize = 16 * 1024;
+/// The least a read without a lease is worth making (smaller room waits for the output to
+/// drain).
+const MIN_ORDINARY_READ: usize = 4 * 1024;
 /// The first byte of a server ping (FIN, opcode 9) and pong (FIN, opcode 10).
 const PING: u8 = 0x89;
 const PONG: u8 = 0x8a;
@@ -128,9 +135,12 @@ pub struct Worker {
     pauses: Arc<crate::pause_clock::PauseClock>,
     /// The worker's beat (a critical thread), set when it runs.
     beat: Option<crate::liveness::Beat>,
+    /// The cell's budget for large buffers: legs draw on it past their ordinary amount.
+    buffers: Arc<BufferBudget>,
 }
 
 impl Worker {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         index: usize,
         inbox: Receiver<Command>,
@@ -139,6 +149,7 @@ impl Worker {
         clock: SharedClock,
         metrics: RelayMetrics,
         pauses: Arc<crate::pause_clock::PauseClock>,
+        buffers: Arc<BufferBudget>,
     ) -> io::Result<Worker> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
@@ -175,6 +186,7 @@ impl Worker {
             reading: false,
             pauses,
             beat: None,
+            buffers,
         })
     }
 
@@ -600,6 +612,15 @@ impl Worker {
                 }
             }
             self.record_pair(phone, host);
+            // What a handover carried is already in memory: a reader past its ordinary
+            // amount holds its lease even if the budget is short.
+            for key in [phone, host] {
+                if !self.within_ordinary(key) {
+                    if let Some(leg) = self.leg(key) {
+                        leg.lease.force(LEG_LARGE_LEASE_BYTES);
+                    }
+                }
+            }
         }
         let keys: Vec<LegKey> = keys.into_iter().flatten().collect();
         for key in &keys {
@@ -720,6 +741,9 @@ impl Worker {
             close_answer: record.closing.map(|_| Box::new(CloseAnswer::unsynced())),
             _release: resumed.release,
             kind,
+            lease: Lease::new(&self.buffers),
+            budget_waiting: false,
+            read_full: false,
         }
     }
 
@@ -920,6 +944,9 @@ impl Worker {
             close_answer: None,
             _release: handoff.release,
             kind,
+            lease: Lease::new(&self.buffers),
+            budget_waiting: false,
+            read_full: false,
         }
     }
 
@@ -1029,13 +1056,14 @@ impl Worker {
     fn push_output(&mut self, key: LegKey, bytes: &[u8]) {
         let now = self.now();
         let wedge_ms = self.timings.wedge_ms;
+        let limit = self.output_limit(key);
         let Some(leg) = self.leg(key) else {
             return;
         };
         if leg.output.is_empty() {
             leg.last_progress_ms = now;
         }
-        leg.output.push(bytes);
+        leg.output.push(bytes, limit);
         if !leg.wedge_armed {
             leg.wedge_armed = true;
             let due = wedge_due(leg.last_progress_ms, wedge_ms);
@@ -1105,10 +1133,16 @@ impl Worker {
                 empty
             }
         };
+        if empty {
+            leg.output.shrink_if_empty(LEG_ORDINARY_OUTPUT_BYTES);
+        }
         let (state, pending, peer) = (leg.state, leg.output.len(), leg.peer);
         // A closing leg is done once its output is out (a control frame still owed then can
         // only be one that must wait for a frame boundary that will never come).
         let drained = empty || (pending == 0 && !leg.is_open());
+        if let Some(peer) = peer.filter(|_| empty) {
+            self.settle_lease(peer);
+        }
         if drained {
             match state {
                 LegState::Open => {}
@@ -1250,6 +1284,71 @@ impl Worker {
         self.reading = true;
         self.read_turn(key);
         self.reading = false;
+        self.settle_lease(key);
+    }
+
+    /// How much one read of `key` may take, its peer's output holding `peer_pending` bytes:
+    /// what fits in the ordinary amount, or a whole read buffer once its lease holds the most
+    /// reading it can need. `None`: not even [`MIN_ORDINARY_READ`] fits and the budget cannot
+    /// give the lease; the leg waits (counted) until its peer's output drains, whose flush
+    /// resumes it.
+    fn read_allowance(&mut self, key: LegKey, peer_pending: usize) -> Option<usize> {
+        let whole = self.read_buffer_bytes();
+        let leg = self.leg(key)?;
+        if leg.lease.held() > 0 {
+            return Some(whole);
+        }
+        let room = LEG_ORDINARY_OUTPUT_BYTES.saturating_sub(peer_pending + 128);
+        // Small messages never touch the budget: a lease is asked for only once a read filled
+        // what the ordinary amount allowed, or nothing fits in it.
+        if room >= whole || (room >= MIN_ORDINARY_READ && !leg.read_full) {
+            return Some(room.min(whole));
+        }
+        if leg.lease.cover(LEG_LARGE_LEASE_BYTES) {
+            leg.budget_waiting = false;
+            return Some(whole);
+        }
+        if room >= MIN_ORDINARY_READ {
+            return Some(room);
+        }
+        if !leg.budget_waiting {
+            leg.budget_waiting = true;
+            self.buffers.count_wait(Side::Splice);
+        }
+        None
+    }
+
+    /// The most the output of `key` may grow to: what the lease of its reader (its peer)
+    /// covers.
+    fn output_limit(&mut self, key: LegKey) -> usize {
+        let reader = self.leg(key).and_then(|leg| leg.peer);
+        match reader.and_then(|reader| self.leg(reader)) {
+            Some(reader) if reader.lease.held() > 0 => OUTPUT_CAPACITY_BYTES,
+            _ => LEG_ORDINARY_OUTPUT_BYTES,
+        }
+    }
+
+    /// Whether what reading `key` holds (its partial frame, its peer's output) is within the
+    /// ordinary amount.
+    fn within_ordinary(&mut self, key: LegKey) -> bool {
+        let Some(leg) = self.leg(key) else {
+            return true;
+        };
+        let (partial, peer) = (leg.partial.capacity(), leg.peer);
+        let output = peer
+            .and_then(|peer| self.leg(peer))
+            .map_or(0, |peer| peer.output.capacity());
+        partial <= STREAM_FROM_BYTES + crate::relay::frames::MAX_HEADER_BYTES
+            && output <= LEG_ORDINARY_OUTPUT_BYTES
+    }
+
+    /// Gives the lease of `key`'s reading back once what it holds is ordinary again.
+    fn settle_lease(&mut self, key: LegKey) {
+        if self.leg(key).is_some_and(|leg| leg.lease.held() > 0) && self.within_ordinary(key) {
+            if let Some(leg) = self.leg(key) {
+                leg.lease.settle(0);
+            }
+        }
     }
 
     fn read_turn(&mut self, key: LegKey) {
@@ -1269,13 +1368,17 @@ impl Worker {
                 Some(peer) => self.leg(peer).map_or(0, |p| p.output.len()),
                 None => 0,
             };
-            if !may_read(peer_pending, bound) {
+            let allowance = match may_read(peer_pending, bound) {
+                true => self.read_allowance(key, peer_pending),
+                false => None,
+            };
+            let Some(allowance) = allowance else {
                 if let Some(leg) = self.leg(key) {
                     leg.paused = true;
                 }
                 return;
-            }
-            if !self.read_step(key) {
+            };
+            if !self.read_step(key, allowance) {
                 return;
             }
             if self.turn_controls >= CONTROL_FRAMES_PER_TURN {
@@ -1309,7 +1412,9 @@ impl Worker {
     }
 
     /// One read and the frames it completes; `false` when reading has to stop.
-    fn read_step(&mut self, key: LegKey) -> bool {
+    /// One read of at most `allowance` bytes ([`Worker::read_allowance`]); whether the leg may
+    /// have more to read.
+    fn read_step(&mut self, key: LegKey, allowance: usize) -> bool {
         let buffer_len = self.read_buffer_bytes();
         if self.buf.len() != buffer_len {
             self.buf = vec![0; buffer_len];
@@ -1340,9 +1445,11 @@ impl Worker {
             if let Some(slot) = leg.socket.crash_slot() {
                 slot.set(IO_READING);
             }
-            let outcome = read_once(leg.socket.stream(), &mut work);
+            let space = allowance.min(work.len());
+            let outcome = read_once(leg.socket.stream(), &mut work[..space]);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
+                    leg.read_full = n == space;
                     let k = stream.left.min(n);
                     unmask_at(&mut work[..k], stream.mask, stream.offset);
                     leg.stream_in = (k < stream.left).then_some(StreamIn {
@@ -1357,7 +1464,7 @@ impl Worker {
                     if let Some(at) = self.process(key, &mut work[..n], k) {
                         self.keep_unparsed(key, work[at..n].to_vec(), 0);
                     }
-                    n == work.len() || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
+                    n == space || hangup || self.leg(key).is_some_and(|leg| leg.unparsed)
                 }
                 ReadOutcome::WouldBlock => false,
                 ReadOutcome::Gone => {
@@ -1377,13 +1484,14 @@ impl Worker {
             };
             work[..have].copy_from_slice(&leg.partial[..have]);
             let hangup = leg.hangup_seen;
-            let space = work.len() - have;
+            let space = (work.len() - have).min(allowance);
             if let Some(slot) = leg.socket.crash_slot() {
                 slot.set(IO_READING);
             }
-            let outcome = read_once(leg.socket.stream(), &mut work[have..]);
+            let outcome = read_once(leg.socket.stream(), &mut work[have..have + space]);
             let more = match outcome {
                 ReadOutcome::Bytes(n) => {
+                    leg.read_full = n == space;
                     leg.partial = Vec::new();
                     leg.filled = 0;
                     leg.needed = 0;
