@@ -42,13 +42,13 @@ use std::time::Duration;
 use handover_kit::in_netns;
 use handover_kit::load::{Identity, Report, Spec};
 use handover_kit::remote::RemoteLoad;
-use harness::{host_id, token, TEST_KEY};
+use harness::{host_id, token};
 use serde_json::json;
-use systemd_harness::Namespace;
+use systemd_harness::{package, Namespace};
 
-const UNIT: &str = "orca-relay-cell.service";
-const WS: &str = "127.0.0.1:8080";
-const HTTP: &str = "127.0.0.1:8081";
+const UNIT: &str = package::CELL;
+const WS: &str = package::WS_ADDR;
+const HTTP: &str = package::HTTP_ADDR;
 
 /// One kill's figures.
 #[derive(Debug, Clone, Copy, Default)]
@@ -301,37 +301,19 @@ fn closed(report: &Report, pairs: usize) -> (usize, usize, usize) {
 /// The user, the binary (the release build, copied where the package installs it), the shipped
 /// env file with what an operator of a combined relay fills in, and the shipped unit.
 fn install(ns: &Namespace, store: bool, connections: usize) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    ns.write(
-        "/usr/lib/sysusers.d/orca-relay.conf",
-        &std::fs::read_to_string(root.join("packaging/orca-relay.sysusers.conf")).unwrap(),
-    );
-    ns.run_ok(&["systemd-sysusers"]);
-    let target = ns.path("/usr/bin/orca-relay");
-    let _ = std::fs::remove_file(&target);
-    std::fs::copy(env!("CARGO_BIN_EXE_orca-relay"), &target).expect("install the binary");
-    std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
-    let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
+    package::install_binary(ns, Path::new(env!("CARGO_BIN_EXE_orca-relay")));
+    package::configure_combined(ns);
     // The cap counts every WebSocket connection; the pending upgrades are raised so that the
     // load's set-up (and the baseline's redials) is not refused.
-    let cap = connections + 1_000;
-    ns.write("/etc/orca-relay/cell.env", &shipped);
+    let cap = (connections + 1_000).to_string();
     ns.set_env_values(
-        "/etc/orca-relay/cell.env",
-        &[("ORCA_RELAY_CRASH_STORE", if store { "1" } else { "0" })],
-    );
-    let operator = format!(
-        "{}\n# The bench's operator: a combined relay on this machine.\n\
-         ORCA_RELAY_ROLE=combined\nDATABASE_URL=\nORCA_RELAY_CELL_ID=combined\nORCA_RELAY_WS_ADDR={WS}\n\
-         ORCA_RELAY_HTTP_ADDR={HTTP}\nORCA_RELAY_CELL_URL=ws://{WS}\nORCA_RELAY_DIRECTOR_URLS=\n\
-         ORCA_RELAY_SELF_HOSTED_KEY={TEST_KEY}\nORCA_RELAY_CONNECTION_CAP={cap}\n\
-         ORCA_RELAY_PENDING_UPGRADES_MAX=1024\nORCA_RELAY_WEDGE_MS=60000\n",
-        ns.read("/etc/orca-relay/cell.env")
-    );
-    ns.write("/etc/orca-relay/cell.env", &operator);
-    ns.add_unit(
-        UNIT,
-        &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
+        package::CELL_ENV,
+        &[
+            ("ORCA_RELAY_CRASH_STORE", if store { "1" } else { "0" }),
+            ("ORCA_RELAY_CONNECTION_CAP", &cap),
+            ("ORCA_RELAY_PENDING_UPGRADES_MAX", "1024"),
+            ("ORCA_RELAY_WEDGE_MS", "60000"),
+        ],
     );
 }
 

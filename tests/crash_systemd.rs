@@ -1,217 +1,347 @@
 //! Crash survival under a real systemd (SPEC §13): the shipped `orca-relay-cell.service`,
-//! unchanged (its `FileDescriptorStoreMax=`, `Restart=on-failure`, `RestartSec=`), runs the
-//! combined role on SQLite with `/usr/bin/orca-relay` a copy of the binary under test, in a
-//! private namespace whose PID 1 is systemd 252 (`tests/systemd_harness`).
+//! unchanged (its `FileDescriptorStoreMax=`, `Restart=on-failure`, `RestartSec=`), in a private
+//! namespace whose PID 1 is systemd 252 (`tests/systemd_harness`), twice:
+//! - **combined**: the combined role on SQLite, `/usr/bin/orca-relay` a copy of the binary
+//!   under test;
+//! - **cell**: the package as built (`.deb` installed with dpkg), a director and a cell on
+//!   PostgreSQL (a server inside the namespace), desktop tokens checked against a JWKS.
 //!
-//! A thousand desktop controls answering pings and a hundred pairs streaming sequence-numbered
-//! messages both ways; the main process is killed with `kill -9` ten times in a row. After each
-//! kill: systemd restarts it, every control is answered again by the new process (its next
-//! ping), every stream goes on with every message once, in order, byte-exact, and whatever was
-//! not resumed got 1012; `NRestarts` counts the kills; the descriptor store holds exactly the live
-//! connections (plus both listeners and the region), before and after 200 of them close.
+//! Each time, a thousand desktop controls answering pings (placed through `POST /v1/assign`)
+//! and a hundred pairs streaming sequence-numbered messages both ways; the main process is
+//! killed with `kill -9` ten times in a row. After each kill ([`survive_ten_kills`]): systemd
+//! restarts it (`NRestarts` counts the kills), its `orca_relay_crash_resumed` line resumed
+//! exactly the controls and pairs the load still has open, every one of them is answered by the
+//! new process (a ping heard, every stream moving, every message once, in order, byte-exact),
+//! no desktop said hello again (`orca_relay_admissions_total` of the new process is 0: no
+//! redial), whatever was not resumed got 1012 (or, with half a frame on the wire, was cut, as
+//! many as the relay counted), the relay's own gauge is back to every open connection and the
+//! descriptor store holds exactly those (plus both listeners and the region). Then 200 more
+//! desktops connect and close (the store follows), and a stop still drains (4503). The cell
+//! also stays the director's one live cell, registered once per start, its feed counting the
+//! resumed desktops as seated.
+//!
+//! The two take turns (a lock): each measures its own relay, not the other's load.
 
 mod handover_kit;
 mod harness;
 mod systemd_harness;
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use handover_kit::client::{self, Blocking, OP_CLOSE};
 use handover_kit::in_netns;
-use handover_kit::load::{Identity, Spec};
+use handover_kit::load::{Identity, Report, Spec};
 use handover_kit::remote::RemoteLoad;
-use harness::TEST_KEY;
-use serde_json::json;
+use harness::SERVICE_TOKEN;
+use serde_json::Value;
+use systemd_harness::package::{self, CELL, CELL_ENV, CELL_HTTP_ADDR, DIRECTOR, HTTP_ADDR};
 use systemd_harness::Namespace;
 
-const UNIT: &str = "orca-relay-cell.service";
-const WS: &str = "127.0.0.1:8080";
-const HTTP: &str = "127.0.0.1:8081";
+const UNIT: &str = CELL;
+const WS: &str = package::WS_ADDR;
 const CONTROLS: usize = 1_000;
 const PAIRS: usize = 100;
 const KILLS: usize = 10;
+/// Desktops that connect and close after the kills.
+const CHURN: usize = 200;
+/// Both listeners and the region: what the store holds besides connections.
+const STORED_BESIDES: usize = 3;
+/// How long a step may take on a loaded machine (a restart, every control pinged again).
+const STEP: Duration = Duration::from_secs(30);
 
-/// The user, the binary (copied into the namespace's `/usr/bin`, as the package installs it), the
-/// shipped env file with what an operator of a combined relay fills in, and the shipped unit.
-fn install(ns: &Namespace) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    ns.write(
-        "/usr/lib/sysusers.d/orca-relay.conf",
-        &std::fs::read_to_string(root.join("packaging/orca-relay.sysusers.conf")).unwrap(),
-    );
-    ns.run_ok(&["systemd-sysusers"]);
-    let target = ns.path("/usr/bin/orca-relay");
-    let _ = std::fs::remove_file(&target);
-    std::fs::copy(env!("CARGO_BIN_EXE_orca-relay"), &target).expect("install the binary");
-    std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
-    let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
-    let operator = format!(
-        "{shipped}\n# The test's operator: a combined relay on this machine.\n\
-         ORCA_RELAY_ROLE=combined\nDATABASE_URL=\nORCA_RELAY_CELL_ID=combined\nORCA_RELAY_WS_ADDR={WS}\n\
-         ORCA_RELAY_HTTP_ADDR={HTTP}\nORCA_RELAY_CELL_URL=ws://{WS}\nORCA_RELAY_DIRECTOR_URLS=\n\
-         ORCA_RELAY_SELF_HOSTED_KEY={TEST_KEY}\nORCA_RELAY_PING_MS=1000\n\
-         ORCA_RELAY_WEDGE_MS=60000\nORCA_RELAY_CONNECTION_CAP=5000\n\
-         ORCA_RELAY_DRAIN_GRACE_MS=2000\nORCA_RELAY_SPLICE_WORKERS=2\n"
-    );
-    ns.write("/etc/orca-relay/cell.env", &operator);
-    ns.add_unit(
-        UNIT,
-        &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
-    );
+/// What both relays' env files set besides their role: pings every second (each kill is
+/// judged on the next one), a cap above the load, a short drain, two splice workers.
+const TUNING: &[(&str, &str)] = &[
+    ("ORCA_RELAY_PING_MS", "1000"),
+    ("ORCA_RELAY_WEDGE_MS", "60000"),
+    ("ORCA_RELAY_CONNECTION_CAP", "5000"),
+    ("ORCA_RELAY_DRAIN_GRACE_MS", "2000"),
+    ("ORCA_RELAY_SPLICE_WORKERS", "2"),
+];
+
+/// One test at a time.
+static TURN: Mutex<()> = Mutex::new(());
+
+/// The relay under test: the cell unit in its namespace.
+struct Relay<'a> {
+    ns: &'a Namespace,
+    /// The relay's own HTTP listener (its `/metrics`).
+    http: &'static str,
+    /// Where desktops ask to be placed (`POST /v1/assign`).
+    director: &'static str,
+    /// Tokens the director and the relay accept.
+    mint: fn(&str, &str) -> String,
 }
 
-fn netns(ns: &Namespace) -> PathBuf {
-    PathBuf::from(format!("/proc/{}/ns/net", ns.pid1()))
+/// What one restart's `orca_relay_crash_resumed` line says.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Resumed {
+    controls: usize,
+    pairs: usize,
+    closed: usize,
+    cut: usize,
 }
 
-/// `count` desktops placed by the combined relay's director, from inside the namespace.
-fn place(ns: &Namespace, count: usize) -> Vec<Identity> {
-    handover_kit::place_desktops(Some(&netns(ns)), HTTP, count)
-}
+impl Relay<'_> {
+    fn netns(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/ns/net", self.ns.pid1()))
+    }
 
-/// Stored descriptors in the unit's store.
-fn stored(ns: &Namespace) -> usize {
-    ns.show(UNIT, "NFileDescriptorStore").parse().unwrap_or(0)
-}
+    /// `count` desktops placed by the director, from inside the namespace.
+    fn place(&self, count: usize) -> Vec<Identity> {
+        handover_kit::place_desktops_with(Some(&self.netns()), self.director, count, self.mint)
+    }
 
-/// Open WebSocket connections by the relay's own gauge.
-fn live_connections(ns: &Namespace) -> usize {
-    in_netns(Some(&netns(ns)), || {
-        ["control", "phone", "data"]
+    /// Stored descriptors in the unit's store.
+    fn stored(&self) -> usize {
+        self.ns
+            .show(UNIT, "NFileDescriptorStore")
+            .parse()
+            .unwrap_or(0)
+    }
+
+    /// A metric of the relay, summed over its labels (`None`: no answer).
+    fn metric_sum(&self, name: &'static str) -> Option<usize> {
+        let http = self.http;
+        in_netns(Some(&self.netns()), move || {
+            handover_kit::metric_sum(http, name).map(|value| value as usize)
+        })
+    }
+
+    /// Open WebSocket connections by the relay's own gauge.
+    fn live_connections(&self) -> usize {
+        self.metric_sum("orca_relay_connections").unwrap_or(0)
+    }
+
+    /// Every restart's line, in order.
+    fn resumed(&self) -> Vec<Resumed> {
+        let count = |message: &str, key: &str| {
+            harness::field(message, key)
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(0)
+        };
+        self.ns
+            .journal(UNIT)
             .iter()
-            .map(|kind| {
-                handover_kit::metric(HTTP, &format!("orca_relay_connections{{kind=\"{kind}\"}}"))
-                    .unwrap_or(0.0) as usize
+            .filter(|entry| entry.message.contains("orca_relay_crash_resumed"))
+            .map(|entry| Resumed {
+                controls: count(&entry.message, "controls"),
+                pairs: count(&entry.message, "pairs"),
+                closed: count(&entry.message, "closed"),
+                cut: count(&entry.message, "cut"),
             })
-            .sum()
-    })
+            .collect()
+    }
+
+    /// Connections the restarts shut down with half a frame on the wire (their `cut=`), in all.
+    fn cut_in_journal(&self) -> usize {
+        self.resumed().iter().map(|resumed| resumed.cut).sum()
+    }
+
+    /// A control connected apart from the load (closed by the test itself). A 503 is tried
+    /// again, as a desktop does: a cell in `db` mode sheds a hello while its database pool has
+    /// waiters (SPEC §5.3), as it may while a thousand desktops leave at once.
+    fn connect_control(&self, desktop: Identity) -> Blocking {
+        let http = self.http;
+        let (control, refused, refusals) = in_netns(Some(&self.netns()), move || {
+            let mut refused = 0;
+            let mut refusals = Vec::new();
+            let deadline = harness::now_instant() + STEP;
+            loop {
+                match handover_kit::try_connect_control(WS, &desktop) {
+                    Ok(control) => return (Ok(control), refused, refusals),
+                    Err(503) if harness::now_instant() < deadline => {
+                        refused += 1;
+                        if refused == 1 {
+                            refusals = handover_kit::metric_lines(
+                                http,
+                                "orca_relay_upgrades_refused_total",
+                            );
+                        }
+                        orca_relay::clock::sleep(Duration::from_millis(100));
+                    }
+                    Err(status) => return (Err(status), refused, refusals),
+                }
+            }
+        });
+        if refused > 0 {
+            eprintln!(
+                "a desktop got 503 {refused} times (NRestarts {}): {refusals:?}",
+                self.ns.show(UNIT, "NRestarts")
+            );
+        }
+        control.unwrap_or_else(|status| panic!("upgrade: {status} (after {refused} 503s)"))
+    }
 }
 
-/// Connections the restarts shut down with half a frame on the wire (their `cut=`), in all.
-fn cut_in_journal(ns: &Namespace) -> usize {
-    ns.journal(UNIT)
+/// What the load still has open: (controls, pairs), a pair being open while both its legs are.
+fn still_open(report: &Report) -> (usize, usize) {
+    let closed_controls = report
+        .closed
         .iter()
-        .filter(|entry| entry.message.contains("orca_relay_crash_resumed"))
-        .filter_map(|entry| harness::field(&entry.message, "cut")?.parse::<usize>().ok())
-        .sum()
+        .filter(|c| c.starts_with("control "))
+        .count();
+    let mut closed_pairs: Vec<&str> = report
+        .closed
+        .iter()
+        .filter_map(|c| c.split_once(" leg of pair ")?.1.split(':').next())
+        .collect();
+    closed_pairs.sort_unstable();
+    closed_pairs.dedup();
+    (CONTROLS - closed_controls, PAIRS - closed_pairs.len())
 }
 
-/// A control connected apart from the load (closed by the test itself).
-fn connect_control(ns: &Namespace, desktop: Identity) -> Blocking {
-    in_netns(Some(&netns(ns)), move || {
-        let (stream, rest) =
-            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
-        let mut control = Blocking::new(stream, rest);
-        control
-            .send_json(
-                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
-                "assignmentEpoch":desktop.epoch}),
-            )
-            .unwrap();
-        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
-        control
-    })
+/// Legs and controls that ended without a close frame: what the relay counted as `cut`.
+fn ended_without_close(report: &Report) -> usize {
+    report
+        .closed
+        .iter()
+        .filter(|c| !c.ends_with("closed 1012"))
+        .count()
 }
 
-#[test]
-fn kill_9_ten_times_costs_the_desktops_a_pause_not_a_redial() {
-    handover_kit::raise_fd_limit();
-    let ns = Namespace::boot("crash");
-    install(&ns);
+/// The relay's unit started (its env file configured for its role, plus [`TUNING`]), the load
+/// on it, ten `kill -9`s, the churn and the drain (see the module header).
+/// `after_kill(kill, open_controls)` checks what else the role promises once the restarted
+/// process has resumed everything.
+fn survive_ten_kills(relay: &Relay, mut after_kill: impl FnMut(usize, usize)) {
+    let ns = relay.ns;
+    let journal = || ns.journal_text(UNIT);
+    ns.set_env_values(CELL_ENV, TUNING);
     ns.systemctl_ok(&["start", UNIT]);
-    ns.wait_for_state(UNIT, "active/running", Duration::from_secs(30));
-    let netns = netns(&ns);
-
-    let identities = place(&ns, CONTROLS);
+    ns.wait_for_state(UNIT, "active/running", STEP);
+    let identities = relay.place(CONTROLS);
     let mut spec = Spec::new(CONTROLS, PAIRS);
-    spec.netns = Some(netns.clone());
+    spec.netns = Some(relay.netns());
     let mut load = RemoteLoad::start("load_helper", WS, spec, identities);
-    orca_relay::clock::sleep(Duration::from_secs(2));
-    // Everything admitted is kept: the connections, both listeners, the region.
+    // The load runs: every control pinged, every stream moving, nothing closed.
+    load.mark();
+    let report = handover_kit::served(|| load.report(), 2 * PAIRS, STEP);
+    assert!(
+        report.pinged_since_mark >= CONTROLS
+            && report.streams_flowing_since_mark >= 2 * PAIRS
+            && report.closed.is_empty(),
+        "the load did not start: {report:?}"
+    );
+    // Everything admitted is kept.
     let expected = CONTROLS + 2 * PAIRS;
     assert!(
-        systemd_harness::wait_until(Duration::from_secs(30), || stored(&ns) == expected + 3),
+        systemd_harness::wait_until(STEP, || relay.stored() == expected + STORED_BESIDES),
         "stored {} for {expected} connections:\n{}",
-        stored(&ns),
-        ns.journal_text(UNIT)
+        relay.stored(),
+        journal()
     );
 
-    let mut closed_so_far = 0;
     for kill in 1..=KILLS {
         let before = ns.main_pid(UNIT);
-        load.mark();
         ns.run_ok(&["kill", "-9", &before.to_string()]);
         assert!(
-            systemd_harness::wait_until(Duration::from_secs(30), || {
+            systemd_harness::wait_until(STEP, || {
                 let pid = ns.main_pid(UNIT);
                 pid != 0 && pid != before && ns.show(UNIT, "SubState") == "running"
             }),
             "kill {kill}: not restarted:\n{}",
-            ns.journal_text(UNIT)
+            journal()
         );
         assert_eq!(ns.show(UNIT, "NRestarts"), kill.to_string(), "kill {kill}");
-        ns.wait_for_entry(UNIT, Duration::from_secs(30), |entry| {
-            entry.message.contains("orca_relay_crash_resumed")
-        });
-        let report = load.report();
-        let closed = report.closed.len();
-        // Every control still open hears the new process's ping and answers it.
-        let open_controls = CONTROLS
-            - report
-                .closed
-                .iter()
-                .filter(|c| c.starts_with("control"))
-                .count();
+        let mut resumed = Vec::new();
         assert!(
-            systemd_harness::wait_until(Duration::from_secs(20), || {
-                load.report().pinged_since_mark >= open_controls
+            systemd_harness::wait_until(STEP, || {
+                resumed = relay.resumed();
+                resumed.len() == kill
             }),
-            "kill {kill}: {:?}\n{}",
-            load.report(),
-            ns.journal_text(UNIT)
+            "kill {kill}: {resumed:?}\n{}",
+            journal()
         );
+        // From here on every ping and message comes from the new process (the old one died at
+        // least `RestartSec=500ms` ago; what it wrote was read long since).
+        load.mark();
+        // Every connection the restart did not resume reached the load as closed, and nothing
+        // else closed.
+        let gone: usize = resumed.iter().map(|r| r.closed + r.cut).sum();
+        let mut report = load.report();
+        assert!(
+            systemd_harness::wait_until(STEP, || {
+                report = load.report();
+                report.closed.len() >= gone
+            }),
+            "kill {kill}: the relay closed {gone}, the load saw {:?}",
+            report.closed
+        );
+        assert_eq!(
+            report.closed.len(),
+            gone,
+            "kill {kill}: {:?}",
+            report.closed
+        );
+        // Exactly what the load still has open was resumed.
+        let (open_controls, open_pairs) = still_open(&report);
+        let this = resumed[kill - 1];
+        assert_eq!(
+            (this.controls, this.pairs),
+            (open_controls, open_pairs),
+            "kill {kill}: {this:?}, the load has {:?} closed",
+            report.closed
+        );
+        // Every one of them is answered by the new process.
+        assert!(
+            systemd_harness::wait_until(STEP, || {
+                report = load.report();
+                report.pinged_since_mark >= open_controls
+                    && report.streams_flowing_since_mark >= 2 * open_pairs
+            }),
+            "kill {kill}: {report:?}\n{}",
+            journal()
+        );
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        // Nothing redialed: no desktop said hello to the new process.
+        let mut admissions = None;
+        systemd_harness::wait_until(STEP, || {
+            admissions = relay.metric_sum("orca_relay_admissions_total");
+            admissions.is_some()
+        });
+        assert_eq!(admissions, Some(0), "kill {kill}");
         // What was not resumed got 1012, but a leg that had half a frame on the wire at the
         // kill (no close frame may follow it: its client sees the connection end): as many of
         // those as the relay counted `cut`.
-        let ended = report
-            .closed
-            .iter()
-            .filter(|c| !c.ends_with("closed 1012"))
-            .count();
         assert_eq!(
-            ended,
-            cut_in_journal(&ns),
-            "kill {kill}: {:?}\n{}",
-            report.closed,
-            ns.journal_text(UNIT)
+            ended_without_close(&report),
+            relay.cut_in_journal(),
+            "kill {kill}: {:?}",
+            report.closed
         );
-        assert!(report.violations.is_empty(), "{:?}", report.violations);
-        closed_so_far = closed;
-        eprintln!("kill {kill}: {closed} closed 1012 in all");
+        // The relay holds every open connection again, and the store exactly those.
+        let open = open_controls + 2 * open_pairs;
+        assert!(
+            systemd_harness::wait_until(STEP, || {
+                relay.live_connections() == open && relay.stored() == open + STORED_BESIDES
+            }),
+            "kill {kill}: live {}, stored {} for {open} open",
+            relay.live_connections(),
+            relay.stored()
+        );
+        after_kill(kill, open_controls);
+        eprintln!("kill {kill}: {this:?}; {gone} closed in all");
     }
     // Idle controls are kept (a control closed at a kill was one the relay was writing to or
     // reading from at that very moment).
+    let closed_so_far = load.report().closed.len();
     assert!(
         closed_so_far * 100 <= (CONTROLS + 2 * PAIRS) * KILLS,
         "{closed_so_far} closed over {KILLS} kills"
     );
-    // The store holds what lives, and nothing of what closed (1012 and all).
-    assert!(
-        systemd_harness::wait_until(Duration::from_secs(20), || {
-            stored(&ns) == live_connections(&ns) + 3
-        }),
-        "stored {} for {} live connections",
-        stored(&ns),
-        live_connections(&ns)
-    );
 
     // 200 closes: the store follows.
-    let extra = place(&ns, 200);
-    let controls: Vec<Blocking> = extra.into_iter().map(|d| connect_control(&ns, d)).collect();
-    let with_extra = live_connections(&ns);
-    assert!(systemd_harness::wait_until(Duration::from_secs(20), || {
-        stored(&ns) == with_extra + 3
+    let controls: Vec<Blocking> = relay
+        .place(CHURN)
+        .into_iter()
+        .map(|d| relay.connect_control(d))
+        .collect();
+    let with_extra = relay.live_connections();
+    assert!(systemd_harness::wait_until(STEP, || {
+        relay.stored() == with_extra + STORED_BESIDES
     }));
     for mut control in controls {
         let mut close = Vec::new();
@@ -231,29 +361,26 @@ fn kill_9_ten_times_costs_the_desktops_a_pause_not_a_redial() {
         }
     }
     assert!(
-        systemd_harness::wait_until(Duration::from_secs(20), || {
-            stored(&ns) == live_connections(&ns) + 3 && live_connections(&ns) + 200 == with_extra
+        systemd_harness::wait_until(STEP, || {
+            let live = relay.live_connections();
+            relay.stored() == live + STORED_BESIDES && live + CHURN == with_extra
         }),
-        "after 200 closes: stored {}, live {}",
-        stored(&ns),
-        live_connections(&ns)
+        "after {CHURN} closes: stored {}, live {}",
+        relay.stored(),
+        relay.live_connections()
     );
 
     let finished = load.finish(Duration::from_secs(60));
     assert!(finished.violations.is_empty(), "{:?}", finished.violations);
     assert_eq!(
-        finished
-            .closed
-            .iter()
-            .filter(|c| !c.ends_with("closed 1012"))
-            .count(),
-        cut_in_journal(&ns),
+        ended_without_close(&finished),
+        relay.cut_in_journal(),
         "{:?}",
         finished.closed
     );
     // A stop still drains: what is left hears 4503 (the load finished: a control of our own).
-    let desktop = place(&ns, 1).remove(0);
-    let mut control = connect_control(&ns, desktop);
+    let desktop = relay.place(1).remove(0);
+    let mut control = relay.connect_control(desktop);
     ns.systemctl_ok(&["stop", UNIT]);
     let code = loop {
         match control.frame() {
@@ -265,6 +392,101 @@ fn kill_9_ten_times_costs_the_desktops_a_pause_not_a_redial() {
     assert_eq!(code, 4503);
     ns.wait_for_state(UNIT, "inactive/dead", Duration::from_secs(10));
     eprintln!("{finished:?}");
+}
+
+#[test]
+fn kill_9_ten_times_costs_the_desktops_a_pause_not_a_redial() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    handover_kit::raise_fd_limit();
+    let ns = Namespace::boot("crash");
+    package::install_binary(&ns, Path::new(env!("CARGO_BIN_EXE_orca-relay")));
+    package::configure_combined(&ns);
+    let relay = Relay {
+        ns: &ns,
+        http: HTTP_ADDR,
+        director: HTTP_ADDR,
+        mint: harness::token,
+    };
+    survive_ten_kills(&relay, |_, _| {});
+}
+
+/// The director's view of its cells (`GET /v1/admin/cells`).
+fn listed_cells(ns: &Namespace) -> Vec<Value> {
+    let (status, body) = ns.http("GET", HTTP_ADDR, "/v1/admin/cells", Some(SERVICE_TOKEN), "");
+    assert_eq!(status, 200, "{body}");
+    let listing: Value = serde_json::from_str(&body).expect("a listing");
+    listing["cells"].as_array().cloned().unwrap_or_default()
+}
+
+/// Journal lines of `unit` that contain `event`.
+fn count_events(ns: &Namespace, unit: &str, event: &str) -> usize {
+    ns.journal(unit)
+        .iter()
+        .filter(|entry| entry.message.contains(event))
+        .count()
+}
+
+#[test]
+fn a_cell_on_postgresql_killed_ten_times_keeps_its_desktops_and_its_director() {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    handover_kit::raise_fd_limit();
+    let ns = package::installed("crash-cell");
+    let database_url = ns.start_postgresql();
+    let jwks = package::JwksServer::start(&ns);
+    package::configure_fleet(&ns, &database_url, &jwks);
+    ns.systemctl_ok(&["start", DIRECTOR]);
+    ns.wait_for_state(DIRECTOR, "active/running", STEP);
+    let relay = Relay {
+        ns: &ns,
+        http: CELL_HTTP_ADDR,
+        director: HTTP_ADDR,
+        mint: harness::es256_token,
+    };
+    let mut incarnation = 0;
+    survive_ten_kills(&relay, |kill, open_controls| {
+        // The director still has its one cell, live and ready, at the new incarnation, its
+        // feed counting every resumed desktop as seated.
+        let mut cells = Vec::new();
+        let listed = systemd_harness::wait_until(STEP, || {
+            cells = listed_cells(&ns);
+            let [cell] = cells.as_slice() else {
+                return false;
+            };
+            let now = cell["incarnation"].as_i64().unwrap_or(0);
+            now > incarnation
+                && cell["state"] == "live"
+                && cell["ready"] == true
+                && cell["feed"]["incarnation"] == now
+                && cell["feed"]["counts"]["seated"] == open_controls
+        });
+        assert!(listed, "kill {kill}: {cells:#?}");
+        incarnation = cells[0]["incarnation"].as_i64().unwrap();
+        // Registered once per start (the first and each restart's), nothing more.
+        let registered = || {
+            count_events(
+                &ns,
+                DIRECTOR,
+                "orca_relay_director_cell_registered cell_id=",
+            )
+        };
+        systemd_harness::wait_until(STEP, || registered() > kill);
+        assert_eq!(
+            registered(),
+            kill + 1,
+            "kill {kill}:\n{}",
+            ns.journal_text(DIRECTOR)
+        );
+        assert_eq!(
+            count_events(
+                &ns,
+                DIRECTOR,
+                "orca_relay_director_cell_registered_by_heartbeat"
+            ),
+            0
+        );
+        assert_eq!(ns.show(DIRECTOR, "NRestarts"), "0");
+    });
+    drop(jwks);
 }
 
 /// The load's own process (`handover_kit::remote`): nothing unless started as one.

@@ -30,9 +30,9 @@ use handover_kit::client::{self, Blocking, OP_CLOSE};
 use handover_kit::load::{Identity, Spec};
 use handover_kit::remote::RemoteLoad;
 use handover_kit::{build_with_note, in_netns, Poller};
-use harness::{host_id, token, TempDir, TEST_KEY};
+use harness::{host_id, token, TempDir};
 use serde_json::json;
-use systemd_harness::Namespace;
+use systemd_harness::{package, Namespace};
 
 const UNIT: &str = "orca-relay-cell.service";
 
@@ -83,18 +83,17 @@ fn install_package(ns: &Namespace, deb: &Path) {
 
 /// The env file: the shipped one, with what an operator of a combined relay fills in.
 fn configure(ns: &Namespace) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
-    let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
-    let operator = format!(
-        "{shipped}\n# The test's operator: a combined relay on this machine.\n\
-         ORCA_RELAY_ROLE=combined\nDATABASE_URL=\nORCA_RELAY_CELL_ID=combined\nORCA_RELAY_WS_ADDR={WS}\n\
-         ORCA_RELAY_HTTP_ADDR={HTTP}\nORCA_RELAY_CELL_URL=ws://{WS}\nORCA_RELAY_DIRECTOR_URLS=\n\
-         ORCA_RELAY_SELF_HOSTED_KEY={TEST_KEY}\nORCA_RELAY_PING_MS=2000\n\
-         ORCA_RELAY_WEDGE_MS=60000\nORCA_RELAY_CONNECTION_CAP=5000\n\
-         ORCA_RELAY_DRAIN_GRACE_MS=2000\nORCA_RELAY_SPLICE_WORKERS=2\n"
+    package::configure_combined(ns);
+    ns.set_env_values(
+        package::CELL_ENV,
+        &[
+            ("ORCA_RELAY_PING_MS", "2000"),
+            ("ORCA_RELAY_WEDGE_MS", "60000"),
+            ("ORCA_RELAY_CONNECTION_CAP", "5000"),
+            ("ORCA_RELAY_DRAIN_GRACE_MS", "2000"),
+            ("ORCA_RELAY_SPLICE_WORKERS", "2"),
+        ],
     );
-    ns.write("/etc/orca-relay/cell.env", &operator);
 }
 
 fn netns(ns: &Namespace) -> PathBuf {
@@ -254,17 +253,7 @@ fn systemctl_reload_hands_over_under_load_and_systemd_follows_the_next_process()
     // systemctl stop drains: the desktop hears `drain`, then 4503.
     let desktop = place(&ns, 1).remove(0);
     let mut control = in_netns(Some(&netns), move || {
-        let (stream, rest) =
-            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
-        let mut control = Blocking::new(stream, rest);
-        control
-            .send_json(
-                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
-                "assignmentEpoch":desktop.epoch}),
-            )
-            .unwrap();
-        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
-        control
+        handover_kit::connect_control(WS, &desktop)
     });
     ns.systemctl_ok(&["stop", UNIT]);
     let mut saw_drain = false;
@@ -324,17 +313,7 @@ fn the_socket_units_hold_the_listeners_through_restarts_and_reloads() {
     });
     let desktop = place(&ns, 1).remove(0);
     let mut control = in_netns(Some(&netns), move || {
-        let (stream, rest) =
-            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
-        let mut control = Blocking::new(stream, rest);
-        control
-            .send_json(
-                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
-                "assignmentEpoch":desktop.epoch}),
-            )
-            .unwrap();
-        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
-        control
+        handover_kit::connect_control(WS, &desktop)
     });
     // A restart drains the control, but the listeners stay open: no request is refused.
     let poller = Poller::start_in(HTTP, Some(&netns));
@@ -371,17 +350,7 @@ fn the_socket_units_hold_the_listeners_through_restarts_and_reloads() {
     // A reload hands the systemd-held listeners over with the connections.
     let desktop = place(&ns, 1).remove(0);
     let mut control = in_netns(Some(&netns), move || {
-        let (stream, rest) =
-            client::connect(WS, "/v1/host/control", Some(&desktop.token)).expect("upgrade");
-        let mut control = Blocking::new(stream, rest);
-        control
-            .send_json(
-                json!({"type":"host-hello","v":1,"relayHostId":desktop.relay_host_id,
-                "assignmentEpoch":desktop.epoch}),
-            )
-            .unwrap();
-        assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
-        control
+        handover_kit::connect_control(WS, &desktop)
     });
     let pid = ns.main_pid(UNIT);
     let reload = ns.systemctl(&["reload", UNIT]);

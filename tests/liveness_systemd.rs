@@ -27,12 +27,11 @@ use std::time::{Duration, Instant};
 
 use handover_kit::load::Spec;
 use handover_kit::remote::RemoteLoad;
-use harness::TEST_KEY;
-use systemd_harness::Namespace;
+use systemd_harness::{package, Namespace};
 
-const UNIT: &str = "orca-relay-cell.service";
-const WS: &str = "127.0.0.1:8080";
-const HTTP: &str = "127.0.0.1:8081";
+const UNIT: &str = package::CELL;
+const WS: &str = package::WS_ADDR;
+const HTTP: &str = package::HTTP_ADDR;
 /// When the fault fires in the first process: after it has started, answered `/health` and
 /// taken the load.
 const FAULT_AFTER_MS: u64 = 6_000;
@@ -44,35 +43,19 @@ const PAIRS: usize = 8;
 /// The user, the binary, the shipped env file (with a combined relay's values and `fault`), the
 /// shipped unit unchanged, and a drop-in with a short watchdog interval.
 fn install(ns: &Namespace, fault: &str) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    ns.write(
-        "/usr/lib/sysusers.d/orca-relay.conf",
-        &std::fs::read_to_string(root.join("packaging/orca-relay.sysusers.conf")).unwrap(),
-    );
-    ns.run_ok(&["systemd-sysusers"]);
-    let link = ns.path("/usr/bin/orca-relay");
-    let _ = std::fs::remove_file(&link);
-    // A copy, as the package installs it: the unit's private /tmp hides a binary built under
-    // /tmp (a clone there), which a link would point into.
-    std::fs::copy(env!("CARGO_BIN_EXE_orca-relay"), &link).expect("install /usr/bin/orca-relay");
-    std::fs::create_dir_all(ns.path("/etc/orca-relay")).unwrap();
-    let shipped = std::fs::read_to_string(root.join("packaging/cell.env")).unwrap();
-    let operator = format!(
-        "{shipped}\n# The test's operator: a combined relay on this machine.\n\
-         ORCA_RELAY_ROLE=combined\nDATABASE_URL=\nORCA_RELAY_CELL_ID=combined\nORCA_RELAY_WS_ADDR={WS}\n\
-         ORCA_RELAY_HTTP_ADDR={HTTP}\nORCA_RELAY_CELL_URL=ws://{WS}\nORCA_RELAY_DIRECTOR_URLS=\n\
-         ORCA_RELAY_SELF_HOSTED_KEY={TEST_KEY}\nORCA_RELAY_SPLICE_WORKERS=2\n\
-         ORCA_RELAY_DRAIN_GRACE_MS=500\nORCA_RELAY_PING_MS=1000\nORCA_RELAY_TEST_FAULT={fault}\n"
-    );
-    ns.write("/etc/orca-relay/cell.env", &operator);
+    package::install_binary(ns, Path::new(env!("CARGO_BIN_EXE_orca-relay")));
+    package::configure_combined(ns);
+    let values = [
+        ("ORCA_RELAY_SPLICE_WORKERS", "2"),
+        ("ORCA_RELAY_DRAIN_GRACE_MS", "500"),
+        ("ORCA_RELAY_PING_MS", "1000"),
+    ];
+    ns.set_env_values(package::CELL_ENV, &values);
     ns.write(
         "/etc/orca-relay/cell.env.clean",
-        &operator.replace(fault, ""),
+        &ns.read(package::CELL_ENV),
     );
-    ns.add_unit(
-        UNIT,
-        &std::fs::read_to_string(root.join("systemd/orca-relay-cell.service")).unwrap(),
-    );
+    ns.set_env_values(package::CELL_ENV, &[("ORCA_RELAY_TEST_FAULT", fault)]);
     // Beside the unit, in the search path's first directory.
     let drop_in = "/srv/units/orca-relay-cell.service.d";
     std::fs::create_dir_all(ns.path(drop_in)).unwrap();

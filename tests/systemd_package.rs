@@ -25,29 +25,17 @@ mod harness;
 mod systemd_harness;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use harness::{
-    es256_token, jwks_body, read_close, read_json, send_json, set_read_timeout, token, ws_client,
-    Ws, SERVICE_TOKEN, TEST_ISSUER, TEST_KEY,
+    es256_token, read_close, read_json, send_json, set_read_timeout, token, ws_client, Ws, TEST_KEY,
 };
 use serde_json::json;
+use systemd_harness::package::{
+    configure_fleet, installed, traces, JwksServer, CELL, CELL_ENV, DIRECTOR, HTTP_ADDR, WS_ADDR,
+};
 use systemd_harness::{Entry, Namespace};
 use tungstenite::client::IntoClientRequest;
-
-const CELL: &str = "orca-relay-cell.service";
-const DIRECTOR: &str = "orca-relay-director.service";
-const CELL_ENV: &str = "/etc/orca-relay/cell.env";
-const DIRECTOR_ENV: &str = "/etc/orca-relay/director.env";
-/// Where the package installs its units.
-const UNIT_DIR: &str = "/lib/systemd/system";
-
-/// The listeners as the shipped env files set them (inside the namespace, on its own network).
-const WS_ADDR: &str = "127.0.0.1:8080";
-const HTTP_ADDR: &str = "127.0.0.1:8081";
-/// The fleet's cell moves its HTTP listener off the director's port (one machine, two roles).
-const CELL_HTTP_ADDR: &str = "127.0.0.1:8082";
 
 /// The unit's `WatchdogSec=`, `TimeoutStopSec=` and the drain grace the env file leaves at its
 /// default: the figures the tests hold the units to.
@@ -68,89 +56,12 @@ const RESTART_WAIT: Duration = Duration::from_secs(60);
 // ---------------------------------------------------------------------------------------------
 // The package
 
-/// What installing the package would leave on a machine: whether each is there, for the host
-/// (before and after) and inside the namespace.
-fn traces(root: &dyn Fn(&str) -> PathBuf) -> Vec<(String, bool)> {
-    let passwd = std::fs::read_to_string(root("/etc/passwd")).unwrap_or_default();
-    let mut found = vec![(
-        "user orca-relay in /etc/passwd".to_string(),
-        passwd.lines().any(|line| line.starts_with("orca-relay:")),
-    )];
-    for path in [
-        "/usr/bin/orca-relay",
-        "/lib/systemd/system/orca-relay-cell.service",
-        "/etc/orca-relay/cell.env",
-        "/var/lib/dpkg/info/orca-relay.list",
-        "/var/lib/orca-relay",
-    ] {
-        found.push((path.to_string(), root(path).exists()));
-    }
-    found
-}
-
 fn host_traces() -> Vec<(String, bool)> {
     traces(&|path| PathBuf::from(path))
 }
 
-/// A namespace with the package installed (dpkg, maintainer scripts included) and both
-/// units linked where an operator's units live.
-fn installed(label: &str) -> Namespace {
-    // The machine first (root, util-linux, systemd), then the package: each fails in one line.
-    let ns = Namespace::boot(label);
-    let dpkg = ns.install_deb(&systemd_harness::deb::deb());
-    // Everything the package puts on a machine is there, the postinst's user included.
-    for (what, present) in traces(&|path| ns.path(path)) {
-        if what != "/var/lib/orca-relay" {
-            assert!(present, "{what} missing after dpkg -i:\n{dpkg}");
-        }
-    }
-    for unit in [CELL, DIRECTOR] {
-        ns.link_unit(&format!("{UNIT_DIR}/{unit}"));
-    }
-    ns
-}
-
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-/// A JWKS server with the tests' EC key, listening inside the namespace.
-struct JwksServer {
-    server: Arc<tiny_http::Server>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    url: String,
-}
-
-impl JwksServer {
-    fn start(ns: &Namespace) -> JwksServer {
-        let listener = ns.listen("127.0.0.1:0");
-        let url = format!("http://{}/jwks.json", listener.local_addr().unwrap());
-        let server = Arc::new(tiny_http::Server::from_listener(listener, None).expect("JWKS"));
-        let body = jwks_body();
-        let thread = {
-            let server = server.clone();
-            orca_relay::threads::spawn("test-jwks", move || {
-                while let Ok(request) = server.recv() {
-                    let _ = request.respond(tiny_http::Response::from_string(body.clone()));
-                }
-            })
-            .expect("spawn the JWKS server")
-        };
-        JwksServer {
-            server,
-            thread: Some(thread),
-            url,
-        }
-    }
-}
-
-impl Drop for JwksServer {
-    fn drop(&mut self) {
-        self.server.unblock();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
 
 /// A desktop of the namespace: placed through `/v1/assign`, its control socket acked.
 struct Desktop {
@@ -288,27 +199,13 @@ fn a_director_and_a_cell_on_postgresql_run_as_shipped_under_systemd() {
     let ns = installed("fleet");
     let database_url = ns.start_postgresql();
     let jwks = JwksServer::start(&ns);
-    let secrets = [
-        ("DATABASE_URL", database_url.as_str()),
-        ("ORCA_RELAY_SERVICE_TOKEN", SERVICE_TOKEN),
-        ("ORCA_RELAY_JWKS_URL", jwks.url.as_str()),
-        // The test's JWKS speaks plain HTTP inside the namespace.
-        ("ORCA_RELAY_JWKS_ALLOW_HTTP", "1"),
-        ("ORCA_RELAY_AUTH_ISSUER", TEST_ISSUER),
-    ];
-    ns.set_env_values(DIRECTOR_ENV, &secrets);
-    let cell_http_url = format!("http://{CELL_HTTP_ADDR}");
+    configure_fleet(&ns, &database_url, &jwks);
     let cell_values = [
-        ("ORCA_RELAY_HTTP_ADDR", "0.0.0.0:8082"),
-        ("ORCA_RELAY_INTERNAL_URL", cell_http_url.as_str()),
-        ("ORCA_RELAY_CELL_URL", "ws://127.0.0.1:8080"),
-        ("ORCA_RELAY_DIRECTOR_URLS", "http://127.0.0.1:8081"),
         // Above what LimitNOFILE=16384 allows: the cell lowers it with one WARN.
         ("ORCA_RELAY_CONNECTION_CAP", "100000"),
         // A bad value first: the start must fail and say why at priority 3.
         ("ORCA_RELAY_HTTP_IDLE_MS", "5"),
     ];
-    ns.set_env_values(CELL_ENV, &secrets);
     ns.set_env_values(CELL_ENV, &cell_values);
 
     // The director: migrations, listener, READY=1.

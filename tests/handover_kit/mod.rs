@@ -356,15 +356,19 @@ pub fn raise_fd_limit() {
     let _ = orca_relay::lifecycle::raise_fd_limit();
 }
 
-/// The value of one series in a process's `/metrics` at `http`.
-pub fn metric(http: &str, series: &str) -> Option<f64> {
-    let body = ureq::get(&format!("http://{http}/metrics"))
+/// The body of `/metrics` at `http`.
+fn metrics_text(http: &str) -> Option<String> {
+    ureq::get(&format!("http://{http}/metrics"))
         .timeout(Duration::from_secs(10))
         .call()
         .ok()?
         .into_string()
-        .ok()?;
-    body.lines().find_map(|line| {
+        .ok()
+}
+
+/// The value of one series in a process's `/metrics` at `http`.
+pub fn metric(http: &str, series: &str) -> Option<f64> {
+    metrics_text(http)?.lines().find_map(|line| {
         line.strip_prefix(series)?
             .strip_prefix(' ')?
             .trim()
@@ -373,18 +377,54 @@ pub fn metric(http: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// The sum of every series of the metric `name` (all its labels) at `http`.
+pub fn metric_sum(http: &str, name: &str) -> Option<f64> {
+    let text = metrics_text(http)?;
+    Some(
+        text.lines()
+            .filter(|line| {
+                line.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with(['{', ' ']))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum(),
+    )
+}
+
+/// Every series of the metric `name` at `http` (diagnostics).
+pub fn metric_lines(http: &str, name: &str) -> Vec<String> {
+    metrics_text(http)
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.starts_with(name))
+        .map(str::to_string)
+        .collect()
+}
+
 /// The build's version as the process at `http` reports it.
 pub fn served_version(http: &str) -> Option<String> {
-    let body = ureq::get(&format!("http://{http}/metrics"))
-        .timeout(Duration::from_secs(10))
-        .call()
-        .ok()?
-        .into_string()
-        .ok()?;
-    body.lines().find_map(|line| {
+    metrics_text(http)?.lines().find_map(|line| {
         let rest = line.strip_prefix("orca_relay_build_info{version=\"")?;
         Some(rest.split('"').next()?.to_string())
     })
+}
+
+/// A desktop's control on the relay at `ws` (from this thread's network): upgraded with its
+/// token, its hello acknowledged.
+pub fn connect_control(ws: &str, desktop: &load::Identity) -> client::Blocking {
+    try_connect_control(ws, desktop).expect("upgrade")
+}
+
+/// [`connect_control`], or the status that refused the upgrade (0: no connection).
+pub fn try_connect_control(ws: &str, desktop: &load::Identity) -> Result<client::Blocking, u16> {
+    let (stream, rest) = client::connect(ws, "/v1/host/control", Some(&desktop.token))?;
+    let mut control = client::Blocking::new(stream, rest);
+    control
+        .send_json(serde_json::json!({"type":"host-hello","v":1,
+            "relayHostId":desktop.relay_host_id,"assignmentEpoch":desktop.epoch}))
+        .unwrap();
+    assert_eq!(control.json().unwrap()["type"], "host-hello-ack");
+    Ok(control)
 }
 
 /// The load's report once every control has heard a ping and `streams` streams have moved
@@ -412,13 +452,24 @@ pub fn served(
 /// director), connecting from `netns` when given; each retried for up to 30 s (the relay may
 /// still be starting).
 pub fn place_desktops(netns: Option<&Path>, http: &str, count: usize) -> Vec<load::Identity> {
+    place_desktops_with(netns, http, count, harness::token)
+}
+
+/// [`place_desktops`] with tokens from `mint(user_id, relay_host_id)` (a director that checks
+/// them against a JWKS: `harness::es256_token`).
+pub fn place_desktops_with(
+    netns: Option<&Path>,
+    http: &str,
+    count: usize,
+    mint: fn(&str, &str) -> String,
+) -> Vec<load::Identity> {
     let http = http.to_string();
     in_netns(netns, move || {
         (0..count)
             .map(|_| {
                 let relay_host_id = harness::host_id();
                 let user_id = format!("user-{relay_host_id}");
-                let token = harness::token(&user_id, &relay_host_id);
+                let token = mint(&user_id, &relay_host_id);
                 let mut answer = None;
                 harness::wait_until(Duration::from_secs(30), || {
                     answer = ureq::post(&format!("http://{http}/v1/assign"))

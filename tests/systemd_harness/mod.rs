@@ -49,6 +49,7 @@
 
 pub mod deb;
 pub mod journal;
+pub mod package;
 pub mod postgres;
 mod units;
 
