@@ -109,6 +109,8 @@ pub struct Leg {
     /// Its last read took all it was allowed (more was likely waiting): the next asks for a
     /// lease rather than read a little at a time.
     pub read_full: bool,
+    /// When a read last took all it was allowed (the lease is kept a while after).
+    pub last_full_ms: u64,
 }
 
 impl Leg {
@@ -493,8 +495,10 @@ impl Output {
             }
         }
         let empty = self.is_empty() && controls.is_empty();
-        if self.is_empty() {
-            // An idle leg keeps no buffer.
+        // An idle leg keeps no buffer; one past the ordinary amount is kept while its reader's
+        // lease covers it (the worker frees it when it gives the lease back), so a stream does
+        // not unmap and map it again at every drain.
+        if self.is_empty() && self.bytes.capacity() <= super::LEG_ORDINARY_OUTPUT_BYTES {
             self.bytes = Vec::new();
             self.start = 0;
         }
