@@ -207,8 +207,8 @@ impl Registry {
         help: &str,
         sampler: impl Fn() -> Vec<(Vec<(String, String)>, f64)> + Send + Sync + 'static,
     ) {
-        self.with_family(name, help, "counter", |family| {
-            family.samplers.push(Box::new(sampler))
+        self.with_family(name, help, "counter", |f| {
+            f.samplers.push(Box::new(sampler))
         });
     }
 

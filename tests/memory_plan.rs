@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handover_kit::client::{self, Blocking, OP_BINARY, OP_PING, OP_PONG};
+use handover_kit::connect_control;
 use handover_kit::edges::{self, number_after};
-use handover_kit::load::{Identity, Load, Spec};
+use handover_kit::load::{Load, Spec};
 use harness::*;
 
 const MIB: u64 = 1024 * 1024;
@@ -155,20 +156,6 @@ fn under_a_2_gib_memory_limit_the_plan_admits_at_least_5000_connections() {
     assert!(cap >= 5_000, "the plan admits {cap} under 2 GiB: {line}");
 }
 
-/// A desktop's control, said hello to.
-fn control(relay: &Relay, identity: &Identity) -> Blocking {
-    let (stream, rest) = client::connect(&relay.ws, "/v1/host/control", Some(&identity.token))
-        .unwrap_or_else(|status| panic!("control refused: {status}"));
-    let mut control = Blocking::new(stream, rest);
-    control
-        .send_json(serde_json::json!({"type":"host-hello","v":1,
-            "relayHostId":identity.relay_host_id,"assignmentEpoch":identity.epoch}))
-        .unwrap();
-    let ack = control.json().unwrap();
-    assert_eq!(ack["type"], "host-hello-ack", "{ack}");
-    control
-}
-
 /// A masked 1 MiB binary frame (a control's largest).
 fn one_mib_frame() -> Vec<u8> {
     let payload = vec![0x5a; orca_relay::protocol::CONTROL_MAX_FRAME_BYTES];
@@ -240,6 +227,15 @@ fn relay_stacks(pid: u32) -> (usize, u64, u64) {
     (resident.len(), most, mean)
 }
 
+/// The buffer budget's waits on `side` and its peak, from `/metrics`.
+fn budget_figures(relay: &Relay, side: &str) -> (f64, f64) {
+    let waits = relay.metric(&format!(
+        "orca_relay_buffer_budget_waits_total{{side=\"{side}\"}}"
+    ));
+    let peak = relay.metric("orca_relay_buffer_budget_bytes{state=\"peak\"}");
+    (waits.unwrap_or(0.0), peak.unwrap_or(f64::MAX))
+}
+
 fn start(env: &[(&str, &str)], configure: impl FnOnce(&mut Command)) -> Relay {
     let relay = Relay::launch_binary_with(
         std::path::Path::new(env!("CARGO_BIN_EXE_orca-relay")),
@@ -266,7 +262,10 @@ fn five_thousand_idle_controls_and_a_1_mib_frame_flood_from_50_stay_within_2_gib
     let mut spec = Spec::new(idle.len(), 0);
     spec.setup_threads = 8;
     let load = Load::start(&relay.ws, spec, idle.to_vec());
-    let flooding: Vec<Blocking> = flooders.iter().map(|id| control(&relay, id)).collect();
+    let flooding: Vec<Blocking> = flooders
+        .iter()
+        .map(|id| connect_control(&relay.ws, id))
+        .collect();
     assert_eq!(
         relay.metric("orca_relay_connections{kind=\"control\"}"),
         Some(5_000.0),
@@ -332,7 +331,10 @@ fn a_flood_of_1_mib_control_frames_holds_no_more_memory_than_the_budget() {
         |_| {},
     );
     let identities = edges::place(&relay, 30);
-    let flooding: Vec<Blocking> = identities.iter().map(|id| control(&relay, id)).collect();
+    let flooding: Vec<Blocking> = identities
+        .iter()
+        .map(|id| connect_control(&relay.ws, id))
+        .collect();
     let before = high_water(relay.pid());
     let stop = Arc::new(AtomicBool::new(false));
     let threads = flood(flooding, stop.clone());
@@ -340,12 +342,7 @@ fn a_flood_of_1_mib_control_frames_holds_no_more_memory_than_the_budget() {
     stop.store(true, Ordering::Relaxed);
     let sent: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
     let grew = high_water(relay.pid()).saturating_sub(before);
-    let waits = relay
-        .metric("orca_relay_buffer_budget_waits_total{side=\"control\"}")
-        .unwrap();
-    let peak = relay
-        .metric("orca_relay_buffer_budget_bytes{state=\"peak\"}")
-        .unwrap();
+    let (waits, peak) = budget_figures(&relay, "control");
     eprintln!(
         "30 controls sent {sent} 1 MiB frames: resident grew {} KiB, budget peak {peak}, {waits} waits",
         grew / 1024
@@ -382,17 +379,12 @@ fn paused_readers_draw_their_pending_output_from_the_budget_and_lose_nothing() {
     }
     assert!(
         wait_until(Duration::from_secs(20), || {
-            relay
-                .metric("orca_relay_buffer_budget_waits_total{side=\"splice\"}")
-                .unwrap_or(0.0)
-                >= pairs as f64 / 2.0
+            budget_figures(&relay, "splice").0 >= pairs as f64 / 2.0
         }),
         "the paused pairs' readers never waited for the budget"
     );
     let grew = high_water(relay.pid()).saturating_sub(before);
-    let peak = relay
-        .metric("orca_relay_buffer_budget_bytes{state=\"peak\"}")
-        .unwrap();
+    let (_, peak) = budget_figures(&relay, "splice");
     for pair in 0..pairs {
         load.resume_desktop(pair);
     }
