@@ -353,6 +353,10 @@ impl Reader {
             if self.quiesce.is_quiescing() {
                 return Err(ReadEvent::Quiesce);
             }
+            if self.socket.is_closing() {
+                // Closed meanwhile (a newer control, the drain): nothing more will be read.
+                return Err(ReadEvent::Gone);
+            }
             wait_woken(&self.quiesce, BUDGET_RETRY);
             if self.lease.cover(CONTROL_LARGE_LEASE_BYTES) {
                 self.last_heard = clock::instant();
@@ -614,6 +618,47 @@ mod tests {
         // Once the frame was taken, its memory goes back (and so does its lease).
         frames.release_spare();
         assert!(frames.footprint(0) <= CONTROL_ORDINARY_BYTES);
+    }
+
+    #[test]
+    fn a_control_waiting_for_the_budget_ends_when_its_socket_is_closed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        // The header of a 1 MiB frame and a little of it: the reader needs a large buffer.
+        let whole = frame(0x82, &vec![1; CONTROL_MAX_FRAME_BYTES]);
+        std::io::Write::write_all(&mut client, &whole[..64 * 1024]).unwrap();
+        let buffers = BufferBudget::new(crate::relay::buffer_budget::MIN_BUDGET_BYTES);
+        let mut hog = Lease::new(&buffers);
+        assert!(hog.cover(crate::relay::buffer_budget::MIN_BUDGET_BYTES as usize));
+        let socket = Socket::new_control(1, server);
+        let mut reader = Reader::new(
+            socket.clone(),
+            ControlFrames::new(Vec::new()),
+            Quiesce::new().unwrap(),
+            SilenceGuard {
+                pauses: PauseClock::new(crate::clock::system()),
+                resume_grace: Duration::from_secs(1),
+                buffers: buffers.clone(),
+            },
+        );
+        let (done, read) = std::sync::mpsc::channel();
+        crate::threads::spawn("test-budget-wait", move || {
+            let _ = done.send(reader.read(Deadline::Silence(Duration::from_secs(60))));
+        })
+        .unwrap();
+        let waited = clock::instant() + Duration::from_secs(10);
+        while buffers.waits(Side::Control) == 0 && clock::instant() < waited {
+            clock::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            buffers.waits(Side::Control),
+            1,
+            "the reader waits for the budget"
+        );
+        socket.shutdown();
+        let ended = read.recv_timeout(Duration::from_secs(10));
+        assert!(matches!(ended, Ok(ReadEvent::Gone)), "{ended:?}");
     }
 
     #[test]
