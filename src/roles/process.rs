@@ -417,7 +417,8 @@ pub fn bind(variable: &str, addr: std::net::SocketAddr) -> Result<TcpListener, R
 /// The readiness of a cell process and its running prober.
 pub struct Prober {
     pub readiness: crate::readiness::Readiness,
-    pub stop: std::sync::mpsc::Sender<()>,
+    /// Dropped to stop the prober (first, of the fields that end it: it stands it down).
+    pub stop: ProberStop,
     pub handle: crate::threads::Watched<()>,
     /// A live handover's next process: the prober probes nothing until [`Prober::release`]
     /// (after the commit; the carried verdict stands until then, and the SQL probe, a write
@@ -425,6 +426,21 @@ pub struct Prober {
     held: Option<std::sync::mpsc::Sender<()>>,
     /// The prober is a critical thread: stood down before it is stopped.
     pub standing: crate::liveness::Standing,
+}
+
+/// The prober's stop. Dropping it stands the critical thread down before the channel closes,
+/// so a start that fails (its `Prober` dropped on the way out) ends with its own error and exit
+/// status, not also with the prober reported as a critical thread that returned (exit 70,
+/// which raced the handshake failure's exit 1: `handshake_blackbox`).
+pub struct ProberStop {
+    standing: crate::liveness::Standing,
+    _sender: std::sync::mpsc::Sender<()>,
+}
+
+impl Drop for ProberStop {
+    fn drop(&mut self) {
+        self.standing.stand_down();
+    }
 }
 
 impl Prober {
@@ -525,7 +541,10 @@ pub fn start_prober(
         .map_err(|e| RunError(format!("cannot start the readiness thread: {e}")))?;
     Ok(Prober {
         readiness,
-        stop,
+        stop: ProberStop {
+            standing: standing.clone(),
+            _sender: stop,
+        },
         handle,
         held,
         standing,
