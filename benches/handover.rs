@@ -33,7 +33,9 @@
 //! `--baseline PATH`, `--baseline-rev REV`; `--soak [N]` runs only the issue's soak (2,000
 //! controls, 200 streaming pairs, 50 slow desktops, 8 stuck pairs, a newcomer every 20 ms, `N`
 //! handovers in a row, 20 by default, then a next process stopped after `ready`) and prints
-//! its figures and whichever bound they broke.
+//! its figures, a table of their medians and worst, and whichever bound they broke; with
+//! `--baseline PATH` or `--baseline-rev REV` it runs the same soak on that build first and the
+//! table sets the two side by side.
 
 #[path = "../tests/handover_kit/mod.rs"]
 mod handover_kit;
@@ -79,12 +81,34 @@ fn main() {
     let runs: usize = option("--runs").map_or(3, |runs| runs.parse().expect("--runs: a number"));
     handover_kit::raise_fd_limit();
     handover_kit::adopt_orphans();
+    let baseline_of = |default: Option<&str>| match option("--baseline") {
+        Some(path) => Some((PathBuf::from(&path), path)),
+        None => {
+            let rev = option("--baseline-rev").or(default.map(str::to_string))?;
+            baseline_binary(&rev).map(|path| (path, rev))
+        }
+    };
     if let Some(at) = args.iter().position(|arg| arg == "--soak") {
         let handovers = args.get(at + 1).and_then(|n| n.parse().ok()).unwrap_or(20);
+        // The baseline's soak first (its own build every round), when one is asked for.
+        let baseline = baseline_of(None).map(|(path, name)| {
+            let spec = SoakSpec::issue(handovers, "handover");
+            (name, edges::soak(&spec, Some(&path), None))
+        });
         let next = build_with_note("soak");
         let figures = edges::soak(&SoakSpec::issue(handovers, "handover"), None, Some(&next));
         println!();
+        if let Some((name, baseline)) = &baseline {
+            println!("baseline {name}:\n{}", baseline.summary());
+            println!("this build:");
+        }
         println!("{}", figures.summary());
+        soak_table(
+            baseline
+                .as_ref()
+                .map(|(name, figures)| (name.as_str(), figures)),
+            &figures,
+        );
         if figures.over_bounds.is_empty() {
             println!("every bound of issue 31 held");
         }
@@ -92,13 +116,7 @@ fn main() {
     }
     let only = option("--only");
     if only.as_deref() != Some("sizes") {
-        let baseline = match option("--baseline") {
-            Some(path) => Some((PathBuf::from(&path), path)),
-            None => {
-                let rev = option("--baseline-rev").unwrap_or_else(|| "main".into());
-                baseline_binary(&rev).map(|path| (path, rev))
-            }
-        };
+        let baseline = baseline_of(Some("main"));
         edge_rows(
             baseline
                 .as_ref()
@@ -305,6 +323,48 @@ fn edge_rows(baseline: Option<(&Path, &str)>) {
 /// The release binary of revision `rev` of this repository, built once into
 /// `target/handover-baseline/<commit>/` (`git archive`, then `cargo build --release`); `None`
 /// (with the reason) when the revision or the build is not to be had.
+/// The soak's figures as a table: median and worst of each, against the baseline's in the same
+/// run when there is one (the ratio is this build's median over the baseline's).
+fn soak_table(baseline: Option<(&str, &edges::SoakFigures)>, figures: &edges::SoakFigures) {
+    let stats = |figures: &edges::SoakFigures, pick: fn(&edges::Round) -> u64| {
+        let mut values: Vec<u64> = figures.rounds.iter().map(pick).collect();
+        values.sort_unstable();
+        let median = values.get(values.len() / 2).copied().unwrap_or(0);
+        let worst = values.last().copied().unwrap_or(0);
+        let over = values.iter().filter(|v| **v > 250).count();
+        (median, worst, over, values.len())
+    };
+    let rows: [(&str, fn(&edges::Round) -> u64); 3] = [
+        ("handover (`begin` to commit)", |round| round.took_ms),
+        ("stream pause", |round| round.stream_pause_ms),
+        ("control pause", |round| round.control_pause_ms),
+    ];
+    println!();
+    match baseline {
+        Some((name, _)) => {
+            println!("| figure | {name}: median | worst | over 250 ms | this build: median | worst | over 250 ms | median ratio |");
+            println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        }
+        None => {
+            println!("| figure | median | worst | over 250 ms |");
+            println!("|---|---:|---:|---:|");
+        }
+    }
+    for (name, pick) in rows {
+        let (median, worst, over, rounds) = stats(figures, pick);
+        match baseline {
+            Some((_, base)) => {
+                let (b_median, b_worst, b_over, b_rounds) = stats(base, pick);
+                println!(
+                    "| {name} | {b_median} ms | {b_worst} ms | {b_over} of {b_rounds} | {median} ms | {worst} ms | {over} of {rounds} | {:.2}x |",
+                    median as f64 / b_median.max(1) as f64
+                );
+            }
+            None => println!("| {name} | {median} ms | {worst} ms | {over} of {rounds} |"),
+        }
+    }
+}
+
 fn baseline_binary(rev: &str) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let git = |args: &[&str]| {

@@ -866,6 +866,21 @@ pub fn raise_fd_limit() -> io::Result<(u64, u64)> {
     Ok((old, hard))
 }
 
+/// The soft `RLIMIT_NOFILE` (`None` if unreadable or unlimited).
+pub fn nofile_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own and pass by pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
+
 fn kernel_nr_open() -> Option<u64> {
     crate::local_file::read_bounded_to_string(std::path::Path::new("/proc/sys/fs/nr_open"), 64)
         .ok()?

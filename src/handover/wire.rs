@@ -661,6 +661,49 @@ fn take_fds(message: &libc::msghdr) -> Vec<OwnedFd> {
     fds
 }
 
+/// A new memfd holding `parts` one after the other (a transfer's bytes, [`super::Kind::Bytes`]).
+pub fn memfd_with<'a>(parts: impl Iterator<Item = &'a [u8]>) -> io::Result<OwnedFd> {
+    use std::io::Write;
+    // SAFETY: a NUL-terminated name and valid flags; the result is checked below.
+    let fd = unsafe { libc::memfd_create(c"orca-relay-handover".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just created and owned by nothing else.
+    let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    for part in parts {
+        file.write_all(part)?;
+    }
+    Ok(OwnedFd::from(file))
+}
+
+/// Reads a memfd (or any regular file) whose bytes are exactly `lengths` long, one after the
+/// other, into one buffer each. A file of any other size, or one that is not a regular file,
+/// is refused before anything is read (the lengths were bounded by the caller).
+pub fn read_memfd(fd: &OwnedFd, lengths: &[usize]) -> io::Result<Vec<Vec<u8>>> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::from(fd.try_clone()?);
+    let meta = file.metadata()?;
+    let total = lengths
+        .iter()
+        .try_fold(0u64, |sum, len| sum.checked_add(*len as u64));
+    if !meta.is_file() || total != Some(meta.len()) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not the announced bytes",
+        ));
+    }
+    let mut at = 0u64;
+    let mut parts = Vec::with_capacity(lengths.len());
+    for len in lengths {
+        let mut part = vec![0u8; *len];
+        file.read_exact_at(&mut part, at)?;
+        at += *len as u64;
+        parts.push(part);
+    }
+    Ok(parts)
+}
+
 /// A connected pair (tests, and the command's status line to its child).
 pub fn pair() -> io::Result<(Channel, Channel)> {
     let mut fds = [0; 2];

@@ -122,15 +122,23 @@ impl Quiesce {
     /// shootdown on every core) stands between the quiesce and the transfer. After a commit
     /// the process exits with it parked; after a rollback it ends ([`Quiesce::end`]) and the
     /// connection resumes on a new thread.
-    pub fn hold(&self) {
+    ///
+    /// The giver is woken only when its wait may be over (every thread in `permits` holds;
+    /// the last holder left): two thousand threads depositing at once would otherwise wake it
+    /// two thousand times, each wake a switch and a turn at this lock on the pause's path.
+    pub fn hold(&self, permits: &crate::threads::Permits) {
         let mut holding = self.holding.lock().unwrap_or_else(|e| e.into_inner());
         *holding += 1;
-        self.counted.notify_all();
+        if permits.used() <= *holding {
+            self.counted.notify_all();
+        }
         while self.wake.is_set() {
             holding = self.ended.wait(holding).unwrap_or_else(|e| e.into_inner());
         }
         *holding -= 1;
-        self.counted.notify_all();
+        if *holding == 0 {
+            self.counted.notify_all();
+        }
     }
 
     /// After [`Quiesce::end`]: waits (until `deadline`) for the holding threads to leave their

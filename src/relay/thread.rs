@@ -106,7 +106,7 @@ pub fn spawn_phone(context: &RelayContext, phone: AdmittedPhone) -> std::io::Res
 fn deposit(context: &RelayContext, parked: Parked) {
     match context.quiesce.deposit(parked) {
         // Taken: this thread waits for the handover's end, then ends.
-        None => context.quiesce.hold(),
+        None => context.quiesce.hold(&context.thread_permits),
         Some(parked) => {
             let id = parked.id;
             if let Err(e) = resume(context, parked, None, None) {
@@ -287,6 +287,7 @@ pub fn resume(
     let permit = context.thread_permits.take_forced();
     let thread_context = context.clone();
     let id = parked.id;
+    let socket_fd = Some(parked.conn.raw_fd());
     // A waiting phone's pending entry is put back now, before any other resumed connection
     // runs: a data leg resumed beside it must find the entry with a live channel.
     let waiting = match (&parked.conn, &parked.stage) {
@@ -325,7 +326,7 @@ pub fn resume(
     };
     let name = format!("relay-{id}");
     let job: crate::threads::Job = match spares {
-        Some(spares) => match spares.queue(name.clone(), Box::new(body)) {
+        Some(spares) => match spares.queue(name.clone(), Box::new(body), socket_fd) {
             Ok(()) => return Ok(()),
             Err(job) => job,
         },

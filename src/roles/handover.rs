@@ -256,10 +256,13 @@ fn serve_request(
             .and_then(|()| flight.prepare_next())
             .and_then(|()| flight.quiesce())
             .and_then(|snapshot| flight.transfer_cell(snapshot))
-            .and_then(|()| flight.await_next(Kind::Built))
             .and_then(|()| flight.not_stopping())
+            // The pairs go while the next process builds the cell (it takes them once it has
+            // said `built`): the controls' pause does not wait for the build and then for the
+            // pairs' transfer in turn.
             .and_then(|()| flight.park_workers())
             .and_then(|snapshot| flight.transfer_pairs(snapshot))
+            .and_then(|()| flight.await_next(Kind::Built))
             .and_then(|()| flight.await_next(Kind::Confirm))
             .and_then(|()| flight.commit())
     }))
@@ -370,6 +373,7 @@ impl InFlight<'_> {
         let prepare = Prepare {
             threads: context.thread_permits.used(),
             pool_open: context.store.pool_stats().open,
+            descriptors: threads::descriptors_in_use(),
         };
         send(next, Kind::Prepare, &prepare, self.step_deadline())
             .map_err(|e| format!("the new process did not take its preparation: {e}"))?;
@@ -444,8 +448,8 @@ impl InFlight<'_> {
         })
     }
 
-    /// Parks the splice workers (last: streams pause only from here). Returns the snapshot's
-    /// moment for the pairs.
+    /// Parks the splice workers (after the relay threads' deposits: streams pause only from
+    /// here). Returns the snapshot's moment for the pairs.
     fn park_workers(&mut self) -> Result<Snapshot, String> {
         let context = &self.parts.cell.context;
         let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
@@ -576,8 +580,9 @@ impl InFlight<'_> {
         fds: &[RawFd],
         milestone: &'static str,
     ) -> Result<(), String> {
-        let (next, _) = self.next.as_ref().ok_or("no new process")?;
+        let (next, ready) = self.next.as_ref().ok_or("no new process")?;
         let (bytes, raw) = write_parts(document)?;
+        let raw_lengths: Vec<usize> = raw.iter().map(Vec::len).collect();
         let header = Transfer {
             version: STATE_VERSION,
             document_bytes: bytes.len(),
@@ -587,7 +592,10 @@ impl InFlight<'_> {
             watchdog_usec: crate::lifecycle::watchdog_usec(),
             from_pid: std::process::id(),
             from_version: protocol::version(),
-            raw: raw.iter().map(Vec::len).collect(),
+            memfd_raw: ready
+                .bytes_in_memfd
+                .then(|| protocol::raw_in_memfd(&raw_lengths)),
+            raw: raw_lengths,
         };
         let sent =
             protocol::send_transfer(next, &header, &bytes, fds, &raw, (SILENCE, self.deadline));
@@ -1178,6 +1186,7 @@ impl Taker {
             pid: std::process::id(),
             version: protocol::version(),
             reads: reads.clone(),
+            bytes_in_memfd: true,
         };
         send(&channel, Kind::Ready, &ready, deadline)
             .map_err(|e| RunError(format!("the running relay did not hear ready: {e}")))?;
@@ -1198,6 +1207,7 @@ impl Taker {
                         threads::RELAY_STACK_BYTES,
                     ));
                     store.warm_pool(prepare.pool_open);
+                    threads::grow_descriptor_table(prepare.descriptors, channel.as_raw_fd());
                     send(&channel, Kind::Prepared, &serde_json::json!({}), deadline).map_err(
                         |e| RunError(format!("the running relay did not hear prepared: {e}")),
                     )?;
@@ -1517,9 +1527,8 @@ impl Taker {
         Ok(())
     }
 
-    /// Says `built`, receives the spliced pairs and the metrics' totals (the running process
-    /// parks its splice workers only now), and prepares each pair for a splice worker (handed
-    /// over at the commit).
+    /// Says `built`, receives the spliced pairs and the metrics' totals (sent while this process
+    /// built the cell), and prepares each pair for a splice worker (handed over at the commit).
     pub fn receive_pairs(
         &mut self,
         cell: &CellRuntime,

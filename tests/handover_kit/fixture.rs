@@ -65,6 +65,8 @@ pub fn capture(data_dir: &Path) -> Result<Captured, String> {
         pid: std::process::id(),
         version: "capture".into(),
         reads: orca_relay::carry::READS.to_vec(),
+        // As a build before memfd transfers: the running process sends in chunks.
+        bytes_in_memfd: false,
     };
     send(&next, Kind::Ready, &ready, deadline()).map_err(|e| e.to_string())?;
     let part = |channel: &Channel| -> Result<(Vec<u8>, Vec<Vec<u8>>), String> {
@@ -236,6 +238,8 @@ impl Giver {
             from_pid: std::process::id(),
             from_version: from_version.to_string(),
             raw: Vec::new(),
+            // As a build before memfd transfers: the bytes in chunks.
+            memfd_raw: None,
         };
         let limits = (Duration::from_secs(5), deadline());
         let fds = self.cell_fds(&cell);
