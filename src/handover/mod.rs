@@ -81,9 +81,9 @@ pub enum Kind {
     Committed = 13,
     /// running → next: the handover failed; exit without touching anything.
     Rollback = 14,
-    /// next → running: the cell and its connections are rebuilt; the next process takes the
-    /// spliced pairs' transfer from here on (the running process sends it, its splice workers
-    /// parked, while the next one builds).
+    /// next → running: the cell and its connections are rebuilt; the spliced pairs can come
+    /// (the running process parks its splice workers only now, so streams pause only for the
+    /// pairs' part of the transfer).
     Built = 15,
     /// running → next: a chunk of the byte buffers beside a document (state version 3 on),
     /// after its last [`Kind::Chunk`].

@@ -256,13 +256,10 @@ fn serve_request(
             .and_then(|()| flight.prepare_next())
             .and_then(|()| flight.quiesce())
             .and_then(|snapshot| flight.transfer_cell(snapshot))
+            .and_then(|()| flight.await_next(Kind::Built))
             .and_then(|()| flight.not_stopping())
-            // The pairs go while the next process builds the cell (it takes them once it has
-            // said `built`): the controls' pause does not wait for the build and then for the
-            // pairs' transfer in turn.
             .and_then(|()| flight.park_workers())
             .and_then(|snapshot| flight.transfer_pairs(snapshot))
-            .and_then(|()| flight.await_next(Kind::Built))
             .and_then(|()| flight.await_next(Kind::Confirm))
             .and_then(|()| flight.commit())
     }))
@@ -448,8 +445,8 @@ impl InFlight<'_> {
         })
     }
 
-    /// Parks the splice workers (after the relay threads' deposits: streams pause only from
-    /// here). Returns the snapshot's moment for the pairs.
+    /// Parks the splice workers (last: streams pause only from here). Returns the snapshot's
+    /// moment for the pairs.
     fn park_workers(&mut self) -> Result<Snapshot, String> {
         let context = &self.parts.cell.context;
         let quiesced = self.quiesced.as_mut().ok_or("not quiesced")?;
@@ -1527,8 +1524,9 @@ impl Taker {
         Ok(())
     }
 
-    /// Says `built`, receives the spliced pairs and the metrics' totals (sent while this process
-    /// built the cell), and prepares each pair for a splice worker (handed over at the commit).
+    /// Says `built`, receives the spliced pairs and the metrics' totals (the running process
+    /// parks its splice workers only now), and prepares each pair for a splice worker (handed
+    /// over at the commit).
     pub fn receive_pairs(
         &mut self,
         cell: &CellRuntime,
