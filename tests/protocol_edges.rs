@@ -490,3 +490,30 @@ fn every_1009_names_the_limit_it_hit() {
         .collect();
     assert_eq!(seen, expected);
 }
+
+/// A control that sends frames the relay ignores (binary frames, unknown `type`s) costs the
+/// log one line, then at most one a minute with how many since: not a line per frame (before,
+/// 600 such frames wrote 600 INFO lines, one desktop's loop filling the journal).
+#[test]
+fn frames_a_control_ignores_are_logged_once_not_once_each() {
+    let relay = Relay::combined(&[]);
+    let (relay_host_id, _token, _generation, mut control) = raw_desktop(&relay);
+    for i in 0..300 {
+        control.send_raw(&client_frame(0x82, &[i as u8; 16]));
+        control.send_json(serde_json::json!({"type": "no-such-type", "n": i}));
+    }
+    // Frames are acted on in order: the answer to this one comes after every ignored one.
+    let _ = invite(&mut control);
+    let log = relay.log_text();
+    let ignored: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("orca_relay_control_frame_ignored"))
+        .collect();
+    assert_eq!(ignored.len(), 1, "{ignored:?}");
+    assert!(
+        ignored[0].contains(&format!("host={relay_host_id}"))
+            && ignored[0].contains("reason=binary"),
+        "{}",
+        ignored[0]
+    );
+}

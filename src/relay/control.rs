@@ -24,6 +24,7 @@ use crate::cell::admission::{self, DbVerdict, LeaseRequest};
 use crate::cell::seats::{ChangeKind, SeatChange};
 use crate::cell::state::{random_token, AdmitPath, Control};
 use crate::liveness::{wait_beating, Beat};
+use crate::logging::FailureThrottle;
 use crate::protocol::{
     self, CloseCode, HostToRelay, RelayToHost, INVITE_CREATE_BURST, INVITE_CREATE_REFILL_MS,
     INVITE_MAX_ATTEMPTS,
@@ -257,17 +258,25 @@ fn run(
     mut invites: InviteRate,
 ) -> Served {
     let silence = Duration::from_millis(context.timings.silence_ms);
+    // Frames this control sent that the relay ignores: the first is logged, then at most one
+    // line a minute with how many since (a desktop's loop must not fill the journal).
+    let mut ignored = FailureThrottle::new();
     loop {
-        match reader.read(Deadline::Silence(silence)) {
-            ReadEvent::Message(Message::Text(text)) => {
-                handle_message(context, socket, &claims, text.as_str(), &mut invites)
-            }
-            ReadEvent::Message(Message::Binary(_)) => {
+        let ignore = |ignored: &mut FailureThrottle, reason: &str| {
+            if let Some(note) = ignored.failure(context.clock.now_ms()) {
                 log::info!(
-                    "orca_relay_control_frame_ignored host={} reason=binary",
+                    "orca_relay_control_frame_ignored host={} reason={reason}{note}",
                     claims.relay_host_id
                 );
             }
+        };
+        match reader.read(Deadline::Silence(silence)) {
+            ReadEvent::Message(Message::Text(text)) => {
+                if !handle_message(context, socket, &claims, text.as_str(), &mut invites) {
+                    ignore(&mut ignored, "unknown_type");
+                }
+            }
+            ReadEvent::Message(Message::Binary(_)) => ignore(&mut ignored, "binary"),
             ReadEvent::Message(_) => {}
             ReadEvent::TimedOut => {
                 // 4408 like a replaced control's, with a reason of its own: a desktop that
@@ -419,15 +428,17 @@ impl InviteRate {
     }
 }
 
+/// Acts on one text message of a seated control; `false` when it is not one the relay acts
+/// on (an unknown `type`, malformed JSON, a second hello): ignored, the caller logs it.
 fn handle_message(
     context: &RelayContext,
     socket: &Arc<Socket>,
     claims: &HostClaims,
     text: &str,
     invites: &mut InviteRate,
-) {
+) -> bool {
     match serde_json::from_str::<HostToRelay>(text) {
-        Ok(HostToRelay::Pong { .. }) => {}
+        Ok(HostToRelay::Pong { .. }) => true,
         Ok(HostToRelay::InviteCreate { req_id }) => {
             let refused = |reason: &str, retry_after_ms: u64| RelayToHost::InviteRefused {
                 req_id: req_id.clone(),
@@ -453,13 +464,9 @@ fn handle_message(
                 },
             };
             let _ = socket.send(Message::text(protocol::to_json(&reply)));
+            true
         }
-        Ok(HostToRelay::HostHello { .. }) | Err(_) => {
-            log::info!(
-                "orca_relay_control_frame_ignored host={} reason=unknown_type",
-                claims.relay_host_id
-            );
-        }
+        Ok(HostToRelay::HostHello { .. }) | Err(_) => false,
     }
 }
 
