@@ -326,7 +326,7 @@ fn edge_rows(baseline: Option<(&Path, &str)>) {
 /// The soak's figures as a table: median and worst of each, against the baseline's in the same
 /// run when there is one (the ratio is this build's median over the baseline's).
 fn soak_table(baseline: Option<(&str, &edges::SoakFigures)>, figures: &edges::SoakFigures) {
-    let stats = |figures: &edges::SoakFigures, pick: fn(&edges::Round) -> u64| {
+    let stats = |figures: &edges::SoakFigures, pick: Pick| {
         let mut values: Vec<u64> = figures.rounds.iter().map(pick).collect();
         values.sort_unstable();
         let median = values.get(values.len() / 2).copied().unwrap_or(0);
@@ -334,7 +334,8 @@ fn soak_table(baseline: Option<(&str, &edges::SoakFigures)>, figures: &edges::So
         let over = values.iter().filter(|v| **v > 250).count();
         (median, worst, over, values.len())
     };
-    let rows: [(&str, fn(&edges::Round) -> u64); 3] = [
+    type Pick = fn(&edges::Round) -> u64;
+    let rows: [(&str, Pick); 3] = [
         ("handover (`begin` to commit)", |round| round.took_ms),
         ("stream pause", |round| round.stream_pause_ms),
         ("control pause", |round| round.control_pause_ms),

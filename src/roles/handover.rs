@@ -370,7 +370,7 @@ impl InFlight<'_> {
         let prepare = Prepare {
             threads: context.thread_permits.used(),
             pool_open: context.store.pool_stats().open,
-            descriptors: threads::descriptors_in_use(),
+            descriptors: crate::lifecycle::descriptors_in_use(),
         };
         send(next, Kind::Prepare, &prepare, self.step_deadline())
             .map_err(|e| format!("the new process did not take its preparation: {e}"))?;
@@ -1204,7 +1204,10 @@ impl Taker {
                         threads::RELAY_STACK_BYTES,
                     ));
                     store.warm_pool(prepare.pool_open);
-                    threads::grow_descriptor_table(prepare.descriptors, channel.as_raw_fd());
+                    crate::lifecycle::grow_descriptor_table(
+                        prepare.descriptors,
+                        channel.as_raw_fd(),
+                    );
                     send(&channel, Kind::Prepared, &serde_json::json!({}), deadline).map_err(
                         |e| RunError(format!("the running relay did not hear prepared: {e}")),
                     )?;
