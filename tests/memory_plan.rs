@@ -403,3 +403,51 @@ fn paused_readers_draw_their_pending_output_from_the_budget_and_lose_nothing() {
         grew / 1024
     );
 }
+
+/// A leg that took a lease for a burst and then went quiet gives it back within a few seconds
+/// (a second after its last full read), not when its idle timer next looks at it, half an idle
+/// window later (60 s by default): a burst from many phones must not hold the budget, and
+/// every other large frame waiting for it, for a minute. (Before: still leased after 10 s.)
+#[test]
+fn a_lease_taken_for_a_burst_is_given_back_soon_after_not_at_the_idle_timer() {
+    use tungstenite::Message;
+    let _alone = one_at_a_time();
+    let relay = start(&[], |_| {});
+    let mut desktop = Desktop::connect(&relay);
+    let (mut phone, mut leg) = splice(&relay, &mut desktop);
+    let used = || {
+        relay
+            .metric("orca_relay_buffer_budget_bytes{state=\"used\"}")
+            .unwrap_or(-1.0)
+    };
+    let frame = vec![7u8; 512 * 1024];
+    phone.send(Message::binary(frame.clone())).expect("send");
+    loop {
+        match leg.read().expect("the frame") {
+            Message::Binary(got) => {
+                assert_eq!(got.len(), frame.len());
+                break;
+            }
+            _ => continue,
+        }
+    }
+    let peak = relay
+        .metric("orca_relay_buffer_budget_bytes{state=\"peak\"}")
+        .unwrap_or(0.0);
+    assert!(peak > 0.0, "the burst took no lease");
+    assert!(
+        wait_until(Duration::from_secs(10), || used() == 0.0),
+        "still leased after 10 s: {} bytes",
+        used()
+    );
+    // The pair still works, and a second burst leases (and gives back) again.
+    phone.send(Message::binary(frame.clone())).expect("send");
+    assert!(
+        matches!(leg.read().expect("the frame"), Message::Binary(got) if got.len() == frame.len())
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || used() == 0.0),
+        "still leased after the second burst: {} bytes",
+        used()
+    );
+}

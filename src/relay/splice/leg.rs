@@ -89,6 +89,8 @@ pub struct Leg {
     pub last_progress_ms: u64,
     pub wedge_armed: bool,
     pub linger_armed: bool,
+    /// A [`super::timers::TimerKind::Lease`] timer is scheduled.
+    pub lease_armed: bool,
     /// Index of the worker's counters for the frames read from this leg (0: phone → host).
     pub direction: usize,
     /// Readable but not read to `WouldBlock` yet (its per-event budget ran out).

@@ -25,6 +25,11 @@ pub enum TimerKind {
     /// Nothing may have arrived on the leg for a while: ping it, or close it as gone
     /// ([`idle_step`]).
     Idle,
+    /// The leg holds a lease of the buffer budget: give it back once its last read that took
+    /// all it was allowed is [`super::worker`]'s `LEASE_KEPT_MS` old and what it holds is
+    /// ordinary again (a leg that went quiet after a burst reads no more, so only a timer
+    /// sees that).
+    Lease,
 }
 
 /// A leg's identity in its worker: its slot and that slot's generation, so a timer armed for a

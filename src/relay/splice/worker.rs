@@ -735,6 +735,7 @@ impl Worker {
             last_progress_ms: resumed.last_progress_ms,
             wedge_armed: false,
             linger_armed,
+            lease_armed: false,
             direction: if kind == "phone" { 0 } else { 1 },
             backlogged: false,
             hangup_seen: record.hangup_seen,
@@ -941,6 +942,7 @@ impl Worker {
             last_progress_ms: 0,
             wedge_armed: false,
             linger_armed: false,
+            lease_armed: false,
             direction,
             backlogged: false,
             hangup_seen: false,
@@ -1307,6 +1309,7 @@ impl Worker {
     /// resumes it.
     fn read_allowance(&mut self, key: LegKey, peer_pending: usize) -> Option<usize> {
         let whole = self.read_buffer_bytes();
+        let now = self.now();
         let leg = self.leg(key)?;
         if leg.lease.held() > 0 {
             return Some(whole);
@@ -1319,6 +1322,11 @@ impl Worker {
         }
         if leg.lease.cover(LEG_LARGE_LEASE_BYTES) {
             leg.budget_waiting = false;
+            if !leg.lease_armed {
+                leg.lease_armed = true;
+                self.timers
+                    .schedule(now.saturating_add(LEASE_KEPT_MS), key, TimerKind::Lease);
+            }
             return Some(whole);
         }
         if room >= MIN_ORDINARY_READ {
@@ -1833,12 +1841,33 @@ impl Worker {
                 .pauses
                 .ended_ago_ms()
                 .map(|ago| now.saturating_sub(ago)),
-            TimerKind::Wedge | TimerKind::Linger => None,
+            TimerKind::Wedge | TimerKind::Linger | TimerKind::Lease => None,
         };
         let Some(leg) = self.leg(key) else {
             return;
         };
         match kind {
+            TimerKind::Lease => {
+                leg.lease_armed = false;
+                if leg.lease.held() == 0 {
+                    return;
+                }
+                let due = leg.last_full_ms.saturating_add(LEASE_KEPT_MS);
+                if now >= due {
+                    self.settle_lease(key);
+                }
+                // Still held (a read filled since, or what it holds is not ordinary yet: a
+                // partial frame, its peer's output): looked at again later.
+                if let Some(leg) = self.leg(key).filter(|leg| leg.lease.held() > 0) {
+                    leg.lease_armed = true;
+                    let again = if now < due {
+                        due
+                    } else {
+                        now.saturating_add(LEASE_KEPT_MS)
+                    };
+                    self.timers.schedule(again, key, TimerKind::Lease);
+                }
+            }
             TimerKind::Linger => {
                 leg.linger_armed = false;
                 if !leg.is_open() {
