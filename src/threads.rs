@@ -22,8 +22,10 @@ pub const STOP_WAIT: Duration = Duration::from_secs(3);
 pub const RELAY_STACK_BYTES: usize = 256 * 1024;
 
 /// The part of a relay thread's stack its deepest ordinary path touches (and so keeps
-/// resident): measured on controls admitted through PostgreSQL and SQLite (docs/BENCHMARKS.md,
-/// "Memory per connection"); the capacity plan counts this, not the whole stack.
+/// resident): measured on controls admitted through SQLite (40 KiB at most in a debug build,
+/// `memory_plan`) and PostgreSQL (56 KiB, `relay_core_pg`), and held there by those tests
+/// (docs/BENCHMARKS.md, "Memory per connection"); the capacity plan counts this, not the whole
+/// stack.
 pub const RELAY_STACK_RESIDENT_BYTES: usize = 96 * 1024;
 
 /// Stack size for the long-lived role threads.

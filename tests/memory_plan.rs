@@ -203,30 +203,6 @@ fn high_water(pid: u32) -> u64 {
     number_after(&line.replace([' ', '\t'], ""), "VmHWM:").unwrap() * 1024
 }
 
-/// The relay threads' stacks of `pid` (their anonymous mappings of the relay stack's size):
-/// how many, and the most and the mean of them resident, in bytes.
-fn relay_stacks(pid: u32) -> (usize, u64, u64) {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
-    let stack_kib = (orca_relay::threads::RELAY_STACK_BYTES / 1024) as u64;
-    let mut resident = Vec::new();
-    let mut size = None;
-    for line in smaps.lines() {
-        let value = || {
-            line.split_whitespace()
-                .nth(1)
-                .and_then(|v| v.parse::<u64>().ok())
-        };
-        if line.starts_with("Size:") {
-            size = value();
-        } else if line.starts_with("Rss:") && size == Some(stack_kib) {
-            resident.push(value().unwrap_or(0) * 1024);
-        }
-    }
-    let most = resident.iter().copied().max().unwrap_or(0);
-    let mean = resident.iter().sum::<u64>() / (resident.len().max(1) as u64);
-    (resident.len(), most, mean)
-}
-
 /// The buffer budget's waits on `side` and its peak, from `/metrics`.
 fn budget_figures(relay: &Relay, side: &str) -> (f64, f64) {
     let waits = relay.metric(&format!(

@@ -213,3 +213,26 @@ fn a_moved_placement_drains_the_control_then_closes_it_4503() {
     let (_control, _) = hello(relay, &desktop.token, &host, moved_to).expect("new epoch");
     assert_eq!(leases(&setup, &host), 1);
 }
+
+/// A control admitted through the database runs its SQL (the `postgres` client, its runtime
+/// included) on its relay thread: that stack still fits what the capacity plan counts per
+/// connection (`threads::RELAY_STACK_RESIDENT_BYTES`), measured as the resident part of every
+/// relay thread's stack mapping after 20 database admissions.
+#[test]
+fn database_admitted_controls_stay_within_the_planned_stack() {
+    let setup = start_combined("pgstack", &[]);
+    let relay = &setup.relay;
+    let desktops: Vec<Desktop> = (0..20).map(|_| Desktop::connect(relay)).collect();
+    assert_eq!(
+        relay.metric("orca_relay_admissions_total{path=\"database\",outcome=\"admitted\"}"),
+        Some(20.0)
+    );
+    let (stacks, most, mean) = relay_stacks(relay.pid());
+    eprintln!("{stacks} relay stacks: {most} bytes resident at most, {mean} on average");
+    assert!(stacks >= 20, "{stacks} relay stacks");
+    assert!(
+        most <= orca_relay::threads::RELAY_STACK_RESIDENT_BYTES as u64,
+        "a database-admitted control's stack holds {most} bytes, over what the plan counts"
+    );
+    drop(desktops);
+}

@@ -742,6 +742,30 @@ pub fn assign(relay: &Relay, token: &str, relay_host_id: &str) -> i64 {
     value["assignmentEpoch"].as_i64().unwrap()
 }
 
+/// The relay threads' stacks of `pid` (their anonymous mappings of the relay stack's size):
+/// how many, and the most and the mean of them resident, in bytes.
+pub fn relay_stacks(pid: u32) -> (usize, u64, u64) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("read smaps");
+    let stack_kib = (orca_relay::threads::RELAY_STACK_BYTES / 1024) as u64;
+    let mut resident = Vec::new();
+    let mut size = None;
+    for line in smaps.lines() {
+        let value = || {
+            line.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        if line.starts_with("Size:") {
+            size = value();
+        } else if line.starts_with("Rss:") && size == Some(stack_kib) {
+            resident.push(value().unwrap_or(0) * 1024);
+        }
+    }
+    let most = resident.iter().copied().max().unwrap_or(0);
+    let mean = resident.iter().sum::<u64>() / (resident.len().max(1) as u64);
+    (resident.len(), most, mean)
+}
+
 /// A phone spliced to a data leg: (phone, data leg).
 pub fn splice(relay: &Relay, desktop: &mut Desktop) -> (Ws, Ws) {
     let invite = desktop.invite();
