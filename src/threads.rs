@@ -72,8 +72,14 @@ pub type Job = Box<dyn FnOnce() + Send>;
 /// ones for 15–35 ms.
 pub struct Spares {
     slots: Vec<std::sync::Arc<Slot>>,
-    /// Each queued job's socket, looked at when released (`None`: no socket to look at).
-    queued: std::sync::Mutex<Vec<Option<std::os::fd::RawFd>>>,
+    queued: std::sync::Mutex<Queued>,
+}
+
+#[derive(Default)]
+struct Queued {
+    /// Each queued job's socket, looked at when released.
+    sockets: Vec<std::os::fd::RawFd>,
+    released: bool,
 }
 
 #[derive(Default)]
@@ -126,46 +132,42 @@ impl Spares {
         }
         Spares {
             slots,
-            queued: std::sync::Mutex::new(Vec::new()),
+            queued: std::sync::Mutex::new(Queued::default()),
         }
     }
 
     /// Queues `job` for a spare (named `name` from then on), to run once released, with the
     /// socket whose waiting bytes put it first (`socket`); gives the job back when every spare
     /// has one already, or once released.
-    pub fn queue(
-        &self,
-        name: String,
-        job: Job,
-        socket: Option<std::os::fd::RawFd>,
-    ) -> Result<(), Job> {
+    pub fn queue(&self, name: String, job: Job, socket: std::os::fd::RawFd) -> Result<(), Job> {
         let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(slot) = self.slots.get(queued.len()) else {
+        let slot = self.slots.get(queued.sockets.len());
+        let Some(slot) = slot.filter(|_| !queued.released) else {
             return Err(job);
         };
-        let mut state = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-        if state.released {
-            return Err(job);
-        }
-        state.job = Some((name, job));
-        queued.push(socket);
+        slot.state.lock().unwrap_or_else(|e| e.into_inner()).job = Some((name, job));
+        queued.sockets.push(socket);
         Ok(())
     }
 
-    /// Every spare takes its job (or ends without one), in the order of the type's header.
-    /// Returns that order (the spares' indices).
+    /// Every spare takes its job (or ends without one), in the order of the type's header;
+    /// once (a later call does nothing). Returns that order (the spares' indices).
     pub fn release(&self) -> Vec<usize> {
-        let queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut queued.released, true) {
+            return Vec::new();
+        }
         let mut polled: Vec<libc::pollfd> = queued
+            .sockets
             .iter()
             .map(|socket| libc::pollfd {
-                fd: socket.unwrap_or(-1),
+                fd: *socket,
                 events: libc::POLLIN,
                 revents: 0,
             })
             .collect();
-        // SAFETY: `polled` is a valid array of its length for the call (negative descriptors
-        // are skipped); a zero timeout never waits. A failed poll leaves the order as queued.
+        // SAFETY: `polled` is a valid array of its length for the call; a zero timeout never
+        // waits. A failed poll leaves the order as queued.
         unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
         let waiting: Vec<bool> = polled.iter().map(|fd| fd.revents != 0).collect();
         let order = release_order(&waiting, self.slots.len());
@@ -441,7 +443,7 @@ mod tests {
             let ran = ran.clone();
             let job: Job = Box::new(move || ran.send(i).unwrap());
             let socket = std::os::fd::AsRawFd::as_raw_fd(ours);
-            assert!(spares.queue(format!("job-{i}"), job, Some(socket)).is_ok());
+            assert!(spares.queue(format!("job-{i}"), job, socket).is_ok());
         }
         for i in [1, 3] {
             (&pairs[i].1).write_all(b"ping").unwrap();
@@ -453,7 +455,8 @@ mod tests {
         done.sort();
         assert_eq!(done, vec![0, 1, 2, 3], "every job ran once");
         let late: Job = Box::new(|| {});
-        assert!(spares.queue("late".into(), late, None).is_err(), "released");
+        assert!(spares.queue("late".into(), late, 0).is_err(), "released");
+        assert!(spares.release().is_empty(), "released once");
     }
 
     #[test]

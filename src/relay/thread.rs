@@ -287,7 +287,7 @@ pub fn resume(
     let permit = context.thread_permits.take_forced();
     let thread_context = context.clone();
     let id = parked.id;
-    let socket_fd = Some(parked.conn.raw_fd());
+    let socket_fd = parked.conn.raw_fd();
     // A waiting phone's pending entry is put back now, before any other resumed connection
     // runs: a data leg resumed beside it must find the entry with a live channel.
     let waiting = match (&parked.conn, &parked.stage) {

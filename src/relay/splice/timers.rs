@@ -27,8 +27,8 @@ pub enum TimerKind {
     Idle,
     /// The leg holds a lease of the buffer budget: give it back once its last read that took
     /// all it was allowed is [`super::worker`]'s `LEASE_KEPT_MS` old and what it holds is
-    /// ordinary again (a leg that went quiet after a burst reads no more, so only a timer
-    /// sees that).
+    /// ordinary again. The one place a lease goes back (a leg that went quiet after a burst
+    /// reads no more, so only a timer sees that).
     Lease,
 }
 

@@ -1290,16 +1290,9 @@ impl Worker {
         self.read_turn(key);
         self.reading = false;
         // A leg that streams keeps its lease (and its peer's output its vector) from turn to
-        // turn; one that has not filled a read for a while gives it back, and so does one
-        // whose idle timer finds it quiet. (Freeing and mapping the vector at every drain of
-        // a 3 GB/s stream cost a third more CPU per byte.)
-        let now = self.now();
-        if self
-            .leg(key)
-            .is_some_and(|leg| now.saturating_sub(leg.last_full_ms) >= LEASE_KEPT_MS)
-        {
-            self.settle_lease(key);
-        }
+        // turn; its lease timer gives it back once it has not filled a read for a while
+        // (`TimerKind::Lease`). (Freeing and mapping the vector at every drain of a 3 GB/s
+        // stream cost a third more CPU per byte.)
     }
 
     /// How much one read of `key` may take, its peer's output holding `peer_pending` bytes:
@@ -1937,7 +1930,6 @@ impl Worker {
                     }
                     IdleStep::Silent => self.silent(key),
                 }
-                self.settle_lease(key);
             }
         }
     }
